@@ -1,0 +1,33 @@
+# kvgate — the two commands of the README, and their parts.
+#   make test   every test (unit, integration over real sockets, peer-router checks)
+#   make setup  what the tests need beyond Cargo (wasm target, Python venv, tokenizer, vLLM code)
+SHELL := /bin/bash
+CARGO ?= cargo
+export KVGATE_ROOT := $(CURDIR)
+export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
+export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
+export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
+
+.PHONY: setup build test lint fmt sim
+
+setup:
+	@bash tests/tools/setup.sh
+
+build:
+	$(CARGO) build --workspace --release
+
+lint:
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+fmt:
+	$(CARGO) fmt --all
+
+test: setup lint
+	$(CARGO) build --workspace --release --bins
+	$(CARGO) test --workspace --release
+
+# One simulated pod on the documented defaults, for trying things by hand.
+sim: setup
+	$(CARGO) run --release -p kvgate-sim -- --listen 127.0.0.1:8001 --pod-id pod-a \
+	  --kv-events-endpoint tcp://127.0.0.1:5557 --tokenizer $(KVGATE_TOKENIZER)

@@ -1,0 +1,283 @@
+//! Chat-template rendering the way vLLM (through HF transformers) renders it.
+//!
+//! The rendered text is what the engine tokenizes, so any difference from vLLM — a missing
+//! newline, a different JSON separator — changes the token ids and with them every block hash.
+//! The environment therefore mirrors HF's: `trim_blocks` + `lstrip_blocks`, Python string
+//! methods (`.startswith`, `.split`, `.strip`…), `raise_exception`, `strftime_now` and a
+//! Python-exact `tojson`. Messages are normalised as vLLM does before rendering: content
+//! given as a list of parts is flattened into one string joined by `"\n"`, and tool-call
+//! arguments given as JSON strings are parsed into objects.
+
+use crate::{TokenizeError, pyjson};
+use minijinja::value::{Kwargs, Value as JValue};
+use minijinja::{Environment, Error as JError, ErrorKind};
+use serde_json::{Map, Value};
+
+/// Options of one chat rendering, named as in vLLM's chat-completions / tokenize requests.
+#[derive(Debug, Clone)]
+pub struct ChatOptions {
+    /// Append the assistant header so the model answers (vLLM default: true).
+    pub add_generation_prompt: bool,
+    /// Leave the final (assistant) message open so the model continues it.
+    pub continue_final_message: bool,
+    /// `tools` of the request, passed to the template as is.
+    pub tools: Option<Value>,
+    /// `chat_template_kwargs` of the request (e.g. `enable_thinking`).
+    pub template_kwargs: Option<Map<String, Value>>,
+}
+
+impl Default for ChatOptions {
+    fn default() -> Self {
+        Self { add_generation_prompt: true, continue_final_message: false, tools: None, template_kwargs: None }
+    }
+}
+
+/// A compiled chat template plus the special-token strings templates refer to.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+const TEMPLATE_NAME: &str = "chat";
+
+impl ChatTemplate {
+    /// Compiles `source` in an HF-compatible environment. Fails on template syntax errors,
+    /// so a broken `tokenizer_config.json` is reported at start-up rather than per request.
+    pub fn new(source: String, bos_token: String, eos_token: String) -> Result<Self, TokenizeError> {
+        let mut env = Environment::new();
+        let syntax = minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| TokenizeError::Template(e.to_string()))?;
+        env.set_syntax(syntax);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.add_filter("tojson", tojson);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_template_owned(TEMPLATE_NAME, source)
+            .map_err(|e| TokenizeError::Template(format!("chat template does not compile: {e:#}")))?;
+        Ok(Self { env, bos_token, eos_token })
+    }
+
+    /// Renders `messages` (OpenAI chat format) to the prompt text vLLM would tokenize.
+    pub fn render(&self, messages: &[Value], options: &ChatOptions) -> Result<String, TokenizeError> {
+        if messages.is_empty() {
+            return Err(TokenizeError::Request("messages must not be empty".into()));
+        }
+        let messages: Vec<Value> = messages.iter().map(normalise_message).collect::<Result<_, _>>()?;
+        if options.continue_final_message && options.add_generation_prompt {
+            return Err(TokenizeError::Request(
+                "continue_final_message and add_generation_prompt cannot both be true".into(),
+            ));
+        }
+        let mut ctx = Map::new();
+        if let Some(kwargs) = &options.template_kwargs {
+            for (k, v) in kwargs {
+                ctx.insert(k.clone(), v.clone());
+            }
+        }
+        ctx.insert("messages".into(), Value::Array(messages.clone()));
+        ctx.insert("add_generation_prompt".into(), Value::Bool(options.add_generation_prompt));
+        ctx.insert("tools".into(), options.tools.clone().unwrap_or(Value::Null));
+        ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
+        ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
+        let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| TokenizeError::Template(e.to_string()))?;
+        let mut rendered = template
+            .render(JValue::from(minijinja::value::Serde(&ctx)))
+            .map_err(|e| TokenizeError::Template(format!("chat template failed: {e:#}")))?;
+        if options.continue_final_message {
+            // As HF does: cut the text right after the final message's content.
+            let last = messages.last().and_then(|m| m.get("content")).and_then(Value::as_str).unwrap_or("");
+            let end = match rendered.rfind(last) {
+                Some(pos) => pos + last.len(),
+                None => rendered
+                    .rfind(last.trim())
+                    .map(|pos| pos + last.trim().len())
+                    .ok_or_else(|| TokenizeError::Request("final message not found in rendered chat".into()))?,
+            };
+            rendered.truncate(end);
+        }
+        Ok(rendered)
+    }
+}
+
+/// vLLM's message normalisation for string-content templates.
+fn normalise_message(message: &Value) -> Result<Value, TokenizeError> {
+    let Value::Object(map) = message else {
+        return Err(TokenizeError::Request("each message must be an object".into()));
+    };
+    let mut out = map.clone();
+    match map.get("role") {
+        Some(Value::String(_)) => {}
+        _ => return Err(TokenizeError::Request("each message needs a string 'role'".into())),
+    }
+    let content = match map.get("content") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for part in parts {
+                match part {
+                    Value::String(s) => texts.push(s.as_str()),
+                    Value::Object(p) => match (p.get("type").and_then(Value::as_str), p.get("text")) {
+                        (Some("text") | None, Some(Value::String(t))) => texts.push(t),
+                        (Some(kind), _) => {
+                            return Err(TokenizeError::Request(format!("unsupported content part type '{kind}'")));
+                        }
+                        _ => return Err(TokenizeError::Request("content part without 'text'".into())),
+                    },
+                    _ => return Err(TokenizeError::Request("content parts must be objects".into())),
+                }
+            }
+            texts.join("\n")
+        }
+        Some(_) => return Err(TokenizeError::Request("message 'content' must be a string or a list of parts".into())),
+    };
+    out.insert("content".into(), Value::String(content));
+    if let Some(Value::Array(calls)) = out.get_mut("tool_calls") {
+        for call in calls.iter_mut() {
+            if let Some(Value::Object(function)) = call.get_mut("function")
+                && let Some(Value::String(args)) = function.get("arguments")
+                && let Ok(parsed @ Value::Object(_)) = serde_json::from_str::<Value>(args)
+            {
+                function.insert("arguments".into(), parsed);
+            }
+        }
+    }
+    Ok(Value::Object(out))
+}
+
+fn tojson(value: JValue, kwargs: Kwargs) -> Result<JValue, JError> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    // Accepted for compatibility; Python's defaults are what templates expect.
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(&value).map_err(|e| JError::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    Ok(JValue::from_safe_string(pyjson::dumps(&json, indent)))
+}
+
+fn raise_exception(message: String) -> Result<JValue, JError> {
+    Err(JError::new(ErrorKind::InvalidOperation, message))
+}
+
+/// `strftime_now(fmt)` as HF registers it (Llama 3 templates print today's date), for the
+/// directives those templates use: `%d %m %Y %y %b %B %H %M %S %%`, in UTC.
+fn strftime_now(format: String) -> Result<JValue, JError> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or_default();
+    Ok(JValue::from(strftime(&format, secs)))
+}
+
+fn strftime(format: &str, unix_secs: i64) -> String {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let (days, secs_of_day) = (unix_secs.div_euclid(86_400), unix_secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    let month_name = MONTHS[(month - 1) as usize];
+    let mut out = String::new();
+    let mut chars = format.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => out.push_str(&format!("{day:02}")),
+            Some('m') => out.push_str(&format!("{month:02}")),
+            Some('Y') => out.push_str(&year.to_string()),
+            Some('y') => out.push_str(&format!("{:02}", year % 100)),
+            Some('b') => out.push_str(&month_name[..3]),
+            Some('B') => out.push_str(month_name),
+            Some('H') => out.push_str(&format!("{:02}", secs_of_day / 3600)),
+            Some('M') => out.push_str(&format!("{:02}", secs_of_day / 60 % 60)),
+            Some('S') => out.push_str(&format!("{:02}", secs_of_day % 60)),
+            Some('%') => out.push('%'),
+            Some(other) => {
+                out.push('%');
+                out.push(other);
+            }
+            None => out.push('%'),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn strftime_formats_a_known_date() {
+        // 2024-07-26 13:05:09 UTC
+        assert_eq!(strftime("%d %b %Y %H:%M:%S %B %%", 1_721_999_109), "26 Jul 2024 13:05:09 July %");
+    }
+
+    #[test]
+    fn content_parts_are_joined_with_newlines() {
+        let m = normalise_message(
+            &json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}),
+        )
+        .unwrap();
+        assert_eq!(m["content"], "a\nb");
+    }
+
+    #[test]
+    fn tool_call_arguments_are_parsed() {
+        let m = normalise_message(&json!({"role": "assistant", "content": null,
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}))
+        .unwrap();
+        assert_eq!(m["tool_calls"][0]["function"]["arguments"], json!({"x": 1}));
+        assert_eq!(m["content"], "");
+    }
+
+    #[test]
+    fn bad_messages_are_rejected() {
+        assert!(normalise_message(&json!({"content": "x"})).is_err());
+        assert!(normalise_message(&json!({"role": "user", "content": 5})).is_err());
+        assert!(normalise_message(&json!({"role": "user", "content": [{"type": "image_url"}]})).is_err());
+    }
+
+    #[test]
+    fn renders_with_python_methods_and_tojson() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{{ m.role.upper() }}:{{ m.content.strip() }}|{% endfor %}{{ tools | tojson }}{% if add_generation_prompt %}>{% endif %}".into(),
+            String::new(),
+            String::new(),
+        )
+        .unwrap();
+        let out = t
+            .render(
+                &[json!({"role": "user", "content": " hi "})],
+                &ChatOptions { tools: Some(json!([{"a": "<x>"}])), ..Default::default() },
+            )
+            .unwrap();
+        assert_eq!(out, "USER:hi|[{\"a\": \"<x>\"}]>");
+    }
+}

