@@ -1,0 +1,417 @@
+//! The engine's prefix cache, modelled on vLLM V1's block pool.
+//!
+//! A fixed pool of `num_blocks` KV blocks of `block_size` tokens. A block becomes *cached*
+//! when it is full: it gets a chained hash (its parent's hash, its tokens, and the LoRA name
+//! and cache salt) and can then be shared by later requests with the same prefix. Blocks
+//! held by running requests are never evicted; free blocks sit in an LRU queue and a cached
+//! free block loses its cache entry (→ `BlockRemoved`) only when the pool reuses it.
+//! As in vLLM, two requests computing the same prefix at once produce two physical blocks
+//! with the same hash: both are announced (`BlockStored`) and both are removed in time.
+
+use sha2::{Digest, Sha256};
+use std::collections::HashMap;
+
+/// Index of a physical block in the pool.
+pub type BlockId = u32;
+
+/// The engine's hash of a cached block: a SHA-256 digest chained over the prefix, like
+/// vLLM's default `sha256` prefix-caching hash. Published as its low 8 bytes, big-endian
+/// (vLLM's default integer form, often above `i64::MAX`), or as the 32 raw bytes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct EngineBlockHash(pub [u8; 32]);
+
+impl EngineBlockHash {
+    /// The integer vLLM publishes by default.
+    pub fn as_u64(&self) -> u64 {
+        u64::from_be_bytes(self.0[24..32].try_into().expect("8 bytes"))
+    }
+}
+
+/// The hash chain's starting point, vLLM's `NONE_HASH`: derived from a seed (like
+/// `PYTHONHASHSEED`) or random per process, so different engines disagree on hashes unless
+/// they share a seed — a router must never depend on reproducing them.
+pub fn root_hash(seed: Option<&str>) -> EngineBlockHash {
+    match seed {
+        Some(seed) => EngineBlockHash(Sha256::digest(seed.as_bytes()).into()),
+        None => EngineBlockHash(rand::random()),
+    }
+}
+
+/// Hash of one full block: parent digest, token ids, then the extra keys (LoRA name on every
+/// block, cache salt on the first block only, as vLLM does).
+pub fn block_hash(parent: &EngineBlockHash, tokens: &[u32], extra: &[&str]) -> EngineBlockHash {
+    let mut h = Sha256::new();
+    h.update(parent.0);
+    for t in tokens {
+        h.update(t.to_le_bytes());
+    }
+    for key in extra {
+        h.update((key.len() as u32).to_le_bytes());
+        h.update(key.as_bytes());
+    }
+    EngineBlockHash(h.finalize().into())
+}
+
+/// Extra hash keys of a request: the LoRA adapter name and the cache salt.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HashKeys {
+    pub lora_name: Option<String>,
+    pub cache_salt: Option<String>,
+}
+
+impl HashKeys {
+    /// The extra keys of block `index` of a sequence, and vLLM's untagged `extra_keys`
+    /// entry for the event (`None` when the block has none).
+    pub fn for_block(&self, index: usize) -> Vec<&str> {
+        let mut keys = Vec::new();
+        if let Some(lora) = &self.lora_name {
+            keys.push(lora.as_str());
+        }
+        if index == 0
+            && let Some(salt) = &self.cache_salt
+        {
+            keys.push(salt.as_str());
+        }
+        keys
+    }
+}
+
+/// Chained hashes of the full blocks of `tokens`.
+pub fn hash_blocks(root: &EngineBlockHash, tokens: &[u32], block_size: usize, keys: &HashKeys) -> Vec<EngineBlockHash> {
+    let mut parent = *root;
+    tokens
+        .chunks_exact(block_size)
+        .enumerate()
+        .map(|(i, chunk)| {
+            parent = block_hash(&parent, chunk, &keys.for_block(i));
+            parent
+        })
+        .collect()
+}
+
+/// What the cache did, in the order it happened; the engine turns these into KV events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CacheChange {
+    /// Full blocks became cached: consecutive blocks of one request's sequence, the first
+    /// being block number `first_index` of that sequence (it decides the extra keys).
+    Stored {
+        hashes: Vec<EngineBlockHash>,
+        parent: Option<EngineBlockHash>,
+        token_ids: Vec<u32>,
+        keys: HashKeys,
+        first_index: usize,
+    },
+    /// A cached block was evicted (reused for other data).
+    Removed { hash: EngineBlockHash },
+    /// The whole cache was dropped (`reset_prefix_cache`).
+    Cleared,
+}
+
+const NIL: u32 = u32::MAX;
+
+/// The block pool: reference counts, the hash → blocks map and the LRU free queue.
+pub struct BlockPool {
+    block_size: usize,
+    ref_count: Vec<u32>,
+    hash_of: Vec<Option<EngineBlockHash>>,
+    cached: HashMap<EngineBlockHash, Vec<BlockId>>,
+    // Free queue as an intrusive doubly linked list: head is evicted first.
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    head: u32,
+    tail: u32,
+    num_free: usize,
+    changes: Vec<CacheChange>,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` free, uncached blocks.
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        assert!(num_blocks > 0 && num_blocks < NIL as usize, "num_blocks out of range");
+        assert!(block_size > 0, "block_size must be positive");
+        let n = num_blocks as u32;
+        let mut pool = Self {
+            block_size,
+            ref_count: vec![0; num_blocks],
+            hash_of: vec![None; num_blocks],
+            cached: HashMap::new(),
+            prev: vec![NIL; num_blocks],
+            next: vec![NIL; num_blocks],
+            head: NIL,
+            tail: NIL,
+            num_free: 0,
+            changes: Vec::new(),
+        };
+        for b in 0..n {
+            pool.push_free(b);
+        }
+        pool
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.ref_count.len()
+    }
+
+    /// Blocks not held by any request (cached or not).
+    pub fn num_free(&self) -> usize {
+        self.num_free
+    }
+
+    /// Distinct cached hashes.
+    pub fn num_cached_hashes(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// Fraction of blocks held by requests: vLLM's `kv_cache_usage_perc`.
+    pub fn usage(&self) -> f64 {
+        1.0 - self.num_free as f64 / self.num_blocks() as f64
+    }
+
+    /// Number of leading `hashes` that are cached.
+    pub fn longest_cached_prefix(&self, hashes: &[EngineBlockHash]) -> usize {
+        hashes.iter().take_while(|h| self.cached.contains_key(h)).count()
+    }
+
+    /// Takes a reference on the cached blocks of `hashes` (all must be cached).
+    pub fn touch(&mut self, hashes: &[EngineBlockHash]) -> Vec<BlockId> {
+        hashes
+            .iter()
+            .map(|h| {
+                let block = self.cached[h][0];
+                if self.ref_count[block as usize] == 0 {
+                    self.unlink(block);
+                }
+                self.ref_count[block as usize] += 1;
+                block
+            })
+            .collect()
+    }
+
+    /// Takes `n` blocks from the head of the free queue, evicting their cache entries.
+    /// Returns `None` (and takes nothing) if fewer than `n` blocks are free.
+    pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        if n > self.num_free {
+            return None;
+        }
+        let mut blocks = Vec::with_capacity(n);
+        for _ in 0..n {
+            let block = self.head;
+            self.unlink(block);
+            self.evict(block);
+            self.ref_count[block as usize] = 1;
+            blocks.push(block);
+        }
+        Some(blocks)
+    }
+
+    /// Drops one reference on each block. vLLM frees a request's blocks tail first, so the
+    /// end of a sequence is evicted before its (more shareable) beginning.
+    pub fn free(&mut self, blocks: &[BlockId]) {
+        for &block in blocks.iter().rev() {
+            let rc = &mut self.ref_count[block as usize];
+            debug_assert!(*rc > 0, "double free of block {block}");
+            *rc -= 1;
+            if *rc == 0 {
+                self.push_free(block);
+            }
+        }
+    }
+
+    /// Marks full blocks as cached. `blocks[i]` holds the data hashed as `hashes[i]`, block
+    /// number `first_index + i` of a sequence hashed with `keys`; `parent` is the hash before
+    /// `hashes[0]`; `token_ids` are their tokens.
+    pub fn cache_blocks(
+        &mut self,
+        blocks: &[BlockId],
+        hashes: &[EngineBlockHash],
+        parent: Option<EngineBlockHash>,
+        token_ids: Vec<u32>,
+        keys: &HashKeys,
+        first_index: usize,
+    ) {
+        debug_assert_eq!(blocks.len(), hashes.len());
+        debug_assert_eq!(token_ids.len(), hashes.len() * self.block_size);
+        if blocks.is_empty() {
+            return;
+        }
+        for (&block, &hash) in blocks.iter().zip(hashes) {
+            debug_assert!(self.hash_of[block as usize].is_none());
+            self.hash_of[block as usize] = Some(hash);
+            self.cached.entry(hash).or_default().push(block);
+        }
+        self.changes.push(CacheChange::Stored {
+            hashes: hashes.to_vec(),
+            parent,
+            token_ids,
+            keys: keys.clone(),
+            first_index,
+        });
+    }
+
+    /// Drops every cache entry, as `reset_prefix_cache` does. Refused (returns the number
+    /// of blocks still held) while any request holds blocks, like vLLM.
+    pub fn reset(&mut self) -> Result<(), usize> {
+        let held = self.num_blocks() - self.num_free;
+        if held > 0 {
+            return Err(held);
+        }
+        self.cached.clear();
+        self.hash_of.iter_mut().for_each(|h| *h = None);
+        self.changes.push(CacheChange::Cleared);
+        Ok(())
+    }
+
+    /// Cache changes since the last call.
+    pub fn take_changes(&mut self) -> Vec<CacheChange> {
+        std::mem::take(&mut self.changes)
+    }
+
+    fn evict(&mut self, block: BlockId) {
+        let Some(hash) = self.hash_of[block as usize].take() else { return };
+        if let Some(list) = self.cached.get_mut(&hash) {
+            list.retain(|&b| b != block);
+            if list.is_empty() {
+                self.cached.remove(&hash);
+            }
+        }
+        self.changes.push(CacheChange::Removed { hash });
+    }
+
+    fn push_free(&mut self, block: BlockId) {
+        self.prev[block as usize] = self.tail;
+        self.next[block as usize] = NIL;
+        if self.tail == NIL {
+            self.head = block;
+        } else {
+            self.next[self.tail as usize] = block;
+        }
+        self.tail = block;
+        self.num_free += 1;
+    }
+
+    fn unlink(&mut self, block: BlockId) {
+        let (p, n) = (self.prev[block as usize], self.next[block as usize]);
+        if p == NIL {
+            self.head = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n == NIL {
+            self.tail = p;
+        } else {
+            self.prev[n as usize] = p;
+        }
+        self.prev[block as usize] = NIL;
+        self.next[block as usize] = NIL;
+        self.num_free -= 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hashes(tokens: &[u32]) -> Vec<EngineBlockHash> {
+        hash_blocks(&root_hash(Some("0")), tokens, 4, &HashKeys::default())
+    }
+
+    fn cache_sequence(pool: &mut BlockPool, tokens: &[u32]) -> Vec<BlockId> {
+        let hs = hashes(tokens);
+        let blocks = pool.allocate(hs.len()).unwrap();
+        pool.cache_blocks(&blocks, &hs, None, tokens[..hs.len() * 4].to_vec(), &HashKeys::default(), 0);
+        blocks
+    }
+
+    #[test]
+    fn hashes_chain_over_the_prefix_and_keys() {
+        let a = hashes(&[1, 2, 3, 4, 5, 6, 7, 8, 9]);
+        let b = hashes(&[1, 2, 3, 4, 5, 6, 7, 0]);
+        assert_eq!(a.len(), 2, "only full blocks are hashed");
+        assert_eq!(a[0], b[0]);
+        assert_ne!(a[1], b[1]);
+        let salted = hash_blocks(
+            &root_hash(Some("0")),
+            &[1, 2, 3, 4],
+            4,
+            &HashKeys { cache_salt: Some("s".into()), ..Default::default() },
+        );
+        assert_ne!(salted[0], a[0]);
+        assert_ne!(root_hash(None), root_hash(None), "unseeded roots are random per engine");
+        assert_eq!(root_hash(Some("x")), root_hash(Some("x")));
+    }
+
+    #[test]
+    fn u64_form_is_low_eight_bytes_big_endian() {
+        let mut d = [0u8; 32];
+        d[24..].copy_from_slice(&[0xf0, 0xe0, 0xd0, 0xc0, 0xb0, 0xa0, 0x90, 0x80]);
+        assert_eq!(EngineBlockHash(d).as_u64(), 0xf0e0d0c0b0a09080);
+        assert!(EngineBlockHash(d).as_u64() > i64::MAX as u64);
+    }
+
+    #[test]
+    fn cached_blocks_are_found_and_shared() {
+        let mut pool = BlockPool::new(8, 4);
+        let tokens: Vec<u32> = (0..12).collect();
+        let blocks = cache_sequence(&mut pool, &tokens);
+        assert_eq!(pool.longest_cached_prefix(&hashes(&tokens)), 3);
+        let mut other: Vec<u32> = (0..8).collect();
+        other.extend([99, 98, 97, 96]);
+        assert_eq!(pool.longest_cached_prefix(&hashes(&other)), 2);
+        let shared = pool.touch(&hashes(&other)[..2]);
+        assert_eq!(shared, blocks[..2]);
+        assert_eq!(pool.num_free(), 5);
+        pool.free(&blocks);
+        pool.free(&shared);
+        assert_eq!(pool.num_free(), 8);
+        assert_eq!(pool.longest_cached_prefix(&hashes(&tokens)), 3, "freed blocks stay cached");
+    }
+
+    #[test]
+    fn eviction_is_lru_and_never_touches_held_blocks() {
+        let mut pool = BlockPool::new(4, 4);
+        let a = cache_sequence(&mut pool, &(0..8).collect::<Vec<_>>());
+        let b = cache_sequence(&mut pool, &(100..108).collect::<Vec<_>>());
+        pool.take_changes();
+        pool.free(&a); // a's blocks become evictable first
+        assert!(pool.allocate(3).is_none(), "b's blocks are held");
+        let c = pool.allocate(1).unwrap();
+        // vLLM frees tail first: a's second block is evicted before its first.
+        assert_eq!(c, vec![a[1]]);
+        assert_eq!(pool.take_changes(), vec![CacheChange::Removed { hash: hashes(&(0..8).collect::<Vec<_>>())[1] }]);
+        assert_eq!(pool.longest_cached_prefix(&hashes(&(0..8).collect::<Vec<_>>())), 1);
+        assert_eq!(pool.longest_cached_prefix(&hashes(&(100..108).collect::<Vec<_>>())), 2);
+        pool.free(&b);
+        pool.free(&c);
+    }
+
+    #[test]
+    fn duplicate_hashes_are_stored_and_removed_separately() {
+        let mut pool = BlockPool::new(2, 4);
+        let x = cache_sequence(&mut pool, &[1, 2, 3, 4]);
+        let y = cache_sequence(&mut pool, &[1, 2, 3, 4]);
+        assert_eq!(pool.num_cached_hashes(), 1);
+        pool.free(&x);
+        pool.free(&y);
+        pool.take_changes();
+        pool.allocate(2).unwrap();
+        let removed = pool.take_changes();
+        assert_eq!(removed.len(), 2);
+        assert_eq!(pool.num_cached_hashes(), 0);
+    }
+
+    #[test]
+    fn reset_is_refused_while_blocks_are_held() {
+        let mut pool = BlockPool::new(4, 4);
+        let a = cache_sequence(&mut pool, &[1, 2, 3, 4]);
+        assert_eq!(pool.reset(), Err(1));
+        pool.free(&a);
+        pool.take_changes();
+        assert_eq!(pool.reset(), Ok(()));
+        assert_eq!(pool.take_changes(), vec![CacheChange::Cleared]);
+        assert_eq!(pool.longest_cached_prefix(&hashes(&[1, 2, 3, 4])), 0);
+    }
+}

@@ -1,0 +1,752 @@
+//! A continuous-batching engine in the manner of vLLM V1's scheduler, in model time.
+//!
+//! The engine owns the [`BlockPool`] and a queue of requests. Each [`Engine::step`] builds
+//! one batch under a token budget (`max_num_batched_tokens`) and a sequence cap
+//! (`max_num_seqs`): first the running requests (one token each when decoding, a chunk of
+//! the prompt when prefilling), then waiting requests in arrival order while blocks and
+//! budget last. A request that finds its prefix cached skips those tokens. When a decode
+//! step cannot get a block, the most recently admitted request is preempted (its blocks are
+//! freed and it is recomputed later, as vLLM does). The step's duration comes from the
+//! [`TimingModel`]; the engine's clock advances by it.
+//!
+//! Nothing here does I/O or reads a wall clock, so the same engine runs live behind the HTTP
+//! server (`kvgate-sim`) and in an offline cluster simulator in virtual time.
+
+use crate::cache::{BlockId, BlockPool, CacheChange, EngineBlockHash, HashKeys, block_hash, hash_blocks, root_hash};
+use crate::timing::{StepWork, TimingModel, prefill_pairs};
+use std::collections::{HashMap, VecDeque};
+
+/// Engine-internal request id.
+pub type RequestId = u64;
+
+/// Sizes and limits of the engine; defaults are vLLM V1's for an 80 GB GPU.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Tokens per KV block (vLLM `--block-size`, default 16).
+    pub block_size: usize,
+    /// KV blocks in the pool. Default 26,000: an H100 80 GB at 0.9 memory utilisation less
+    /// 16 GB of Llama-8B weights leaves ≈ 56 GB; at 128 KiB per token that is ≈ 420k tokens
+    /// ≈ 26k blocks of 16.
+    pub num_blocks: usize,
+    /// Most sequences in one batch (vLLM V1 default for ≥ 70 GiB GPUs in the API server: 1024).
+    pub max_num_seqs: usize,
+    /// Token budget per step (vLLM V1 default for ≥ 70 GiB GPUs in the API server: 8192).
+    pub max_num_batched_tokens: usize,
+    /// Longest prompt + output (Llama-3.1-8B: 131072).
+    pub max_model_len: usize,
+    /// Seed of the block-hash chain (vLLM: `PYTHONHASHSEED`); `None` = random per engine.
+    pub hash_seed: Option<String>,
+    pub timing: TimingModel,
+    /// Token ids the engine "generates", cycled (the text is filler; counts and timing are real).
+    pub filler_tokens: Vec<u32>,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            num_blocks: 26_000,
+            max_num_seqs: 1024,
+            max_num_batched_tokens: 8192,
+            max_model_len: 131_072,
+            hash_seed: None,
+            timing: TimingModel::default(),
+            filler_tokens: vec![0],
+        }
+    }
+}
+
+/// The KV-transfer role of one request in prefill/decode disaggregation.
+#[derive(Clone, Debug, PartialEq)]
+pub enum KvTransfer {
+    /// An ordinary request: prefill and decode here.
+    Local,
+    /// Prefill side (`do_remote_decode`): prefill, sample one token, hand the KV over.
+    RemoteDecode,
+    /// Decode side (`do_remote_prefill`): the prompt's KV is pulled from a prefill pod
+    /// instead of computed; only the last prompt token is computed here.
+    RemotePrefill,
+}
+
+/// A request as the engine sees it: token ids and limits.
+#[derive(Clone, Debug)]
+pub struct NewRequest {
+    pub prompt: Vec<u32>,
+    pub max_tokens: usize,
+    pub keys: HashKeys,
+    pub kv_transfer: KvTransfer,
+}
+
+/// Why a request cannot be accepted (the HTTP layer answers 400).
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum EngineError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("max_tokens must be at least 1")]
+    NoOutput,
+    #[error(
+        "This model's maximum context length is {max_model_len} tokens. However, you requested {requested} tokens ({prompt} in the messages, {output} in the completion). Please reduce the length of the messages or completion."
+    )]
+    TooLong { max_model_len: usize, requested: usize, prompt: usize, output: usize },
+    #[error("the prompt needs {needed} KV blocks but the engine has only {available}")]
+    TooManyBlocks { needed: usize, available: usize },
+}
+
+/// Why a request stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    /// Reached `max_tokens` (the simulator never samples an end-of-sequence token).
+    Length,
+}
+
+impl FinishReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Length => "length",
+        }
+    }
+}
+
+/// Token accounting of a finished request, as in the OpenAI `usage` object.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache (`prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: usize,
+}
+
+/// What one step produced for the requests in it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Output {
+    /// A request sampled a token.
+    Token { id: RequestId, token: u32 },
+    /// A request finished. `kv_blocks` lists the blocks holding its prompt's KV when it was a
+    /// prefill-side (`RemoteDecode`) request, for the decode pod's transfer parameters.
+    Finished { id: RequestId, reason: FinishReason, usage: Usage, kv_blocks: Option<Vec<BlockId>> },
+}
+
+/// The outcome of one engine step.
+#[derive(Clone, Debug, Default)]
+pub struct StepResult {
+    /// Model time the step took, in seconds.
+    pub duration: f64,
+    pub work: StepWork,
+    pub outputs: Vec<Output>,
+    /// Cache changes in order: the KV events of this step.
+    pub cache_changes: Vec<CacheChange>,
+}
+
+/// Running totals, exported as vLLM's Prometheus counters.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Counters {
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    /// Prompt tokens computed by this engine's prefill (cached and transferred ones excluded).
+    pub prefill_tokens_computed: u64,
+    /// Prompt tokens whose KV was pulled from a prefill pod.
+    pub transferred_tokens: u64,
+    pub preemptions: u64,
+    pub finished_requests: u64,
+    pub steps: u64,
+}
+
+struct Sequence {
+    /// Prompt followed by the generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    max_tokens: usize,
+    keys: HashKeys,
+    kv_transfer: KvTransfer,
+    /// Hashes of the full blocks of `tokens` computed so far (grows with the sequence).
+    hashes: Vec<EngineBlockHash>,
+    blocks: Vec<BlockId>,
+    /// Tokens whose KV is computed (or loaded).
+    computed: usize,
+    /// Leading blocks already registered in the cache (hit or stored by this sequence).
+    registered: usize,
+    /// Prompt tokens found in the prefix cache at first admission.
+    cached_tokens: Option<usize>,
+    /// Model time at which a pending KV transfer completes.
+    transfer_done_at: Option<f64>,
+}
+
+impl Sequence {
+    fn output_len(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// The simulated engine.
+pub struct Engine {
+    config: EngineConfig,
+    root: EngineBlockHash,
+    pool: BlockPool,
+    seqs: HashMap<RequestId, Sequence>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    next_id: RequestId,
+    now: f64,
+    counters: Counters,
+}
+
+impl Engine {
+    pub fn new(config: EngineConfig) -> Self {
+        assert!(!config.filler_tokens.is_empty(), "filler_tokens must not be empty");
+        let pool = BlockPool::new(config.num_blocks, config.block_size);
+        let root = root_hash(config.hash_seed.as_deref());
+        Self {
+            config,
+            root,
+            pool,
+            seqs: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            next_id: 0,
+            now: 0.0,
+            counters: Counters::default(),
+        }
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Model time, seconds.
+    pub fn now(&self) -> f64 {
+        self.now
+    }
+
+    /// Moves the clock forward to `t` (never back): idle time between arrivals.
+    pub fn advance_to(&mut self, t: f64) {
+        if t > self.now {
+            self.now = t;
+        }
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.counters
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// vLLM's `kv_cache_usage_perc`: fraction of blocks held by requests.
+    pub fn kv_cache_usage(&self) -> f64 {
+        self.pool.usage()
+    }
+
+    /// Distinct block hashes currently cached.
+    pub fn cached_blocks(&self) -> usize {
+        self.pool.num_cached_hashes()
+    }
+
+    /// Full prompt blocks of `tokens` that are cached right now (what a perfect router sees).
+    pub fn cached_prefix_blocks(&self, tokens: &[u32], keys: &HashKeys) -> usize {
+        self.pool.longest_cached_prefix(&hash_blocks(&self.root, tokens, self.config.block_size, keys))
+    }
+
+    /// Queues a request; it is scheduled by the next steps.
+    pub fn add_request(&mut self, request: NewRequest) -> Result<RequestId, EngineError> {
+        let prompt = request.prompt.len();
+        if prompt == 0 {
+            return Err(EngineError::EmptyPrompt);
+        }
+        if request.max_tokens == 0 {
+            return Err(EngineError::NoOutput);
+        }
+        let output = if request.kv_transfer == KvTransfer::RemoteDecode { 1 } else { request.max_tokens };
+        if prompt + output > self.config.max_model_len {
+            return Err(EngineError::TooLong {
+                max_model_len: self.config.max_model_len,
+                requested: prompt + output,
+                prompt,
+                output,
+            });
+        }
+        let needed = (prompt + output).div_ceil(self.config.block_size);
+        if needed > self.config.num_blocks {
+            return Err(EngineError::TooManyBlocks { needed, available: self.config.num_blocks });
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let hashes = hash_blocks(&self.root, &request.prompt, self.config.block_size, &request.keys);
+        self.seqs.insert(
+            id,
+            Sequence {
+                tokens: request.prompt,
+                prompt_len: prompt,
+                max_tokens: output,
+                keys: request.keys,
+                kv_transfer: request.kv_transfer,
+                hashes,
+                blocks: Vec::new(),
+                computed: 0,
+                registered: 0,
+                cached_tokens: None,
+                transfer_done_at: None,
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(id)
+    }
+
+    /// Drops a request (client went away); its blocks return to the pool, still cached.
+    pub fn abort(&mut self, id: RequestId) -> bool {
+        let Some(seq) = self.seqs.remove(&id) else { return false };
+        self.running.retain(|&r| r != id);
+        self.waiting.retain(|&r| r != id);
+        self.pool.free(&seq.blocks);
+        true
+    }
+
+    /// `POST /reset_prefix_cache`: forget every cached block. Refused while requests hold
+    /// blocks (vLLM refuses too); the error says how many.
+    pub fn reset_prefix_cache(&mut self) -> Result<Vec<CacheChange>, usize> {
+        self.pool.reset()?;
+        Ok(self.pool.take_changes())
+    }
+
+    /// When idle with requests waiting only for KV transfers: the model time the first
+    /// completes, so a driver knows how long to sleep.
+    pub fn next_wakeup(&self) -> Option<f64> {
+        self.running.iter().filter_map(|id| self.seqs[id].transfer_done_at).reduce(f64::min)
+    }
+
+    /// True when no request is queued or running.
+    pub fn is_idle(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Runs one step at the current model time. `None` when nothing can be scheduled now
+    /// (idle, or only waiting for transfers: see [`Engine::next_wakeup`]).
+    pub fn step(&mut self) -> Option<StepResult> {
+        self.complete_transfers();
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut scheduled: Vec<(RequestId, usize)> = Vec::with_capacity(self.running.len() + 8);
+        let mut work = StepWork::default();
+        let mut preempted = false;
+
+        // 1. Running requests, oldest first.
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let seq = &self.seqs[&id];
+            if seq.transfer_done_at.is_some() {
+                i += 1;
+                continue;
+            }
+            let n = (seq.tokens.len() - seq.computed).min(budget);
+            let needed = (seq.computed + n).div_ceil(self.config.block_size).saturating_sub(seq.blocks.len());
+            match self.try_allocate(needed) {
+                Some(blocks) => {
+                    self.seqs.get_mut(&id).expect("running request exists").blocks.extend(blocks);
+                    budget -= n;
+                    scheduled.push((id, n));
+                    i += 1;
+                }
+                None => {
+                    // Preempt the newest request (possibly this one) and try again; the
+                    // newest sits at index >= i, so nothing scheduled is undone.
+                    let victim = *self.running.last().expect("running is not empty");
+                    self.preempt(victim);
+                    preempted = true;
+                }
+            }
+        }
+
+        // 2. Waiting requests, in arrival order (none after a preemption, as in vLLM).
+        while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(&id) = self.waiting.front() else { break };
+            match self.admit(id, budget) {
+                Some(n) => {
+                    self.waiting.pop_front();
+                    self.running.push(id);
+                    if n > 0 {
+                        budget -= n;
+                        scheduled.push((id, n));
+                    }
+                }
+                None => break, // not enough free blocks: wait for running requests to finish
+            }
+        }
+
+        if scheduled.is_empty() {
+            // Admissions with pending transfers change state but compute nothing.
+            return None;
+        }
+        for &(id, n) in &scheduled {
+            let seq = &self.seqs[&id];
+            work.tokens += n as u64;
+            if seq.computed < seq.prompt_len {
+                work.prefill_pairs += prefill_pairs(seq.computed as u64, n as u64);
+            } else {
+                work.decode_context += (seq.computed + n) as u64;
+            }
+        }
+        let duration = self.config.timing.step_ms(&work) / 1000.0;
+        self.now += duration;
+        self.counters.steps += 1;
+
+        let mut outputs = Vec::with_capacity(scheduled.len() * 2);
+        for (id, n) in scheduled {
+            self.advance(id, n, &mut outputs);
+        }
+        Some(StepResult { duration, work, outputs, cache_changes: self.pool.take_changes() })
+    }
+
+    /// Cache changes made outside steps (admissions that only touched or evicted blocks).
+    pub fn take_cache_changes(&mut self) -> Vec<CacheChange> {
+        self.pool.take_changes()
+    }
+
+    fn try_allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
+        if n == 0 { Some(Vec::new()) } else { self.pool.allocate(n) }
+    }
+
+    /// Admits a waiting request: looks up its cached prefix, takes blocks for what it will
+    /// compute (or receive) now. Returns the tokens to compute in this step, or `None` when
+    /// the pool cannot hold it yet.
+    fn admit(&mut self, id: RequestId, budget: usize) -> Option<usize> {
+        let bs = self.config.block_size;
+        let seq = self.seqs.get_mut(&id).expect("waiting request exists");
+        // A preempted request recomputes its generated tokens too: hash all full blocks.
+        extend_hashes(seq, seq.tokens.len() / bs, &self.root, bs);
+        // At least one token must be computed to sample from, so a fully cached prompt
+        // recomputes its last block (vLLM does the same).
+        let max_hit = (seq.tokens.len() - 1) / bs;
+        let hit = self.pool.longest_cached_prefix(&seq.hashes[..max_hit]);
+        let remote = seq.kv_transfer == KvTransfer::RemotePrefill;
+        let target = if remote { seq.tokens.len() } else { (hit * bs + budget).min(seq.tokens.len()) };
+        let needed = target.div_ceil(bs) - hit;
+        let touched = self.pool.touch(&seq.hashes[..hit]);
+        let Some(fresh) = self.pool.allocate(needed) else {
+            self.pool.free(&touched);
+            return None;
+        };
+        let seq = self.seqs.get_mut(&id).expect("waiting request exists");
+        seq.blocks = touched;
+        seq.blocks.extend(fresh);
+        seq.computed = hit * bs;
+        seq.registered = hit;
+        let first_admission = seq.cached_tokens.is_none();
+        if first_admission {
+            seq.cached_tokens = Some(hit * bs);
+            self.counters.prefix_cache_queries += seq.prompt_len as u64;
+            self.counters.prefix_cache_hits += (hit * bs) as u64;
+            self.counters.prompt_tokens += seq.prompt_len as u64;
+        }
+        if remote {
+            let transferred = seq.prompt_len - 1 - seq.computed.min(seq.prompt_len - 1);
+            seq.transfer_done_at = Some(self.now + self.config.timing.transfer_ms(transferred as u64) / 1000.0);
+            return Some(0);
+        }
+        Some(target - seq.computed)
+    }
+
+    /// Pulled KV has arrived: all prompt tokens but the last count as computed, and the
+    /// received full blocks are cached (announced like locally computed ones).
+    fn complete_transfers(&mut self) {
+        let now = self.now;
+        for &id in &self.running {
+            let seq = self.seqs.get_mut(&id).expect("running request exists");
+            if seq.transfer_done_at.is_some_and(|t| t <= now) {
+                seq.transfer_done_at = None;
+                let loaded = seq.prompt_len - 1;
+                self.counters.transferred_tokens += (loaded - seq.computed.min(loaded)) as u64;
+                seq.computed = seq.computed.max(loaded);
+                register_full_blocks(&mut self.pool, seq, self.config.block_size, &self.root);
+            }
+        }
+    }
+
+    /// Applies `n` computed tokens to a request: caches newly full blocks, samples a token
+    /// when the whole sequence is computed, finishes it at its limit.
+    fn advance(&mut self, id: RequestId, n: usize, outputs: &mut Vec<Output>) {
+        let bs = self.config.block_size;
+        let seq = self.seqs.get_mut(&id).expect("scheduled request exists");
+        let prompt_computed = seq.prompt_len.saturating_sub(seq.computed).min(n);
+        self.counters.prefill_tokens_computed += prompt_computed as u64;
+        seq.computed += n;
+        register_full_blocks(&mut self.pool, seq, bs, &self.root);
+        if seq.computed < seq.tokens.len() {
+            return; // a prompt chunk; more to prefill
+        }
+        let filler = &self.config.filler_tokens;
+        let token = filler[seq.output_len() % filler.len()];
+        seq.tokens.push(token);
+        self.counters.generation_tokens += 1;
+        outputs.push(Output::Token { id, token });
+        if seq.output_len() >= seq.max_tokens {
+            let seq = self.seqs.remove(&id).expect("scheduled request exists");
+            self.running.retain(|&r| r != id);
+            let kv_blocks = (seq.kv_transfer == KvTransfer::RemoteDecode)
+                .then(|| seq.blocks[..seq.prompt_len.div_ceil(bs).min(seq.blocks.len())].to_vec());
+            self.pool.free(&seq.blocks);
+            self.counters.finished_requests += 1;
+            outputs.push(Output::Finished {
+                id,
+                reason: FinishReason::Length,
+                usage: Usage {
+                    prompt_tokens: seq.prompt_len,
+                    completion_tokens: seq.output_len(),
+                    cached_tokens: seq.cached_tokens.unwrap_or(0),
+                },
+                kv_blocks,
+            });
+        }
+    }
+
+    fn preempt(&mut self, id: RequestId) {
+        let seq = self.seqs.get_mut(&id).expect("preempted request exists");
+        self.pool.free(&seq.blocks);
+        seq.blocks.clear();
+        seq.computed = 0;
+        seq.registered = 0;
+        if seq.transfer_done_at.take().is_some() || seq.kv_transfer == KvTransfer::RemotePrefill {
+            // The pulled KV is gone with the blocks: prefill locally on re-admission.
+            seq.kv_transfer = KvTransfer::Local;
+        }
+        self.running.retain(|&r| r != id);
+        self.waiting.push_front(id);
+        self.counters.preemptions += 1;
+    }
+}
+
+/// Hashes the sequence's full blocks up to block `full` (generated tokens included).
+fn extend_hashes(seq: &mut Sequence, full: usize, root: &EngineBlockHash, bs: usize) {
+    while seq.hashes.len() < full {
+        let b = seq.hashes.len();
+        let parent = seq.hashes.last().copied().unwrap_or(*root);
+        seq.hashes.push(block_hash(&parent, &seq.tokens[b * bs..(b + 1) * bs], &seq.keys.for_block(b)));
+    }
+}
+
+/// Registers the sequence's computed full blocks that are not cached yet (→ `BlockStored`).
+fn register_full_blocks(pool: &mut BlockPool, seq: &mut Sequence, bs: usize, root: &EngineBlockHash) {
+    let full = seq.computed.min(seq.tokens.len()) / bs;
+    if full <= seq.registered {
+        return;
+    }
+    extend_hashes(seq, full, root, bs);
+    let start = seq.registered;
+    let parent = start.checked_sub(1).map(|p| seq.hashes[p]);
+    let token_ids = seq.tokens[start * bs..full * bs].to_vec();
+    pool.cache_blocks(&seq.blocks[start..full], &seq.hashes[start..full], parent, token_ids, &seq.keys, start);
+    seq.registered = full;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> EngineConfig {
+        EngineConfig {
+            block_size: 4,
+            num_blocks: 256,
+            hash_seed: Some("0".into()),
+            filler_tokens: vec![7, 8, 9],
+            ..Default::default()
+        }
+    }
+
+    fn request(prompt: Vec<u32>, max_tokens: usize) -> NewRequest {
+        NewRequest { prompt, max_tokens, keys: HashKeys::default(), kv_transfer: KvTransfer::Local }
+    }
+
+    /// Runs until idle; returns (finished usage by id, total model time, all cache changes).
+    fn run(engine: &mut Engine) -> (HashMap<RequestId, Usage>, Vec<CacheChange>) {
+        let mut done = HashMap::new();
+        let mut changes = engine.take_cache_changes();
+        for _ in 0..10_000 {
+            match engine.step() {
+                Some(step) => {
+                    changes.extend(step.cache_changes);
+                    for out in step.outputs {
+                        if let Output::Finished { id, usage, .. } = out {
+                            done.insert(id, usage);
+                        }
+                    }
+                }
+                None => match engine.next_wakeup() {
+                    Some(t) => engine.advance_to(t),
+                    None => break,
+                },
+            }
+        }
+        assert!(engine.is_idle(), "engine did not drain");
+        (done, changes)
+    }
+
+    #[test]
+    fn a_request_prefills_then_decodes_to_max_tokens() {
+        let mut e = Engine::new(config());
+        let id = e.add_request(request((0..10).collect(), 5)).unwrap();
+        let first = e.step().unwrap();
+        assert_eq!(first.outputs, vec![Output::Token { id, token: 7 }], "prefill step samples the first token");
+        assert_eq!(first.work.tokens, 10);
+        assert!((first.duration * 1000.0 - e.config().timing.isolated_prefill_ms(10, 0)).abs() < 1e-9);
+        let (done, changes) = run(&mut e);
+        assert_eq!(done[&id], Usage { prompt_tokens: 10, completion_tokens: 5, cached_tokens: 0 });
+        // Prompt blocks 0,1 stored after prefill; block 2 (tokens 8,9 + outputs 7,8) during decode.
+        let stored: Vec<usize> = changes
+            .iter()
+            .filter_map(|c| match c {
+                CacheChange::Stored { hashes, .. } => Some(hashes.len()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(stored, vec![1]);
+        assert!(
+            matches!(&first.cache_changes[..], [CacheChange::Stored { hashes, parent: None, .. }] if hashes.len() == 2)
+        );
+        assert_eq!(e.counters().generation_tokens, 5);
+        assert_eq!(e.kv_cache_usage(), 0.0);
+    }
+
+    #[test]
+    fn a_cached_prefix_is_skipped_and_reported() {
+        let mut e = Engine::new(config());
+        let prompt: Vec<u32> = (0..400).collect();
+        e.add_request(request(prompt.clone(), 1)).unwrap();
+        let cold = e.step().unwrap().duration;
+        run(&mut e);
+        let mut longer = prompt.clone();
+        longer.extend([100, 101, 102]);
+        let id = e.add_request(request(longer, 2)).unwrap();
+        let warm = e.step().unwrap();
+        assert!(warm.duration < cold / 2.0, "warm {} cold {}", warm.duration, cold);
+        assert_eq!(warm.work.tokens, 3);
+        let (done, _) = run(&mut e);
+        assert_eq!(done[&id], Usage { prompt_tokens: 403, completion_tokens: 2, cached_tokens: 400 });
+        // An exact repeat recomputes its last block so that there is a token to sample.
+        e.add_request(request(prompt, 1)).unwrap();
+        assert_eq!(e.step().unwrap().work.tokens, 4);
+        assert_eq!(e.counters().prefix_cache_hits, 400 + 396);
+        assert_eq!(e.counters().prefix_cache_queries, 400 + 403 + 400);
+    }
+
+    #[test]
+    fn lru_eviction_emits_removals_and_spares_blocks_in_use() {
+        let mut e = Engine::new(EngineConfig { num_blocks: 12, ..config() });
+        let a: Vec<u32> = (0..16).collect();
+        e.add_request(request(a.clone(), 1)).unwrap();
+        run(&mut e);
+        assert_eq!(e.cached_prefix_blocks(&a, &HashKeys::default()), 4);
+        // A long-running request holds 5 blocks while others churn through the rest.
+        let holder: Vec<u32> = (1000..1016).collect();
+        e.add_request(request(holder.clone(), 4)).unwrap();
+        for k in 0..3u32 {
+            e.add_request(request((k * 100 + 200..k * 100 + 216).collect(), 1)).unwrap();
+        }
+        let (_, changes) = run(&mut e);
+        assert!(changes.iter().any(|c| matches!(c, CacheChange::Removed { .. })));
+        assert_eq!(e.cached_prefix_blocks(&a, &HashKeys::default()), 0, "oldest prefix evicted first");
+        assert_eq!(e.cached_prefix_blocks(&holder, &HashKeys::default()), 4, "held blocks survived");
+    }
+
+    #[test]
+    fn batch_limits_queue_requests_and_long_prompts_are_chunked() {
+        let mut e = Engine::new(EngineConfig { max_num_seqs: 2, max_num_batched_tokens: 32, ..config() });
+        for k in 0..3u32 {
+            e.add_request(request((k * 1000..k * 1000 + 8).collect(), 10)).unwrap();
+        }
+        e.step().unwrap();
+        assert_eq!((e.num_running(), e.num_waiting()), (2, 1));
+        let mut e = Engine::new(EngineConfig { max_num_batched_tokens: 32, ..config() });
+        e.add_request(request((0..100).collect(), 1)).unwrap();
+        let chunks: Vec<u64> = std::iter::from_fn(|| e.step().map(|s| s.work.tokens)).collect();
+        assert_eq!(chunks, vec![32, 32, 32, 4]);
+    }
+
+    #[test]
+    fn decode_steps_slow_down_with_batch_size() {
+        let step_time = |n: u32| {
+            let mut e = Engine::new(config());
+            for k in 0..n {
+                e.add_request(request((k * 100..k * 100 + 4).collect(), 3)).unwrap();
+            }
+            e.step(); // prefill
+            e.step().unwrap().duration // pure decode
+        };
+        assert!(step_time(8) > step_time(1));
+    }
+
+    #[test]
+    fn running_out_of_blocks_preempts_the_newest_request() {
+        let mut e = Engine::new(EngineConfig { num_blocks: 6, ..config() });
+        let a = e.add_request(request((0..8).collect(), 8)).unwrap();
+        let b = e.add_request(request((100..108).collect(), 8)).unwrap();
+        let (done, _) = run(&mut e);
+        assert!(e.counters().preemptions > 0);
+        assert_eq!(done[&a].completion_tokens, 8);
+        assert_eq!(done[&b].completion_tokens, 8);
+    }
+
+    #[test]
+    fn prefill_side_returns_one_token_and_its_blocks() {
+        let mut e = Engine::new(config());
+        let id = e
+            .add_request(NewRequest { kv_transfer: KvTransfer::RemoteDecode, ..request((0..10).collect(), 50) })
+            .unwrap();
+        let step = e.step().unwrap();
+        match &step.outputs[..] {
+            [Output::Token { .. }, Output::Finished { id: fid, usage, kv_blocks: Some(blocks), .. }] => {
+                assert_eq!(*fid, id);
+                assert_eq!(usage.completion_tokens, 1);
+                assert_eq!(blocks.len(), 3);
+            }
+            other => panic!("unexpected outputs {other:?}"),
+        }
+    }
+
+    #[test]
+    fn decode_side_pulls_the_prompt_instead_of_computing_it() {
+        let mut e = Engine::new(config());
+        let prompt: Vec<u32> = (0..400).collect();
+        let id =
+            e.add_request(NewRequest { kv_transfer: KvTransfer::RemotePrefill, ..request(prompt.clone(), 3) }).unwrap();
+        assert!(e.step().is_none(), "nothing to compute while the KV is in flight");
+        let ready = e.next_wakeup().unwrap();
+        let expected = e.config().timing.transfer_ms(399) / 1000.0;
+        assert!((ready - expected).abs() < 1e-12);
+        e.advance_to(ready);
+        let first = e.step().unwrap();
+        assert_eq!(first.work.tokens, 1, "only the last prompt token is computed");
+        assert!(
+            first.cache_changes.iter().any(|c| matches!(c, CacheChange::Stored { hashes, .. } if hashes.len() == 99))
+        );
+        let (done, _) = run(&mut e);
+        assert_eq!(done[&id].completion_tokens, 3);
+        assert_eq!(e.counters().prefill_tokens_computed, 1);
+        assert_eq!(e.counters().transferred_tokens, 399);
+        assert_eq!(e.cached_prefix_blocks(&prompt, &HashKeys::default()), 100);
+    }
+
+    #[test]
+    fn abort_and_reset() {
+        let mut e = Engine::new(config());
+        let id = e.add_request(request((0..16).collect(), 100)).unwrap();
+        e.step();
+        assert!(e.reset_prefix_cache().is_err(), "blocks in use");
+        assert!(e.abort(id));
+        assert_eq!(e.kv_cache_usage(), 0.0);
+        assert_eq!(e.reset_prefix_cache().unwrap(), vec![CacheChange::Cleared]);
+        assert_eq!(e.cached_blocks(), 0);
+    }
+
+    #[test]
+    fn invalid_requests_are_rejected() {
+        let mut e = Engine::new(EngineConfig { max_model_len: 20, ..config() });
+        assert_eq!(e.add_request(request(vec![], 1)), Err(EngineError::EmptyPrompt));
+        assert_eq!(e.add_request(request(vec![1], 0)), Err(EngineError::NoOutput));
+        assert!(matches!(e.add_request(request(vec![1; 15], 10)), Err(EngineError::TooLong { requested: 25, .. })));
+    }
+}

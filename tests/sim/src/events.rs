@@ -1,0 +1,343 @@
+//! vLLM's KV-cache events, encoded byte for byte as vLLM's publisher encodes them.
+//!
+//! A batch is the msgpack array `[ts, [event, ...], data_parallel_rank]`. Events are tagged
+//! by class name in one of two encodings:
+//! - [`EventFormat::Array`] (vLLM ≤ 0.23): `["BlockStored", f1, f2, ...]`, every field
+//!   written, trailing `nil`s included;
+//! - [`EventFormat::Map`] (vLLM ≥ 0.24): `{"type": "BlockStored", ...}`, fields without a
+//!   default always written, defaulted fields omitted when `nil`. msgspec writes a map16
+//!   header for structs with more than 15 fields (BlockStored), a fixmap otherwise.
+//!
+//! Block hashes are msgpack integers (vLLM's default, the low 8 bytes of the digest,
+//! up to `u64::MAX`) or 32-byte `bin` (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
+
+use crate::cache::{CacheChange, EngineBlockHash};
+
+/// How events are laid out (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EventFormat {
+    /// msgpack maps tagged by `type` (vLLM ≥ 0.24).
+    Map,
+    /// positional msgpack arrays (vLLM ≤ 0.23).
+    Array,
+}
+
+/// How block hashes are written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum HashFormat {
+    /// unsigned 64-bit integers (vLLM default; often above i64::MAX).
+    U64,
+    /// 32 raw digest bytes (msgpack bin).
+    Bytes,
+}
+
+/// Encodes one batch of cache changes as vLLM's `KVEventBatch` payload.
+pub struct EventEncoder {
+    pub format: EventFormat,
+    pub hashes: HashFormat,
+    pub block_size: usize,
+    pub data_parallel_rank: Option<u64>,
+}
+
+impl EventEncoder {
+    /// The msgpack payload of one batch (the third ZMQ frame).
+    pub fn encode_batch(&self, ts: f64, changes: &[CacheChange]) -> Vec<u8> {
+        let mut w = Writer(Vec::with_capacity(64 + changes.len() * 64));
+        w.array_len(3);
+        w.f64(ts);
+        w.array_len(changes.len());
+        for change in changes {
+            match change {
+                CacheChange::Stored { hashes, parent, token_ids, keys, first_index } => {
+                    let extra: Vec<Vec<&str>> = (0..hashes.len()).map(|i| keys.for_block(first_index + i)).collect();
+                    let has_extra = extra.iter().any(|k| !k.is_empty());
+                    self.block_stored(
+                        &mut w,
+                        hashes,
+                        parent.as_ref(),
+                        token_ids,
+                        keys.lora_name.as_deref(),
+                        has_extra.then_some(&extra),
+                    );
+                }
+                CacheChange::Removed { hash } => self.block_removed(&mut w, std::slice::from_ref(hash)),
+                CacheChange::Cleared => match self.format {
+                    EventFormat::Map => {
+                        w.map_len(1);
+                        w.str("type");
+                        w.str("AllBlocksCleared");
+                    }
+                    EventFormat::Array => {
+                        w.array_len(1);
+                        w.str("AllBlocksCleared");
+                    }
+                },
+            }
+        }
+        match self.data_parallel_rank {
+            Some(rank) => w.uint(rank),
+            None => w.nil(),
+        }
+        w.0
+    }
+
+    fn hash(&self, w: &mut Writer, h: &EngineBlockHash) {
+        match self.hashes {
+            HashFormat::U64 => w.uint(h.as_u64()),
+            HashFormat::Bytes => w.bin(&h.0),
+        }
+    }
+
+    fn hashes(&self, w: &mut Writer, hs: &[EngineBlockHash]) {
+        w.array_len(hs.len());
+        for h in hs {
+            self.hash(w, h);
+        }
+    }
+
+    fn block_stored(
+        &self,
+        w: &mut Writer,
+        hashes: &[EngineBlockHash],
+        parent: Option<&EngineBlockHash>,
+        token_ids: &[u32],
+        lora_name: Option<&str>,
+        extra_keys: Option<&Vec<Vec<&str>>>,
+    ) {
+        let field = |w: &mut Writer, name: &str| {
+            if self.format == EventFormat::Map {
+                w.str(name);
+            }
+        };
+        match self.format {
+            // type + 7 fields without defaults + extra_keys when present.
+            EventFormat::Map => w.map16_len(8 + usize::from(extra_keys.is_some())),
+            // tag + the 11 fields of vLLM 0.23's BlockStored.
+            EventFormat::Array => w.array_len(12),
+        }
+        if self.format == EventFormat::Map {
+            w.str("type");
+        }
+        w.str("BlockStored");
+        field(w, "block_hashes");
+        self.hashes(w, hashes);
+        field(w, "parent_block_hash");
+        match parent {
+            Some(p) => self.hash(w, p),
+            None => w.nil(),
+        }
+        field(w, "token_ids");
+        w.array_len(token_ids.len());
+        for &t in token_ids {
+            w.uint(u64::from(t));
+        }
+        field(w, "block_size");
+        w.uint(self.block_size as u64);
+        field(w, "lora_id");
+        w.nil();
+        field(w, "medium");
+        w.str("GPU");
+        field(w, "lora_name");
+        match lora_name {
+            Some(name) => w.str(name),
+            None => w.nil(),
+        }
+        if self.format == EventFormat::Map && extra_keys.is_none() {
+            return;
+        }
+        field(w, "extra_keys");
+        match extra_keys {
+            Some(per_block) => {
+                w.array_len(per_block.len());
+                for keys in per_block {
+                    if keys.is_empty() {
+                        w.nil();
+                    } else {
+                        w.array_len(keys.len());
+                        keys.iter().for_each(|k| w.str(k));
+                    }
+                }
+            }
+            None => w.nil(),
+        }
+        // group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window (0.23 writes them all).
+        for _ in 0..3 {
+            if self.format == EventFormat::Array {
+                w.nil();
+            }
+        }
+    }
+
+    fn block_removed(&self, w: &mut Writer, hashes: &[EngineBlockHash]) {
+        match self.format {
+            EventFormat::Map => {
+                w.map_len(3);
+                w.str("type");
+                w.str("BlockRemoved");
+                w.str("block_hashes");
+                self.hashes(w, hashes);
+                w.str("medium");
+                w.str("GPU");
+            }
+            EventFormat::Array => {
+                // tag, block_hashes, medium, group_idx (vLLM 0.23).
+                w.array_len(4);
+                w.str("BlockRemoved");
+                self.hashes(w, hashes);
+                w.str("GPU");
+                w.nil();
+            }
+        }
+    }
+}
+
+/// The few msgpack writers the events need, with msgpack's shortest encodings (as msgspec).
+struct Writer(Vec<u8>);
+
+impl Writer {
+    fn nil(&mut self) {
+        self.0.push(0xc0);
+    }
+
+    fn uint(&mut self, v: u64) {
+        match v {
+            0..=0x7f => self.0.push(v as u8),
+            0x80..=0xff => self.0.extend([0xcc, v as u8]),
+            0x100..=0xffff => {
+                self.0.push(0xcd);
+                self.0.extend((v as u16).to_be_bytes());
+            }
+            0x1_0000..=0xffff_ffff => {
+                self.0.push(0xce);
+                self.0.extend((v as u32).to_be_bytes());
+            }
+            _ => {
+                self.0.push(0xcf);
+                self.0.extend(v.to_be_bytes());
+            }
+        }
+    }
+
+    fn f64(&mut self, v: f64) {
+        self.0.push(0xcb);
+        self.0.extend(v.to_be_bytes());
+    }
+
+    fn str(&mut self, s: &str) {
+        let n = s.len();
+        match n {
+            0..=31 => self.0.push(0xa0 | n as u8),
+            32..=0xff => self.0.extend([0xd9, n as u8]),
+            0x100..=0xffff => {
+                self.0.push(0xda);
+                self.0.extend((n as u16).to_be_bytes());
+            }
+            _ => {
+                self.0.push(0xdb);
+                self.0.extend((n as u32).to_be_bytes());
+            }
+        }
+        self.0.extend_from_slice(s.as_bytes());
+    }
+
+    fn bin(&mut self, b: &[u8]) {
+        // Digests are 32 bytes: bin8 always suffices.
+        self.0.extend([0xc4, b.len() as u8]);
+        self.0.extend_from_slice(b);
+    }
+
+    fn array_len(&mut self, n: usize) {
+        match n {
+            0..=15 => self.0.push(0x90 | n as u8),
+            16..=0xffff => {
+                self.0.push(0xdc);
+                self.0.extend((n as u16).to_be_bytes());
+            }
+            _ => {
+                self.0.push(0xdd);
+                self.0.extend((n as u32).to_be_bytes());
+            }
+        }
+    }
+
+    fn map_len(&mut self, n: usize) {
+        debug_assert!(n <= 15);
+        self.0.push(0x80 | n as u8);
+    }
+
+    fn map16_len(&mut self, n: usize) {
+        self.0.push(0xde);
+        self.0.extend((n as u16).to_be_bytes());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::HashKeys;
+
+    fn hash_from_u64(v: u64) -> EngineBlockHash {
+        let mut d = [0u8; 32];
+        d[24..].copy_from_slice(&v.to_be_bytes());
+        EngineBlockHash(d)
+    }
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    }
+
+    fn fixture(name: &str, index: usize) -> Vec<u8> {
+        let path = format!("{}/../../../shared/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+        hex(json["messages"][index]["payload_hex"].as_str().unwrap())
+    }
+
+    /// The same events as the fixtures that vLLM's own publisher produced.
+    fn fixture_batches() -> [(f64, Vec<CacheChange>); 2] {
+        let (a, b) = (hash_from_u64(0x1122334455667788), hash_from_u64(0xf0e0d0c0b0a09080));
+        [
+            (
+                1700000000.5,
+                vec![CacheChange::Stored {
+                    hashes: vec![a, b],
+                    parent: None,
+                    token_ids: vec![1, 2, 3, 4, 5, 6, 7, 8],
+                    keys: HashKeys::default(),
+                    first_index: 0,
+                }],
+            ),
+            (1700000001.25, vec![CacheChange::Removed { hash: b }, CacheChange::Cleared]),
+        ]
+    }
+
+    fn encoder(format: EventFormat) -> EventEncoder {
+        EventEncoder { format, hashes: HashFormat::U64, block_size: 4, data_parallel_rank: Some(0) }
+    }
+
+    #[test]
+    fn array_encoding_is_byte_identical_to_vllm_0_23() {
+        for (i, (ts, changes)) in fixture_batches().iter().enumerate() {
+            assert_eq!(
+                encoder(EventFormat::Array).encode_batch(*ts, changes),
+                fixture("vllm-0.23.0-kv-events.json", i)
+            );
+        }
+    }
+
+    #[test]
+    fn map_encoding_is_byte_identical_to_vllm_0_33() {
+        for (i, (ts, changes)) in fixture_batches().iter().enumerate() {
+            assert_eq!(encoder(EventFormat::Map).encode_batch(*ts, changes), fixture("vllm-0.33.0-kv-events.json", i));
+        }
+    }
+
+    #[test]
+    fn bytes_hashes_are_bin32() {
+        let enc = EventEncoder { hashes: HashFormat::Bytes, ..encoder(EventFormat::Map) };
+        let payload = enc.encode_batch(0.0, &[CacheChange::Removed { hash: EngineBlockHash([7; 32]) }]);
+        let mut expected = vec![0xc4, 32];
+        expected.extend([7u8; 32]);
+        assert!(payload.windows(34).any(|w| w == expected.as_slice()));
+    }
+}
