@@ -116,14 +116,22 @@ pub struct Usage {
     pub cached_tokens: usize,
 }
 
-/// What one step produced for the requests in it.
+/// A sampled token, and how its request ended if this was the last one.
 #[derive(Clone, Debug, PartialEq)]
-pub enum Output {
-    /// A request sampled a token.
-    Token { id: RequestId, token: u32 },
-    /// A request finished. `kv_blocks` lists the blocks holding its prompt's KV when it was a
-    /// prefill-side (`RemoteDecode`) request, for the decode pod's transfer parameters.
-    Finished { id: RequestId, reason: FinishReason, usage: Usage, kv_blocks: Option<Vec<BlockId>> },
+pub struct Output {
+    pub id: RequestId,
+    pub token: u32,
+    pub finished: Option<Finished>,
+}
+
+/// How a request ended.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Finished {
+    pub reason: FinishReason,
+    pub usage: Usage,
+    /// For a prefill-side (`RemoteDecode`) request, the blocks holding its prompt's KV, for
+    /// the decode pod's transfer parameters.
+    pub kv_blocks: Option<Vec<BlockId>>,
 }
 
 /// The outcome of one engine step.
@@ -483,7 +491,7 @@ impl Engine {
         let token = filler[seq.output_len() % filler.len()];
         seq.tokens.push(token);
         self.counters.generation_tokens += 1;
-        outputs.push(Output::Token { id, token });
+        let mut finished = None;
         if seq.output_len() >= seq.max_tokens {
             let seq = self.seqs.remove(&id).expect("scheduled request exists");
             self.running.retain(|&r| r != id);
@@ -491,8 +499,7 @@ impl Engine {
                 .then(|| seq.blocks[..seq.prompt_len.div_ceil(bs).min(seq.blocks.len())].to_vec());
             self.pool.free(&seq.blocks);
             self.counters.finished_requests += 1;
-            outputs.push(Output::Finished {
-                id,
+            finished = Some(Finished {
                 reason: FinishReason::Length,
                 usage: Usage {
                     prompt_tokens: seq.prompt_len,
@@ -502,6 +509,7 @@ impl Engine {
                 kv_blocks,
             });
         }
+        outputs.push(Output { id, token, finished });
     }
 
     fn preempt(&mut self, id: RequestId) {
@@ -570,8 +578,8 @@ mod tests {
                 Some(step) => {
                     changes.extend(step.cache_changes);
                     for out in step.outputs {
-                        if let Output::Finished { id, usage, .. } = out {
-                            done.insert(id, usage);
+                        if let Some(f) = out.finished {
+                            done.insert(out.id, f.usage);
                         }
                     }
                 }
@@ -590,7 +598,11 @@ mod tests {
         let mut e = Engine::new(config());
         let id = e.add_request(request((0..10).collect(), 5)).unwrap();
         let first = e.step().unwrap();
-        assert_eq!(first.outputs, vec![Output::Token { id, token: 7 }], "prefill step samples the first token");
+        assert_eq!(
+            first.outputs,
+            vec![Output { id, token: 7, finished: None }],
+            "prefill step samples the first token"
+        );
         assert_eq!(first.work.tokens, 10);
         assert!((first.duration * 1000.0 - e.config().timing.isolated_prefill_ms(10, 0)).abs() < 1e-9);
         let (done, changes) = run(&mut e);
@@ -698,7 +710,7 @@ mod tests {
             .unwrap();
         let step = e.step().unwrap();
         match &step.outputs[..] {
-            [Output::Token { .. }, Output::Finished { id: fid, usage, kv_blocks: Some(blocks), .. }] => {
+            [Output { id: fid, finished: Some(Finished { usage, kv_blocks: Some(blocks), .. }), .. }] => {
                 assert_eq!(*fid, id);
                 assert_eq!(usage.completion_tokens, 1);
                 assert_eq!(blocks.len(), 3);

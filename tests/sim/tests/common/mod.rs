@@ -1,0 +1,245 @@
+//! Shared harness of the simulator's integration tests: start `kvgate-sim` processes on free
+//! loopback ports, find the project's Python venv and vLLM's event code, drive helpers.
+#![allow(dead_code)] // each test binary uses a different part of the harness
+
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// The repository root.
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().expect("repository root")
+}
+
+fn required(path: PathBuf, what: &str) -> PathBuf {
+    assert!(path.exists(), "{what} not found at {}: run `make setup` first", path.display());
+    path
+}
+
+/// Python of the project venv (`make setup`), or `$KVGATE_VENV/bin/python`.
+pub fn python() -> PathBuf {
+    let venv = std::env::var_os("KVGATE_VENV").map(PathBuf::from).unwrap_or_else(|| root().join(".kvgate/venv"));
+    required(venv.join("bin/python"), "the project venv")
+}
+
+/// A program installed in the project venv.
+pub fn venv_bin(name: &str) -> PathBuf {
+    required(python().parent().expect("venv bin").join(name), name)
+}
+
+/// vLLM's own `kv_events.py` of release `version`, cached by `make setup`.
+pub fn vllm_kv_events(version: &str) -> PathBuf {
+    let cache = std::env::var_os("KVGATE_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/kvgate"));
+    required(cache.join("vllm").join(version).join("kv_events.py"), "vLLM's kv_events.py")
+}
+
+/// The real Qwen3 `tokenizer.json` fetched by `make setup`.
+pub fn qwen3_tokenizer() -> PathBuf {
+    let path = std::env::var_os("KVGATE_TOKENIZER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join(".kvgate/tokenizers/qwen3/tokenizer.json"));
+    required(path, "the Qwen3 tokenizer")
+}
+
+/// A free TCP port on 127.0.0.1 (bound, then released for the child to take).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// A running `kvgate-sim`; killed on drop.
+pub struct Sim {
+    child: Child,
+    pub pod_id: String,
+    pub url: String,
+    pub port: u16,
+    pub events: String,
+    pub replay: String,
+}
+
+impl Sim {
+    /// Starts a pod with KV events and replay on fresh ports, plus `extra` flags, and waits
+    /// until `/health` answers.
+    pub async fn start(pod_id: &str, extra: &[&str]) -> Sim {
+        let port = free_port();
+        let events = format!("tcp://127.0.0.1:{}", free_port());
+        let replay = format!("tcp://127.0.0.1:{}", free_port());
+        let mut args: Vec<String> = vec![
+            "--listen".into(),
+            format!("127.0.0.1:{port}"),
+            "--pod-id".into(),
+            pod_id.into(),
+            "--kv-events-endpoint".into(),
+            events.clone(),
+            "--kv-events-replay-endpoint".into(),
+            replay.clone(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let child = Command::new(env!("CARGO_BIN_EXE_kvgate-sim"))
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn kvgate-sim");
+        let sim = Sim { child, pod_id: pod_id.into(), url: format!("http://127.0.0.1:{port}"), port, events, replay };
+        sim.wait_healthy(Duration::from_secs(20)).await;
+        sim
+    }
+
+    async fn wait_healthy(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        let client = reqwest::Client::new();
+        while Instant::now() < deadline {
+            if let Ok(r) = client.get(format!("{}/health", self.url)).send().await
+                && r.status().is_success()
+            {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("kvgate-sim {} did not become healthy", self.pod_id);
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits for the process to exit by itself (after a signal).
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> reqwest::Response {
+        reqwest::Client::new().post(format!("{}{path}", self.url)).json(body).send().await.expect("request")
+    }
+
+    pub async fn post_json(&self, path: &str, body: &Value) -> Value {
+        let r = self.post(path, body).await;
+        let status = r.status();
+        let body: Value = r.json().await.expect("json body");
+        assert!(status.is_success(), "{path} answered {status}: {body}");
+        body
+    }
+
+    /// Token ids of `prompt` as the pod tokenizes it.
+    pub async fn tokenize(&self, prompt: &str) -> Vec<u64> {
+        let body = self.post_json("/tokenize", &serde_json::json!({"prompt": prompt})).await;
+        body["tokens"].as_array().expect("tokens").iter().map(|t| t.as_u64().expect("id")).collect()
+    }
+
+    /// The value of metric `name` (first sample) in `/metrics`.
+    pub async fn metric(&self, name: &str) -> f64 {
+        let text = reqwest::get(format!("{}/metrics", self.url)).await.expect("metrics").text().await.expect("text");
+        text.lines()
+            .find(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("metric {name} missing in:\n{text}"))
+    }
+
+    /// `GET /sim/requests`.
+    pub async fn requests(&self) -> Vec<Value> {
+        reqwest::get(format!("{}/sim/requests", self.url)).await.expect("log").json().await.expect("json")
+    }
+}
+
+impl Drop for Sim {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A child process whose stdout is read line by line as JSON; killed on drop.
+pub struct JsonLines {
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl JsonLines {
+    pub fn spawn(mut command: Command) -> JsonLines {
+        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn helper");
+        let stdout: ChildStdout = child.stdout.take().expect("stdout");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        JsonLines { child, lines }
+    }
+
+    /// The next line, parsed; panics after `limit`.
+    pub fn next(&self, limit: Duration) -> Value {
+        let line = self.lines.recv_timeout(limit).expect("helper produced no line in time");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("helper printed non-JSON {line:?}: {e}"))
+    }
+
+    /// Every remaining line until the helper exits.
+    pub fn rest(&self, limit: Duration) -> Vec<Value> {
+        let deadline = Instant::now() + limit;
+        let mut out = Vec::new();
+        while let Ok(line) = self.lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+            out.push(serde_json::from_str(&line).unwrap_or_else(|e| panic!("non-JSON {line:?}: {e}")));
+        }
+        out
+    }
+}
+
+impl Drop for JsonLines {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// vLLM's own decoder subscribed to `endpoint`; returns once it is subscribed.
+pub fn vllm_subscriber(version: &str, endpoint: &str, count: usize, extra: &[&str]) -> JsonLines {
+    let mut cmd = Command::new(python());
+    cmd.arg(root().join("tests/tools/vllm_kv_events.py"))
+        .arg("--kv-events")
+        .arg(vllm_kv_events(version))
+        .args(["subscribe", "--endpoint", endpoint, "--count", &count.to_string(), "--timeout", "20"])
+        .args(extra);
+    let sub = JsonLines::spawn(cmd);
+    assert_eq!(sub.next(Duration::from_secs(20))["ready"], true);
+    sub
+}
+
+/// vLLM's replay protocol through a DEALER: every reply until the end marker.
+pub fn vllm_replay(version: &str, endpoint: &str, start: u64) -> Vec<Value> {
+    let mut cmd = Command::new(python());
+    cmd.arg(root().join("tests/tools/vllm_kv_events.py")).arg("--kv-events").arg(vllm_kv_events(version)).args([
+        "replay",
+        "--endpoint",
+        endpoint,
+        "--start",
+        &start.to_string(),
+        "--timeout",
+        "10",
+    ]);
+    JsonLines::spawn(cmd).rest(Duration::from_secs(20))
+}
+
+/// A completions request body.
+pub fn completion(prompt: &str, max_tokens: u32) -> Value {
+    serde_json::json!({"prompt": prompt, "max_tokens": max_tokens})
+}
+
+/// A long, distinctive text of about `words` words.
+pub fn text(seed: &str, words: usize) -> String {
+    (0..words).map(|i| format!("{seed}{}", i % 97)).collect::<Vec<_>>().join(" ")
+}
