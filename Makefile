@@ -24,7 +24,6 @@ fmt:
 	$(CARGO) fmt --all
 
 test: setup lint
-	$(CARGO) build --workspace --release --bins
 	$(CARGO) test --workspace --release
 
 # One simulated pod on the documented defaults, for trying things by hand.

@@ -43,7 +43,7 @@ pub struct Tokenizer {
 }
 
 enum Kind {
-    Hf { tokenizer: Box<tokenizers::Tokenizer>, chat: Option<ChatTemplate> },
+    Hf { tokenizer: Box<tokenizers::Tokenizer>, chat: Option<Box<ChatTemplate>> },
     Fallback,
 }
 
@@ -57,7 +57,7 @@ impl Tokenizer {
         let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes)
             .map_err(|e| TokenizeError::Load { path: path.into(), message: e.to_string() })?;
         let config_path = path.with_file_name("tokenizer_config.json");
-        let chat = if config_path.exists() { load_chat_template(&config_path)? } else { None };
+        let chat = if config_path.exists() { load_chat_template(&config_path)?.map(Box::new) } else { None };
         Ok(Self { kind: Kind::Hf { tokenizer: Box::new(tokenizer), chat } })
     }
 

@@ -170,3 +170,32 @@ fn take_snapshot(engine: &Engine) -> Snapshot {
         counters: engine.counters(),
     }
 }
+
+/// Logs throughput and occupancy every `period` while the engine is busy, as vLLM's
+/// periodic stats line does, so a long run shows progress.
+pub async fn log_stats(handle: EngineHandle, period: Duration) {
+    let mut last = handle.snapshot();
+    let mut interval = tokio::time::interval(period);
+    interval.tick().await;
+    loop {
+        interval.tick().await;
+        let now = handle.snapshot();
+        let (c, p) = (now.counters, last.counters);
+        if c.steps == p.steps {
+            continue;
+        }
+        let secs = period.as_secs_f64();
+        let queries = c.prefix_cache_queries - p.prefix_cache_queries;
+        let hits = c.prefix_cache_hits - p.prefix_cache_hits;
+        tracing::info!(
+            "prompt {:.1} tok/s, generation {:.1} tok/s, running {}, waiting {}, KV usage {:.1}%, prefix hit rate {:.1}%",
+            (c.prompt_tokens - p.prompt_tokens) as f64 / secs,
+            (c.generation_tokens - p.generation_tokens) as f64 / secs,
+            now.running,
+            now.waiting,
+            now.kv_cache_usage * 100.0,
+            if queries == 0 { 0.0 } else { hits as f64 * 100.0 / queries as f64 },
+        );
+        last = now;
+    }
+}

@@ -34,6 +34,10 @@ struct Args {
     /// Served model name (`model` of requests must match, as in vLLM).
     #[arg(long, default_value = "Qwen/Qwen3-8B")]
     model: String,
+    /// LoRA adapter names served beside the base model (repeatable). A request naming one in
+    /// `model` hashes its blocks with the adapter name, and events carry `lora_name`.
+    #[arg(long = "lora-module")]
+    lora_modules: Vec<String>,
     /// P/D role: `prefill` pods serve `do_remote_decode` legs, `decode` pods
     /// `do_remote_prefill` legs, `both` either.
     #[arg(long, value_enum, default_value_t = Role::Both)]
@@ -192,6 +196,7 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     let handle = driver::EngineHandle::spawn(engine, args.time_scale, events);
+    tokio::spawn(driver::log_stats(handle.clone(), Duration::from_secs(10)));
 
     let state = Arc::new(AppState {
         engine: handle,
@@ -199,6 +204,7 @@ async fn main() -> anyhow::Result<()> {
         pod: PodInfo {
             pod_id: pod_id.clone(),
             model: args.model.clone(),
+            lora_modules: args.lora_modules.clone(),
             role: args.role,
             listen: args.listen,
             engine_id: format!("{pod_id}-engine"),

@@ -43,6 +43,8 @@ pub enum Role {
 pub struct PodInfo {
     pub pod_id: String,
     pub model: String,
+    /// LoRA adapters served beside the base model (requests name them in `model`).
+    pub lora_modules: Vec<String>,
     pub role: Role,
     pub listen: SocketAddr,
     pub engine_id: String,
@@ -50,6 +52,19 @@ pub struct PodInfo {
     pub num_blocks: usize,
     pub max_model_len: usize,
     pub default_max_tokens: u32,
+}
+
+impl PodInfo {
+    /// The LoRA adapter a request's `model` names (`None` for the base model or no
+    /// `model`); an unknown name is a 404, as in vLLM.
+    fn resolve_model(&self, model: Option<&str>) -> Result<Option<String>, ApiError> {
+        match model {
+            None => Ok(None),
+            Some(m) if m == self.model => Ok(None),
+            Some(m) if self.lora_modules.iter().any(|l| l == m) => Ok(Some(m.to_string())),
+            Some(m) => Err(ApiError::new(StatusCode::NOT_FOUND, format!("The model `{m}` does not exist."))),
+        }
+    }
 }
 
 /// What one served request looked like, for `GET /sim/requests` (no prompt text).
@@ -180,11 +195,7 @@ fn job(
     common: &Common,
     max_completion_tokens: Option<u32>,
 ) -> Result<Job, ApiError> {
-    if let Some(model) = &common.model
-        && model != &state.pod.model
-    {
-        return Err(ApiError::new(StatusCode::NOT_FOUND, format!("The model `{model}` does not exist.")));
-    }
+    let lora_name = state.pod.resolve_model(common.model.as_deref())?;
     if common.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request("kvgate-sim supports only n = 1"));
     }
@@ -224,7 +235,7 @@ fn job(
         max_tokens,
         stream: common.stream,
         include_usage: common.stream_options.as_ref().is_some_and(|o| o.include_usage),
-        keys: HashKeys { lora_name: None, cache_salt: common.cache_salt.clone() },
+        keys: HashKeys { lora_name, cache_salt: common.cache_salt.clone() },
         kv_transfer,
         kv_transfer_params: params,
     })
@@ -462,11 +473,7 @@ async fn request_log(State(state): State<Arc<AppState>>) -> Json<Vec<RequestReco
 
 async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let req: TokenizeRequest = parse_body(&body)?;
-    if let Some(model) = &req.model
-        && model != &state.pod.model
-    {
-        return Err(ApiError::new(StatusCode::NOT_FOUND, format!("The model `{model}` does not exist.")));
-    }
+    state.pod.resolve_model(req.model.as_deref())?;
     let tokens = match (req.prompt, req.messages) {
         (Some(prompt), None) => encode(&state.tokenizer, &prompt, req.add_special_tokens.unwrap_or(true))?,
         (None, Some(messages)) => {
@@ -493,11 +500,15 @@ async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Jso
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Json<Value> {
-    let m = &state.pod.model;
-    Json(json!({"object": "list", "data": [{
-        "id": m, "object": "model", "created": unix_now() as u64, "owned_by": "vllm", "root": m,
-        "parent": null, "max_model_len": state.pod.max_model_len, "permission": [],
-    }]}))
+    let pod = &state.pod;
+    let created = unix_now() as u64;
+    let entry = |id: &str, parent: Option<&str>| {
+        json!({"id": id, "object": "model", "created": created, "owned_by": "vllm", "root": id,
+               "parent": parent, "max_model_len": pod.max_model_len, "permission": []})
+    };
+    let mut data = vec![entry(&pod.model, None)];
+    data.extend(pod.lora_modules.iter().map(|l| entry(l, Some(&pod.model))));
+    Json(json!({"object": "list", "data": data}))
 }
 
 async fn reset_prefix_cache(State(state): State<Arc<AppState>>) -> Result<StatusCode, ApiError> {

@@ -66,18 +66,15 @@ impl Sim {
     /// until `/health` answers.
     pub async fn start(pod_id: &str, extra: &[&str]) -> Sim {
         let port = free_port();
-        let events = format!("tcp://127.0.0.1:{}", free_port());
+        let mut events = format!("tcp://127.0.0.1:{}", free_port());
         let replay = format!("tcp://127.0.0.1:{}", free_port());
-        let mut args: Vec<String> = vec![
-            "--listen".into(),
-            format!("127.0.0.1:{port}"),
-            "--pod-id".into(),
-            pod_id.into(),
-            "--kv-events-endpoint".into(),
-            events.clone(),
-            "--kv-events-replay-endpoint".into(),
-            replay.clone(),
-        ];
+        let mut args: Vec<String> =
+            vec!["--listen".into(), format!("127.0.0.1:{port}"), "--pod-id".into(), pod_id.into()];
+        match extra.iter().position(|a| *a == "--kv-events-endpoint") {
+            Some(i) => events = extra[i + 1].to_string(),
+            None => args.extend(["--kv-events-endpoint".into(), events.clone()]),
+        }
+        args.extend(["--kv-events-replay-endpoint".into(), replay.clone()]);
         args.extend(extra.iter().map(|s| s.to_string()));
         let child = Command::new(env!("CARGO_BIN_EXE_kvgate-sim"))
             .args(&args)
@@ -242,4 +239,12 @@ pub fn completion(prompt: &str, max_tokens: u32) -> Value {
 /// A long, distinctive text of about `words` words.
 pub fn text(seed: &str, words: usize) -> String {
     (0..words).map(|i| format!("{seed}{}", i % 97)).collect::<Vec<_>>().join(" ")
+}
+
+/// ASCII text of exactly `tokens` tokens for the fallback tokenizer (4 bytes per token).
+pub fn sized(seed: &str, tokens: usize) -> String {
+    let mut s = text(seed, tokens);
+    s.truncate(tokens * 4);
+    assert_eq!(s.len(), tokens * 4, "seed too short for {tokens} tokens");
+    s
 }
