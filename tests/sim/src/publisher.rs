@@ -44,23 +44,7 @@ pub async fn start(
     config: PublisherConfig,
 ) -> anyhow::Result<(mpsc::UnboundedSender<Vec<CacheChange>>, Arc<PublisherStats>)> {
     let mut publisher = PubSocket::new();
-    if config.connect {
-        // vLLM connects for non-wildcard tcp endpoints; the subscriber may come up later,
-        // so keep trying in the background instead of failing start-up.
-        let endpoint = config.endpoint.clone();
-        let mut attempts = 0u32;
-        loop {
-            match publisher.connect(&endpoint).await {
-                Ok(()) => break,
-                Err(e) if attempts < 3 => {
-                    attempts += 1;
-                    tracing::warn!(%endpoint, "kv events: connect failed ({e}); retrying");
-                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-                }
-                Err(e) => anyhow::bail!("kv events: cannot connect PUB socket to {endpoint}: {e}"),
-            }
-        }
-    } else {
+    if !config.connect {
         publisher
             .bind(&config.endpoint)
             .await
@@ -90,6 +74,19 @@ async fn run(
     mut batches: mpsc::UnboundedReceiver<Vec<CacheChange>>,
     stats: Arc<PublisherStats>,
 ) {
+    if config.connect {
+        // vLLM connects its PUB socket for non-wildcard tcp endpoints; the subscriber may
+        // come up later, so keep trying. Batches wait in the channel meanwhile, as libzmq
+        // queues them until the connection is up.
+        let mut attempt = 0u32;
+        while let Err(e) = publisher.connect(&config.endpoint).await {
+            if attempt % 50 == 0 {
+                tracing::warn!(endpoint = %config.endpoint, "kv events: connect failed ({e}); retrying");
+            }
+            attempt += 1;
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
     let topic = Bytes::from(config.topic.clone().into_bytes());
     let mut buffer: VecDeque<(u64, Bytes)> = VecDeque::with_capacity(config.buffer_steps.min(1 << 16));
     let mut seq: u64 = 0;

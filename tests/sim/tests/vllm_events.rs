@@ -125,10 +125,10 @@ async fn bytes_hashes_decode_as_32_byte_digests() {
 
 #[tokio::test]
 async fn topic_and_connect_mode_work_like_vllm() {
-    // vLLM connects its PUB socket for non-wildcard tcp endpoints; the subscriber binds.
+    // vLLM connects its PUB socket for non-wildcard tcp endpoints; the subscriber binds,
+    // possibly later than the engine starts: the pod keeps trying.
     let port = common::free_port();
     let endpoint = format!("tcp://127.0.0.1:{port}");
-    let sub = vllm_subscriber(NEW, &endpoint, 1, &["--bind", "--topic", "kv@pod"]);
     let sim = Sim::start(
         "pod-connect",
         &[
@@ -142,7 +142,8 @@ async fn topic_and_connect_mode_work_like_vllm() {
         ],
     )
     .await;
-    // The PUB side connects after start-up: give the subscription a moment to arrive.
+    let sub = vllm_subscriber(NEW, &endpoint, 1, &["--bind", "--topic", "kv@pod"]);
+    // The PUB side retries every 100 ms: give the connection and subscription a moment.
     tokio::time::sleep(Duration::from_millis(500)).await;
     sim.post_json("/v1/completions", &completion(&text("kappa", 40), 1)).await;
     let batch = sub.next(Duration::from_secs(20));
