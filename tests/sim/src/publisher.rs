@@ -80,7 +80,7 @@ async fn run(
         // queues them until the connection is up.
         let mut attempt = 0u32;
         while let Err(e) = publisher.connect(&config.endpoint).await {
-            if attempt % 50 == 0 {
+            if attempt.is_multiple_of(50) {
                 tracing::warn!(endpoint = %config.endpoint, "kv events: connect failed ({e}); retrying");
             }
             attempt += 1;
