@@ -1,0 +1,16 @@
+//! kvgate's routing logic, free of I/O and clocks, so the live scorer sidecar and an offline
+//! cluster simulator run the same code.
+//!
+//! - [`events`]: decoding the KV-event batches engines publish (vLLM's two encodings, SGLang's
+//!   signed hashes), on top of a small defensive [`msgpack`] reader;
+//! - [`hash`]: kvgate's own chained [`hash::SequenceHash`] of blocks, and the engines'
+//!   [`hash::EngineHash`];
+//! - [`index`]: which pod holds which block, matched in one lookup per block;
+//! - [`sequence`]: batch sequence numbers → in order, gap, restart or duplicate.
+
+pub mod events;
+pub mod hash;
+pub mod index;
+pub mod msgpack;
+pub mod pod_set;
+pub mod sequence;
