@@ -6,11 +6,16 @@
 //! - [`hash`]: kvgate's own chained [`hash::SequenceHash`] of blocks, and the engines'
 //!   [`hash::EngineHash`];
 //! - [`index`]: which pod holds which block, matched in one lookup per block;
-//! - [`sequence`]: batch sequence numbers → in order, gap, restart or duplicate.
+//! - [`sequence`]: batch sequence numbers → in order, gap, restart or duplicate;
+//! - [`load`]: in-flight bookkeeping (queued prefill work, decode blocks) with expiry;
+//! - [`policy`]: one trait, one file per policy (`kv`, `prefix`, `ttft`, `least-loaded`,
+//!   `round-robin`, `random`, `power-of-two`), built from configuration.
 
 pub mod events;
 pub mod hash;
 pub mod index;
+pub mod load;
 pub mod msgpack;
 pub mod pod_set;
+pub mod policy;
 pub mod sequence;

@@ -1,0 +1,356 @@
+//! Predicted load: what kvgate itself sent to each pod and has not seen finish.
+//!
+//! Metrics scraped from pods lag by a scrape interval; a burst of requests decided within
+//! that interval would all see the same idle pod. So the scorer books every decision at once:
+//!
+//! - **prefill**: the request's uncached prompt tokens and their attention work (the
+//!   trapezoid `(cached+1+prompt)·(prompt−cached)/2`), released at its first token;
+//! - **decode**: the KV blocks the request will hold — its prompt blocks, counted once per
+//!   pod however many in-flight requests share them, plus its expected output blocks
+//!   (`max_tokens`, or a default), whose weight decays as the request is estimated to
+//!   generate them after its first token — freed at `done` or `cancelled`.
+//!
+//! A booking whose lifecycle reports never arrive expires after a TTL, so nothing leaks.
+//! Time is a number of seconds supplied by the caller (no clock here).
+
+use crate::hash::SequenceHash;
+use crate::pod_set::PodId;
+use ahash::AHashMap;
+
+/// Parameters of the bookkeeping.
+#[derive(Clone, Debug)]
+pub struct LoadConfig {
+    pub block_size: usize,
+    /// Expected output tokens when a request sets no `max_tokens`.
+    pub default_output_tokens: u32,
+    /// Estimated decode speed of one sequence (tokens/s), to decay expected output.
+    pub decode_tokens_per_second: f64,
+    /// Seconds after which a booking without `done` is dropped.
+    pub request_ttl: f64,
+}
+
+/// The trapezoid estimate of prefill attention work for `prompt` tokens with `cached`
+/// already cached: Σ over new positions of their context length.
+pub fn prefill_work(prompt: u64, cached: u64) -> f64 {
+    let cached = cached.min(prompt);
+    (cached + 1 + prompt) as f64 * (prompt - cached) as f64 / 2.0
+}
+
+/// One decision to book.
+#[derive(Clone, Debug)]
+pub struct Booking<'a> {
+    pub pod: PodId,
+    pub prompt_tokens: u32,
+    pub cached_tokens: u32,
+    /// The request's full prompt blocks (shared ones count once per pod).
+    pub chain: &'a [SequenceHash],
+    /// `max_tokens` of the request, if it gave one.
+    pub max_output_tokens: Option<u32>,
+}
+
+/// Load of one pod as the policies see it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PodLoad {
+    pub inflight_requests: u32,
+    /// Uncached prompt tokens of requests not yet at their first token.
+    pub queued_prefill_tokens: u64,
+    /// Their trapezoid prefill work.
+    pub queued_prefill_work: f64,
+    /// Predicted KV blocks held by in-flight requests (decaying output part included).
+    pub decode_blocks: f64,
+}
+
+#[derive(Debug)]
+struct Inflight {
+    pod: PodId,
+    prefill_tokens: u64,
+    prefill_work: f64,
+    /// Blocks of the prompt, refcounted in the pod's shared map.
+    prompt_blocks: Vec<SequenceHash>,
+    /// Prompt tokens beyond the last full block (their partial block is private).
+    partial_block: bool,
+    output_tokens: u32,
+    first_token_at: Option<f64>,
+    expires_at: f64,
+}
+
+#[derive(Default)]
+struct PodState {
+    inflight: Vec<String>,
+    queued_prefill_tokens: u64,
+    queued_prefill_work: f64,
+    shared_blocks: AHashMap<SequenceHash, u32>,
+    private_blocks: u64,
+}
+
+/// Lifecycle reports from the gateway.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lifecycle {
+    FirstToken,
+    Done,
+    Cancelled,
+}
+
+/// The in-flight bookkeeping for all pods.
+pub struct LoadTracker {
+    config: LoadConfig,
+    pods: Vec<PodState>,
+    requests: AHashMap<String, Inflight>,
+    expired: u64,
+}
+
+/// Reports that named no known request (late, duplicate, or after expiry).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("no in-flight request {0}")]
+pub struct UnknownRequest(pub String);
+
+impl LoadTracker {
+    pub fn new(config: LoadConfig) -> Self {
+        Self { config, pods: Vec::new(), requests: AHashMap::new(), expired: 0 }
+    }
+
+    /// Registers a pod (ids are dense, as in the index).
+    pub fn add_pod(&mut self) -> PodId {
+        self.pods.push(PodState::default());
+        PodId(self.pods.len() as u32 - 1)
+    }
+
+    /// Books a decision for `request_id` at time `now`. A request id already in flight is
+    /// released first (a retried request replaces its earlier booking).
+    pub fn book(&mut self, request_id: &str, booking: &Booking<'_>, now: f64) {
+        if self.requests.contains_key(request_id) {
+            self.release(request_id);
+        }
+        let bs = self.config.block_size;
+        let prompt = u64::from(booking.prompt_tokens);
+        let cached = u64::from(booking.cached_tokens).min(prompt);
+        let prefill_tokens = prompt - cached;
+        let work = prefill_work(prompt, cached);
+        let output = booking.max_output_tokens.unwrap_or(self.config.default_output_tokens);
+        let pod = &mut self.pods[booking.pod.index()];
+        pod.queued_prefill_tokens += prefill_tokens;
+        pod.queued_prefill_work += work;
+        for h in booking.chain {
+            *pod.shared_blocks.entry(*h).or_insert(0) += 1;
+        }
+        let partial_block = booking.prompt_tokens as usize % bs != 0;
+        pod.private_blocks += u64::from(partial_block);
+        pod.inflight.push(request_id.to_string());
+        self.requests.insert(
+            request_id.to_string(),
+            Inflight {
+                pod: booking.pod,
+                prefill_tokens,
+                prefill_work: work,
+                prompt_blocks: booking.chain.to_vec(),
+                partial_block,
+                output_tokens: output,
+                first_token_at: None,
+                expires_at: now + self.config.request_ttl,
+            },
+        );
+    }
+
+    /// Applies a lifecycle report.
+    pub fn report(&mut self, request_id: &str, event: Lifecycle, now: f64) -> Result<PodId, UnknownRequest> {
+        let Some(req) = self.requests.get_mut(request_id) else {
+            return Err(UnknownRequest(request_id.to_string()));
+        };
+        let pod = req.pod;
+        match event {
+            Lifecycle::FirstToken => {
+                if req.first_token_at.is_none() {
+                    req.first_token_at = Some(now);
+                    let state = &mut self.pods[pod.index()];
+                    state.queued_prefill_tokens -= req.prefill_tokens;
+                    state.queued_prefill_work -= req.prefill_work;
+                }
+            }
+            Lifecycle::Done | Lifecycle::Cancelled => self.release(request_id),
+        }
+        Ok(pod)
+    }
+
+    fn release(&mut self, request_id: &str) {
+        let Some(req) = self.requests.remove(request_id) else { return };
+        let pod = &mut self.pods[req.pod.index()];
+        if req.first_token_at.is_none() {
+            pod.queued_prefill_tokens -= req.prefill_tokens;
+            pod.queued_prefill_work -= req.prefill_work;
+        }
+        for h in &req.prompt_blocks {
+            if let Some(n) = pod.shared_blocks.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    pod.shared_blocks.remove(h);
+                }
+            }
+        }
+        pod.private_blocks -= u64::from(req.partial_block);
+        if let Some(i) = pod.inflight.iter().position(|r| r == request_id) {
+            pod.inflight.swap_remove(i);
+        }
+        if pod.inflight.is_empty() {
+            // Float sums drift; an idle pod is exactly idle.
+            pod.queued_prefill_work = 0.0;
+        }
+    }
+
+    /// Drops bookings older than the TTL; returns how many.
+    pub fn expire(&mut self, now: f64) -> usize {
+        let stale: Vec<String> =
+            self.requests.iter().filter(|(_, r)| r.expires_at <= now).map(|(id, _)| id.clone()).collect();
+        for id in &stale {
+            self.release(id);
+        }
+        self.expired += stale.len() as u64;
+        stale.len()
+    }
+
+    /// Bookings dropped by [`LoadTracker::expire`] so far.
+    pub fn expired_total(&self) -> u64 {
+        self.expired
+    }
+
+    /// Drops every booking of a pod (it died or left).
+    pub fn clear_pod(&mut self, pod: PodId) {
+        let ids = std::mem::take(&mut self.pods[pod.index()].inflight);
+        for id in ids {
+            self.requests.remove(&id);
+        }
+        self.pods[pod.index()] = PodState::default();
+    }
+
+    /// The pod a request was booked on.
+    pub fn pod_of(&self, request_id: &str) -> Option<PodId> {
+        self.requests.get(request_id).map(|r| r.pod)
+    }
+
+    /// Current predicted load of `pod` at time `now`.
+    pub fn load(&self, pod: PodId, now: f64) -> PodLoad {
+        let state = &self.pods[pod.index()];
+        let bs = self.config.block_size as f64;
+        let output_blocks: f64 = state
+            .inflight
+            .iter()
+            .filter_map(|id| self.requests.get(id))
+            .map(|r| {
+                let generated =
+                    r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * self.config.decode_tokens_per_second);
+                let remaining = (f64::from(r.output_tokens) - generated).max(0.0);
+                remaining / bs
+            })
+            .sum();
+        PodLoad {
+            inflight_requests: state.inflight.len() as u32,
+            queued_prefill_tokens: state.queued_prefill_tokens,
+            queued_prefill_work: state.queued_prefill_work.max(0.0),
+            decode_blocks: (state.shared_blocks.len() as u64 + state.private_blocks) as f64 + output_blocks,
+        }
+    }
+
+    /// Requests in flight on all pods.
+    pub fn inflight(&self) -> usize {
+        self.requests.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tracker() -> (LoadTracker, PodId, PodId) {
+        let mut t = LoadTracker::new(LoadConfig {
+            block_size: 4,
+            default_output_tokens: 8,
+            decode_tokens_per_second: 4.0,
+            request_ttl: 60.0,
+        });
+        let (a, b) = (t.add_pod(), t.add_pod());
+        (t, a, b)
+    }
+
+    fn chain(n: u64) -> Vec<SequenceHash> {
+        (0..n).map(SequenceHash).collect()
+    }
+
+    #[test]
+    fn trapezoid_work() {
+        assert_eq!(prefill_work(100, 0), 101.0 * 100.0 / 2.0);
+        assert_eq!(prefill_work(100, 40), (41.0 + 100.0) * 60.0 / 2.0);
+        assert_eq!(prefill_work(10, 10), 0.0);
+        assert_eq!(prefill_work(10, 20), 0.0);
+    }
+
+    #[test]
+    fn prefill_is_released_at_first_token_and_everything_at_done() {
+        let (mut t, a, b) = tracker();
+        let c = chain(4);
+        t.book(
+            "r1",
+            &Booking { pod: a, prompt_tokens: 18, cached_tokens: 8, chain: &c, max_output_tokens: Some(8) },
+            0.0,
+        );
+        let l = t.load(a, 0.0);
+        assert_eq!((l.inflight_requests, l.queued_prefill_tokens), (1, 10));
+        assert_eq!(l.queued_prefill_work, prefill_work(18, 8));
+        // 4 prompt blocks + 1 partial + 8 output tokens = 2 blocks.
+        assert_eq!(l.decode_blocks, 7.0);
+        assert_eq!(t.load(b, 0.0), PodLoad::default());
+        t.report("r1", Lifecycle::FirstToken, 1.0).unwrap();
+        let l = t.load(a, 1.5);
+        assert_eq!((l.queued_prefill_tokens, l.queued_prefill_work), (0, 0.0));
+        // Half a second at 4 tok/s: 2 of 8 output tokens generated → 6/4 blocks left.
+        assert_eq!(l.decode_blocks, 5.0 + 1.5);
+        assert_eq!(t.load(a, 100.0).decode_blocks, 5.0, "output part decays to nothing");
+        t.report("r1", Lifecycle::Done, 2.0).unwrap();
+        assert_eq!(t.load(a, 2.0), PodLoad::default());
+        assert_eq!(t.report("r1", Lifecycle::Done, 2.0), Err(UnknownRequest("r1".into())));
+    }
+
+    #[test]
+    fn shared_prefix_blocks_count_once_per_pod() {
+        let (mut t, a, _) = tracker();
+        let long = chain(10);
+        t.book(
+            "x",
+            &Booking { pod: a, prompt_tokens: 40, cached_tokens: 0, chain: &long, max_output_tokens: Some(4) },
+            0.0,
+        );
+        t.book(
+            "y",
+            &Booking { pod: a, prompt_tokens: 24, cached_tokens: 24, chain: &long[..6], max_output_tokens: Some(4) },
+            0.0,
+        );
+        // 10 distinct prompt blocks, no partials, 1 + 1 output blocks.
+        assert_eq!(t.load(a, 0.0).decode_blocks, 12.0);
+        t.report("x", Lifecycle::Cancelled, 0.0).unwrap();
+        assert_eq!(t.load(a, 0.0).decode_blocks, 7.0);
+    }
+
+    #[test]
+    fn lost_reports_expire_and_rebooking_replaces() {
+        let (mut t, a, b) = tracker();
+        let c = chain(2);
+        t.book("r", &Booking { pod: a, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None }, 0.0);
+        t.book("r", &Booking { pod: b, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None }, 1.0);
+        assert_eq!(t.load(a, 1.0), PodLoad::default(), "a retried request moves its booking");
+        assert_eq!(t.pod_of("r"), Some(b));
+        assert_eq!(t.expire(30.0), 0);
+        assert_eq!(t.expire(61.0), 1);
+        assert_eq!(t.load(b, 61.0), PodLoad::default());
+        assert_eq!((t.inflight(), t.expired_total()), (0, 1));
+    }
+
+    #[test]
+    fn clearing_a_pod_drops_its_bookings() {
+        let (mut t, a, b) = tracker();
+        let c = chain(2);
+        t.book("1", &Booking { pod: a, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None }, 0.0);
+        t.book("2", &Booking { pod: b, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None }, 0.0);
+        t.clear_pod(a);
+        assert_eq!(t.load(a, 0.0), PodLoad::default());
+        assert_eq!(t.inflight(), 1);
+        assert!(t.report("1", Lifecycle::Done, 0.0).is_err());
+    }
+}

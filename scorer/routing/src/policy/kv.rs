@@ -1,0 +1,214 @@
+//! `kv` — the default: the pod where this request will cost the least, counting the prefill
+//! work its cache saves, the prefill work already queued there, and its decode load.
+//!
+//! ```text
+//! cost(pod) = prefill_weight · (queued prefill + this request's uncached prefill) / block_size
+//!           + decode_weight  · decode blocks
+//! ```
+//!
+//! Prefill is measured in *linear-equivalent tokens*: with the trapezoid estimate, uncached
+//! tokens `n` after `c` cached cost `n + work / attention_horizon_tokens`, where
+//! `work = (c+1+p)·(p−c)/2` and the horizon is the context length at which attention costs as
+//! much as the linear layers (≈ 30k tokens for an 8B model; see `tests/sim` timing model).
+//! With `prefill_estimate: linear` it is just `n`. Dividing by the block size puts prefill
+//! in blocks, the unit of decode load. `prefix_weight` scales the cached tokens credited
+//! (0 = ignore the cache: pure load balancing). With `temperature > 0`, the pod is sampled
+//! with probability ∝ `exp(−normalised cost / temperature)` instead of taking the minimum.
+//! Optional busy thresholds drop pods that report too long a queue or too full a cache
+//! (unless every pod is busy, then all stay eligible).
+
+use super::{Candidate, Decision, Policy, RouteInput, argmin_random_tie, uncached_tokens};
+use crate::load::prefill_work;
+use rand::Rng;
+use rand::rngs::StdRng;
+use serde::Deserialize;
+
+/// How prefill work is estimated.
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PrefillEstimate {
+    /// Linear tokens plus the attention trapezoid.
+    #[default]
+    Trapezoid,
+    /// Uncached tokens only.
+    Linear,
+}
+
+/// Weights of the `kv` policy.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct KvPolicyConfig {
+    pub prefill_weight: f64,
+    pub decode_weight: f64,
+    /// Fraction of the cached tokens credited (1 = all, 0 = cache ignored).
+    pub prefix_weight: f64,
+    pub prefill_estimate: PrefillEstimate,
+    /// Context length at which attention work equals linear work (trapezoid estimate).
+    pub attention_horizon_tokens: f64,
+    /// 0 = always the cheapest pod; > 0 = softmax sampling over normalised costs.
+    pub temperature: f64,
+    /// Drop pods reporting at least this many waiting requests.
+    pub max_waiting: Option<f64>,
+    /// Drop pods reporting at least this KV-cache usage (0–1).
+    pub max_kv_usage: Option<f64>,
+}
+
+impl Default for KvPolicyConfig {
+    fn default() -> Self {
+        Self {
+            prefill_weight: 1.0,
+            decode_weight: 1.0,
+            prefix_weight: 1.0,
+            prefill_estimate: PrefillEstimate::Trapezoid,
+            attention_horizon_tokens: 30_000.0,
+            temperature: 0.0,
+            max_waiting: None,
+            max_kv_usage: None,
+        }
+    }
+}
+
+pub struct KvPolicy {
+    config: KvPolicyConfig,
+    rng: StdRng,
+}
+
+impl KvPolicy {
+    pub fn new(config: KvPolicyConfig, rng: StdRng) -> Self {
+        Self { config, rng }
+    }
+
+    /// Linear-equivalent prefill tokens of `n` uncached tokens after `cached`.
+    fn prefill_tokens(&self, prompt: u64, cached: u64) -> f64 {
+        let n = prompt.saturating_sub(cached) as f64;
+        match self.config.prefill_estimate {
+            PrefillEstimate::Linear => n,
+            PrefillEstimate::Trapezoid => n + prefill_work(prompt, cached) / self.config.attention_horizon_tokens,
+        }
+    }
+
+    fn busy(&self, c: &Candidate) -> bool {
+        let Some(r) = c.reported else { return false };
+        self.config.max_waiting.is_some_and(|m| r.waiting >= m)
+            || self.config.max_kv_usage.is_some_and(|m| r.kv_cache_usage >= m)
+    }
+
+    /// Cost of sending the request to `c`.
+    pub fn cost(&self, input: &RouteInput, c: &Candidate) -> f64 {
+        let prompt = u64::from(input.prompt_tokens);
+        let credited = (f64::from(c.cached_tokens) * self.config.prefix_weight) as u64;
+        let uncached = u64::from(uncached_tokens(input, &Candidate { cached_tokens: credited as u32, ..*c }));
+        let own = self.prefill_tokens(prompt, prompt - uncached);
+        let queued = match self.config.prefill_estimate {
+            PrefillEstimate::Linear => c.load.queued_prefill_tokens as f64,
+            PrefillEstimate::Trapezoid => {
+                c.load.queued_prefill_tokens as f64 + c.load.queued_prefill_work / self.config.attention_horizon_tokens
+            }
+        };
+        self.config.prefill_weight * (queued + own) / f64::from(input.block_size.max(1))
+            + self.config.decode_weight * c.load.decode_blocks
+    }
+}
+
+impl Policy for KvPolicy {
+    fn name(&self) -> &'static str {
+        "kv"
+    }
+
+    fn select(&mut self, input: &RouteInput, candidates: &[Candidate]) -> Decision {
+        let all_busy = candidates.iter().all(|c| self.busy(c));
+        let costs: Vec<Option<f64>> =
+            candidates.iter().map(|c| (all_busy || !self.busy(c)).then(|| self.cost(input, c))).collect();
+        let chosen = if self.config.temperature > 0.0 {
+            softmax_sample(&costs, self.config.temperature, &mut self.rng)
+        } else {
+            argmin_random_tie(&costs, &mut self.rng)
+        };
+        Decision { chosen, costs }
+    }
+}
+
+/// Samples index i with probability ∝ exp(−(cost_i − min)/(max − min)/temperature).
+fn softmax_sample(costs: &[Option<f64>], temperature: f64, rng: &mut StdRng) -> usize {
+    let (min, max) =
+        costs.iter().flatten().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &c| (lo.min(c), hi.max(c)));
+    let span = if max > min { max - min } else { 1.0 };
+    let weights: Vec<f64> = costs.iter().map(|c| c.map_or(0.0, |c| (-(c - min) / span / temperature).exp())).collect();
+    let total: f64 = weights.iter().sum();
+    let mut x = rng.random::<f64>() * total;
+    for (i, w) in weights.iter().enumerate() {
+        if *w > 0.0 && x < *w {
+            return i;
+        }
+        x -= w;
+    }
+    weights.iter().rposition(|w| *w > 0.0).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::ReportedLoad;
+    use super::super::test_support::{INPUT, candidate, histogram};
+    use super::*;
+    use rand::SeedableRng;
+
+    fn policy(config: KvPolicyConfig) -> KvPolicy {
+        KvPolicy::new(config, StdRng::seed_from_u64(7))
+    }
+
+    #[test]
+    fn a_cached_prefix_wins_on_idle_pods() {
+        let mut p = policy(KvPolicyConfig::default());
+        let cands = [candidate(0, 0, 0, 0), candidate(1, 800, 0, 0), candidate(2, 400, 0, 0)];
+        let d = p.select(&INPUT, &cands);
+        assert_eq!(d.chosen, 1);
+        let c: Vec<f64> = d.costs.iter().map(|c| c.unwrap()).collect();
+        assert!(c[1] < c[2] && c[2] < c[0]);
+    }
+
+    #[test]
+    fn queued_work_outweighs_a_small_cache_gain() {
+        let mut p = policy(KvPolicyConfig::default());
+        // Pod 1 holds 160 of 1000 tokens but has 5000 prefill tokens queued.
+        let cands = [candidate(0, 0, 0, 0), candidate(1, 160, 1, 5000)];
+        assert_eq!(p.select(&INPUT, &cands).chosen, 0);
+    }
+
+    #[test]
+    fn trapezoid_charges_long_contexts_more_than_linear() {
+        let tz = policy(KvPolicyConfig::default());
+        let lin = policy(KvPolicyConfig { prefill_estimate: PrefillEstimate::Linear, ..Default::default() });
+        let long = RouteInput { prompt_tokens: 32_000, block_size: 16 };
+        let c = candidate(0, 0, 0, 0);
+        assert!(tz.cost(&long, &c) > 1.4 * lin.cost(&long, &c));
+        assert_eq!(lin.cost(&long, &c), 2000.0);
+    }
+
+    #[test]
+    fn prefix_weight_zero_is_pure_load_balancing() {
+        let mut p = policy(KvPolicyConfig { prefix_weight: 0.0, ..Default::default() });
+        let cands = [candidate(0, 999, 3, 0), candidate(1, 0, 1, 0)];
+        assert_eq!(p.select(&INPUT, &cands).chosen, 1);
+    }
+
+    #[test]
+    fn busy_pods_are_skipped_unless_all_are_busy() {
+        let mut p = policy(KvPolicyConfig { max_waiting: Some(10.0), ..Default::default() });
+        let mut hot = candidate(0, 1000, 0, 0);
+        hot.reported = Some(ReportedLoad { waiting: 12.0, ..Default::default() });
+        let cold = candidate(1, 0, 0, 0);
+        let d = p.select(&INPUT, &[hot, cold]);
+        assert_eq!((d.chosen, d.costs[0]), (1, None));
+        assert_eq!(p.select(&INPUT, &[hot]).chosen, 0);
+    }
+
+    #[test]
+    fn temperature_spreads_choices_by_cost() {
+        let mut p = policy(KvPolicyConfig { temperature: 0.5, ..Default::default() });
+        let cands = [candidate(0, 900, 0, 0), candidate(1, 0, 0, 0), candidate(2, 500, 0, 0)];
+        let h = histogram(&mut p, &cands, 3000);
+        assert!(h[0] > h[2] && h[2] > h[1] && h[1] > 0, "{h:?}");
+        let mut greedy = policy(KvPolicyConfig::default());
+        assert_eq!(histogram(&mut greedy, &cands, 100), vec![100, 0, 0]);
+    }
+}

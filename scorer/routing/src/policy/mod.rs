@@ -1,0 +1,187 @@
+//! Pod selection policies: one trait, one file per policy, a factory from configuration.
+//!
+//! The scorer computes, for every eligible pod, a [`Candidate`]: how many of the request's
+//! prompt tokens that pod has cached, kvgate's own predicted load on it, and the load it last
+//! reported. A [`Policy`] picks one candidate and explains the figures behind the choice.
+
+mod kv;
+mod least_loaded;
+mod power_of_two;
+mod prefix;
+mod random;
+mod round_robin;
+mod ttft;
+
+pub use kv::{KvPolicy, KvPolicyConfig, PrefillEstimate};
+pub use least_loaded::LeastLoaded;
+pub use power_of_two::PowerOfTwo;
+pub use prefix::LongestPrefix;
+pub use random::Random;
+pub use round_robin::RoundRobin;
+pub use ttft::TtftPolicy;
+
+use crate::load::PodLoad;
+use crate::pod_set::PodId;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use serde::Deserialize;
+
+/// Load a pod reported itself (vLLM `/metrics`), when scraped.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ReportedLoad {
+    pub running: f64,
+    pub waiting: f64,
+    /// 0–1.
+    pub kv_cache_usage: f64,
+}
+
+/// One eligible pod and the figures a policy may weigh.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Candidate {
+    pub pod: PodId,
+    /// Prompt tokens this pod holds in its prefix cache (leading full blocks).
+    pub cached_tokens: u32,
+    /// kvgate's own bookkeeping of what it sent there.
+    pub load: PodLoad,
+    pub reported: Option<ReportedLoad>,
+}
+
+/// The request, as far as policies care.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteInput {
+    pub prompt_tokens: u32,
+    pub block_size: u32,
+}
+
+/// A policy's choice: the index of the chosen candidate and, per candidate, the cost it was
+/// given (lower is better; `None` where the policy did not score it, e.g. filtered).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    pub chosen: usize,
+    pub costs: Vec<Option<f64>>,
+}
+
+/// A way to choose a pod.
+pub trait Policy: Send {
+    /// The name used in configuration and metrics.
+    fn name(&self) -> &'static str;
+    /// Chooses among `candidates` (never empty).
+    fn select(&mut self, input: &RouteInput, candidates: &[Candidate]) -> Decision;
+}
+
+/// Policy configuration, as written in the scorer's YAML (`policy: {name: kv, ...}`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(tag = "name", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum PolicyConfig {
+    Kv(KvPolicyConfig),
+    Prefix,
+    Ttft,
+    LeastLoaded,
+    RoundRobin,
+    Random,
+    PowerOfTwo,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig::Kv(KvPolicyConfig::default())
+    }
+}
+
+impl PolicyConfig {
+    /// Builds the policy; `seed` makes its random choices reproducible.
+    pub fn build(&self, seed: u64) -> Box<dyn Policy> {
+        let rng = StdRng::seed_from_u64(seed);
+        match self {
+            PolicyConfig::Kv(config) => Box::new(KvPolicy::new(config.clone(), rng)),
+            PolicyConfig::Prefix => Box::new(LongestPrefix::new(rng)),
+            PolicyConfig::Ttft => Box::new(TtftPolicy::new(rng)),
+            PolicyConfig::LeastLoaded => Box::new(LeastLoaded::new(rng)),
+            PolicyConfig::RoundRobin => Box::new(RoundRobin::default()),
+            PolicyConfig::Random => Box::new(Random::new(rng)),
+            PolicyConfig::PowerOfTwo => Box::new(PowerOfTwo::new(rng)),
+        }
+    }
+}
+
+/// Index of the lowest cost, ties broken uniformly at random; `None` costs are skipped.
+pub(crate) fn argmin_random_tie(costs: &[Option<f64>], rng: &mut StdRng) -> usize {
+    use rand::Rng;
+    let best = costs.iter().flatten().copied().fold(f64::INFINITY, f64::min);
+    let ties: smallvec::SmallVec<[usize; 8]> =
+        costs.iter().enumerate().filter(|(_, c)| c.is_some_and(|c| c <= best)).map(|(i, _)| i).collect();
+    match ties.len() {
+        0 => 0,
+        1 => ties[0],
+        n => ties[rng.random_range(0..n)],
+    }
+}
+
+/// Prompt tokens a candidate would compute: at least one, since an engine always recomputes
+/// the last prompt token to sample from.
+pub(crate) fn uncached_tokens(input: &RouteInput, c: &Candidate) -> u32 {
+    let uncached = input.prompt_tokens.saturating_sub(c.cached_tokens);
+    if input.prompt_tokens > 0 { uncached.max(1) } else { 0 }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+
+    pub fn candidate(pod: u32, cached_tokens: u32, inflight: u32, queued_prefill_tokens: u64) -> Candidate {
+        Candidate {
+            pod: PodId(pod),
+            cached_tokens,
+            load: PodLoad {
+                inflight_requests: inflight,
+                queued_prefill_tokens,
+                queued_prefill_work: queued_prefill_tokens as f64 * 100.0,
+                decode_blocks: f64::from(inflight) * 10.0,
+            },
+            reported: None,
+        }
+    }
+
+    pub const INPUT: RouteInput = RouteInput { prompt_tokens: 1000, block_size: 16 };
+
+    /// How often each candidate index is chosen over `n` selections.
+    pub fn histogram(policy: &mut dyn Policy, candidates: &[Candidate], n: usize) -> Vec<usize> {
+        let mut counts = vec![0; candidates.len()];
+        for _ in 0..n {
+            counts[policy.select(&INPUT, candidates).chosen] += 1;
+        }
+        counts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policies_are_configured_by_name_and_reject_unknown_fields() {
+        let parse = |s: &str| serde_json::from_str::<PolicyConfig>(s);
+        assert_eq!(parse(r#"{"name": "round-robin"}"#).unwrap(), PolicyConfig::RoundRobin);
+        assert!(
+            matches!(parse(r#"{"name": "kv", "decode_weight": 0.5}"#).unwrap(), PolicyConfig::Kv(c) if c.decode_weight == 0.5)
+        );
+        assert!(parse(r#"{"name": "kv", "decode_wieght": 0.5}"#).unwrap_err().to_string().contains("decode_wieght"));
+        assert!(parse(r#"{"name": "fastest"}"#).is_err());
+        for name in ["kv", "prefix", "ttft", "least-loaded", "round-robin", "random", "power-of-two"] {
+            let config = parse(&format!(r#"{{"name": "{name}"}}"#)).unwrap();
+            assert_eq!(config.build(0).name(), name);
+        }
+    }
+
+    #[test]
+    fn ties_are_broken_at_random() {
+        let mut rng = StdRng::seed_from_u64(1);
+        let costs = [Some(2.0), Some(1.0), None, Some(1.0)];
+        let mut seen = [0; 4];
+        for _ in 0..200 {
+            seen[argmin_random_tie(&costs, &mut rng)] += 1;
+        }
+        assert_eq!((seen[0], seen[2]), (0, 0));
+        assert!(seen[1] > 50 && seen[3] > 50, "{seen:?}");
+    }
+}
