@@ -133,7 +133,7 @@ impl LoadTracker {
         for h in booking.chain {
             *pod.shared_blocks.entry(*h).or_insert(0) += 1;
         }
-        let partial_block = booking.prompt_tokens as usize % bs != 0;
+        let partial_block = !(booking.prompt_tokens as usize).is_multiple_of(bs);
         pod.private_blocks += u64::from(partial_block);
         pod.inflight.push(request_id.to_string());
         self.requests.insert(
