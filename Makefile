@@ -23,7 +23,9 @@ lint:
 fmt:
 	$(CARGO) fmt --all
 
+# Integration tests start the workspace's binaries (pods, scorer), so build them first.
 test: setup lint
+	$(CARGO) build --workspace --release --bins
 	$(CARGO) test --workspace --release
 
 # One simulated pod on the documented defaults, for trying things by hand.

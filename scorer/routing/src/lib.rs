@@ -8,9 +8,11 @@
 //! - [`index`]: which pod holds which block, matched in one lookup per block;
 //! - [`sequence`]: batch sequence numbers → in order, gap, restart or duplicate;
 //! - [`load`]: in-flight bookkeeping (queued prefill work, decode blocks) with expiry;
+//! - [`approx`]: blocks recently routed to pods that publish no events, with a TTL;
 //! - [`policy`]: one trait, one file per policy (`kv`, `prefix`, `ttft`, `least-loaded`,
 //!   `round-robin`, `random`, `power-of-two`), built from configuration.
 
+pub mod approx;
 pub mod events;
 pub mod hash;
 pub mod index;

@@ -42,17 +42,6 @@ impl SequenceTracker {
     pub fn expected(&self) -> Option<u64> {
         self.next
     }
-
-    /// Accepts a batch obtained by replay (fills a gap in order).
-    pub fn replayed(&mut self, seq: u64) -> bool {
-        match self.next {
-            Some(next) if seq < next => false,
-            _ => {
-                self.next = seq.checked_add(1);
-                true
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -70,9 +59,7 @@ mod tests {
         assert_eq!(t.expected(), Some(46));
         assert_eq!(t.observe(0), Sequencing::Restart);
         assert_eq!(t.observe(1), Sequencing::InOrder);
-        assert!(t.replayed(2));
-        assert!(!t.replayed(1));
-        assert_eq!(t.observe(u64::MAX), Sequencing::Gap { missing_from: 3, seq: u64::MAX });
+        assert_eq!(t.observe(u64::MAX), Sequencing::Gap { missing_from: 2, seq: u64::MAX });
         assert_eq!(t.expected(), None);
     }
 }

@@ -1,9 +1,7 @@
 //! The simulator's OpenAI-compatible HTTP API over real sockets.
 
-mod common;
-
-use common::{Sim, completion, qwen3_tokenizer, text};
 use futures::StreamExt;
+use kvgate_test_harness::{Sim, completion, qwen3_tokenizer, text};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 

@@ -2,9 +2,7 @@
 //! drives real ones: a 1-token prefill leg with `do_remote_decode`, then the original request
 //! with the prefill's `kv_transfer_params` to the decode pod.
 
-mod common;
-
-use common::{Sim, sized};
+use kvgate_test_harness::{Sim, sized};
 use serde_json::{Value, json};
 
 fn prefill_leg(prompt: &str) -> Value {

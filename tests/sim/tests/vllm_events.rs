@@ -2,9 +2,7 @@
 //! decoder (the msgspec structs of `vllm/distributed/kv_events.py` from the 0.23 and 0.33
 //! wheels), and its replay socket driven by a DEALER as vLLM's consumers do.
 
-mod common;
-
-use common::{Sim, completion, sized, text, vllm_replay, vllm_subscriber};
+use kvgate_test_harness::{Sim, completion, sized, text, vllm_replay, vllm_subscriber};
 use serde_json::Value;
 use std::time::Duration;
 
@@ -127,7 +125,7 @@ async fn bytes_hashes_decode_as_32_byte_digests() {
 async fn topic_and_connect_mode_work_like_vllm() {
     // vLLM connects its PUB socket for non-wildcard tcp endpoints; the subscriber binds,
     // possibly later than the engine starts: the pod keeps trying.
-    let port = common::free_port();
+    let port = kvgate_test_harness::free_port();
     let endpoint = format!("tcp://127.0.0.1:{port}");
     let sim = Sim::start(
         "pod-connect",

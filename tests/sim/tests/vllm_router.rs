@@ -3,9 +3,7 @@
 //! the pod that cached their prefix. The prefixes are cached by sending them to the pods
 //! directly, so the router can only know where they are from the pods' event streams.
 
-mod common;
-
-use common::{Sim, free_port, qwen3_tokenizer, text, venv_bin};
+use kvgate_test_harness::{Sim, free_port, qwen3_tokenizer, text, venv_bin};
 use serde_json::json;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

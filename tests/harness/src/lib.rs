@@ -1,6 +1,6 @@
-//! Shared harness of the simulator's integration tests: start `kvgate-sim` processes on free
-//! loopback ports, find the project's Python venv and vLLM's event code, drive helpers.
-#![allow(dead_code)] // each test binary uses a different part of the harness
+//! The harness kvgate's integration tests share: start `kvgate-sim` pods and other binaries
+//! of the workspace on free loopback ports, find the project's Python venv, the Qwen3
+//! tokenizer and vLLM's own event code (all installed by `make setup`), drive helpers.
 
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
@@ -46,6 +46,21 @@ pub fn qwen3_tokenizer() -> PathBuf {
     required(path, "the Qwen3 tokenizer")
 }
 
+/// A binary of this workspace, built for the running test's profile (`cargo test` builds
+/// only the tested package's binaries, so `make test` builds all of them first).
+pub fn binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let dir = exe.parent().and_then(|deps| deps.parent()).expect("target profile directory");
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} not built: run `cargo build --bins` with this profile (`make test` does)",
+        path.display()
+    );
+    path
+}
+
 /// A free TCP port on 127.0.0.1 (bound, then released for the child to take).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
@@ -54,6 +69,7 @@ pub fn free_port() -> u16 {
 /// A running `kvgate-sim`; killed on drop.
 pub struct Sim {
     child: Child,
+    args: Vec<String>,
     pub pod_id: String,
     pub url: String,
     pub port: u16,
@@ -76,15 +92,25 @@ impl Sim {
         }
         args.extend(["--kv-events-replay-endpoint".into(), replay.clone()]);
         args.extend(extra.iter().map(|s| s.to_string()));
-        let child = Command::new(env!("CARGO_BIN_EXE_kvgate-sim"))
-            .args(&args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn kvgate-sim");
-        let sim = Sim { child, pod_id: pod_id.into(), url: format!("http://127.0.0.1:{port}"), port, events, replay };
+        let child = spawn_sim(&args);
+        let sim =
+            Sim { child, args, pod_id: pod_id.into(), url: format!("http://127.0.0.1:{port}"), port, events, replay };
         sim.wait_healthy(Duration::from_secs(20)).await;
         sim
+    }
+
+    /// Kills the pod (SIGKILL: no goodbye on any socket).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the pod again on the same ports and flags (an engine restart: empty cache,
+    /// event sequence from 0).
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.child = spawn_sim(&self.args);
+        self.wait_healthy(Duration::from_secs(20)).await;
     }
 
     async fn wait_healthy(&self, limit: Duration) {
@@ -149,6 +175,15 @@ impl Sim {
     pub async fn requests(&self) -> Vec<Value> {
         reqwest::get(format!("{}/sim/requests", self.url)).await.expect("log").json().await.expect("json")
     }
+}
+
+fn spawn_sim(args: &[String]) -> Child {
+    Command::new(binary("kvgate-sim"))
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn kvgate-sim")
 }
 
 impl Drop for Sim {
@@ -247,4 +282,85 @@ pub fn sized(seed: &str, tokens: usize) -> String {
     s.truncate(tokens * 4);
     assert_eq!(s.len(), tokens * 4, "seed too short for {tokens} tokens");
     s
+}
+
+/// A running `kvgate-scorer` on a free port; killed on drop.
+pub struct ScorerProcess {
+    child: Child,
+    pub url: String,
+    pub config_path: PathBuf,
+}
+
+impl ScorerProcess {
+    /// Starts the scorer with `config` (YAML without `listen`, which is added) and waits for
+    /// `/healthz`.
+    pub async fn start(config: &str) -> ScorerProcess {
+        let port = free_port();
+        let config_path = std::env::temp_dir().join(format!("kvgate-scorer-{port}.yaml"));
+        std::fs::write(&config_path, format!("listen: 127.0.0.1:{port}\n{config}")).expect("write scorer config");
+        let child = Command::new(binary("kvgate-scorer"))
+            .arg("--config")
+            .arg(&config_path)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn kvgate-scorer");
+        let scorer = ScorerProcess { child, url: format!("http://127.0.0.1:{port}"), config_path };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Ok(r) = reqwest::get(format!("{}/healthz", scorer.url)).await
+                && r.status().is_success()
+            {
+                return scorer;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("kvgate-scorer did not come up");
+    }
+
+    /// `POST /v1/route` for a request body sent to `api_path`: (status, JSON answer).
+    pub async fn route(&self, api_path: &str, request_id: &str, body: &Value, explain: bool) -> (u16, Value) {
+        let url = format!("{}/v1/route{}", self.url, if explain { "?explain=1" } else { "" });
+        let r = reqwest::Client::new()
+            .post(url)
+            .header("x-request-id", request_id)
+            .header("x-kvgate-api-path", api_path)
+            .body(body.to_string())
+            .send()
+            .await
+            .expect("route call");
+        let status = r.status().as_u16();
+        (status, r.json().await.expect("JSON answer"))
+    }
+
+    /// `GET /v1/pods`.
+    pub async fn pods(&self) -> Vec<Value> {
+        reqwest::get(format!("{}/v1/pods", self.url)).await.expect("pods").json().await.expect("json")
+    }
+
+    /// The pod entry named `name` in `/v1/pods`.
+    pub async fn pod(&self, name: &str) -> Value {
+        self.pods().await.into_iter().find(|p| p["name"] == name).unwrap_or_else(|| panic!("no pod {name}"))
+    }
+
+    /// Polls `/v1/pods` until `check` holds for pod `name`; panics after `limit`.
+    pub async fn wait_pod(&self, name: &str, limit: Duration, check: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + limit;
+        loop {
+            let pod = self.pod(name).await;
+            if check(&pod) {
+                return pod;
+            }
+            assert!(Instant::now() < deadline, "pod {name} never reached the expected state: {pod}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for ScorerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.config_path);
+    }
 }

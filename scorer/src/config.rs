@@ -1,0 +1,311 @@
+//! The scorer's YAML configuration. Every field is documented in the README; unknown fields
+//! and invalid values stop start-up with a message naming the field.
+
+use kvgate_routing::policy::PolicyConfig;
+use serde::Deserialize;
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+/// A configuration problem, named by its field path.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("{path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("{field}: {message}")]
+    Invalid { field: String, message: String },
+}
+
+fn invalid<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T, ConfigError> {
+    Err(ConfigError::Invalid { field: field.into(), message: message.into() })
+}
+
+/// Which side of prefill/decode disaggregation a pod serves.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Both,
+    Prefill,
+    Decode,
+}
+
+/// One vLLM pod.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PodConfig {
+    /// Unique name, used in logs, metrics and `/v1/pods`.
+    pub name: String,
+    /// `ip:port` of the pod's HTTP server: what Envoy routes to.
+    pub address: String,
+    #[serde(default = "default_role")]
+    pub role: Role,
+    /// ZMQ endpoint of the pod's KV-event publisher (`tcp://host:port` or `ipc://path`).
+    /// Without it the pod is indexed approximately (what kvgate routed there, with a TTL).
+    pub kv_events: Option<String>,
+    /// ZMQ ROUTER endpoint of the pod's replay socket, to fetch batches lost in a gap.
+    pub kv_events_replay: Option<String>,
+    /// URL of the pod's Prometheus `/metrics`, scraped for load and health.
+    pub metrics: Option<String>,
+}
+
+fn default_role() -> Role {
+    Role::Both
+}
+
+/// The KV indexes.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct IndexSection {
+    /// Most blocks indexed per pod (precise and approximate index each).
+    pub max_blocks_per_pod: usize,
+    /// How long blocks routed to a pod without events count as cached there.
+    pub approximate_ttl_seconds: f64,
+}
+
+impl Default for IndexSection {
+    fn default() -> Self {
+        Self { max_blocks_per_pod: 1 << 20, approximate_ttl_seconds: 120.0 }
+    }
+}
+
+/// In-flight bookkeeping.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LoadSection {
+    /// Expected completion tokens of a request without `max_tokens`.
+    pub default_output_tokens: u32,
+    /// Estimated decode speed of one sequence, to decay expected output over time.
+    pub decode_tokens_per_second: f64,
+    /// A booking without a `done` report is dropped after this long.
+    pub request_ttl_seconds: f64,
+}
+
+impl Default for LoadSection {
+    fn default() -> Self {
+        Self { default_output_tokens: 256, decode_tokens_per_second: 50.0, request_ttl_seconds: 600.0 }
+    }
+}
+
+/// Scraping of pods' `/metrics`.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthSection {
+    pub scrape_interval_ms: u64,
+    pub scrape_timeout_ms: u64,
+    /// Consecutive failed scrapes after which a pod stops being chosen.
+    pub unhealthy_after: u32,
+}
+
+impl Default for HealthSection {
+    fn default() -> Self {
+        Self { scrape_interval_ms: 1000, scrape_timeout_ms: 500, unhealthy_after: 3 }
+    }
+}
+
+/// The whole file.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// HTTP address of the scorer's API (loopback by default: only the local Envoy calls it).
+    #[serde(default = "default_listen")]
+    pub listen: SocketAddr,
+    /// HF `tokenizer.json` of the served model; the chat template comes from the
+    /// `tokenizer_config.json` beside it. Without it tokens are estimated (bytes/4) and only
+    /// the approximate index is used.
+    pub tokenizer: Option<PathBuf>,
+    /// Tokens per KV block: must equal the engines' `--block-size`.
+    #[serde(default = "default_block_size")]
+    pub block_size: usize,
+    /// `model` names that are LoRA adapters (their blocks are hashed apart).
+    #[serde(default)]
+    pub lora_adapters: Vec<String>,
+    #[serde(default)]
+    pub policy: PolicyConfig,
+    /// Seed of the policies' random choices (ties, sampling).
+    #[serde(default)]
+    pub seed: u64,
+    #[serde(default)]
+    pub index: IndexSection,
+    #[serde(default)]
+    pub load: LoadSection,
+    #[serde(default)]
+    pub health: HealthSection,
+    pub pods: Vec<PodConfig>,
+}
+
+/// A finite number above zero (NaN and infinities are not).
+fn positive(v: f64) -> bool {
+    v.is_finite() && v > 0.0
+}
+
+fn default_listen() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 7070))
+}
+
+fn default_block_size() -> usize {
+    16
+}
+
+impl Config {
+    /// Reads and validates a configuration file.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;
+        let config = Self::parse(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse { path: path.into(), message },
+            other => other,
+        })?;
+        if let Some(tokenizer) = &config.tokenizer
+            && !tokenizer.is_file()
+        {
+            return invalid("tokenizer", format!("{} is not a file", tokenizer.display()));
+        }
+        Ok(config)
+    }
+
+    /// Parses and validates YAML text (file checks aside).
+    pub fn parse(text: &str) -> Result<Config, ConfigError> {
+        let config: Config = serde_saphyr::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: PathBuf::new(), message: e.to_string() })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.block_size == 0 {
+            return invalid("block_size", "must be positive");
+        }
+        if self.pods.is_empty() {
+            return invalid("pods", "at least one pod is needed");
+        }
+        let (mut names, mut addresses) = (HashSet::new(), HashSet::new());
+        for (i, pod) in self.pods.iter().enumerate() {
+            let field = |f: &str| format!("pods[{i}].{f}");
+            if pod.name.is_empty() || !pod.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+                return invalid(field("name"), format!("{:?} must be non-empty [A-Za-z0-9._-]", pod.name));
+            }
+            if !names.insert(pod.name.as_str()) {
+                return invalid(field("name"), format!("duplicate pod name {:?}", pod.name));
+            }
+            if pod.address.parse::<SocketAddr>().is_err() {
+                return invalid(field("address"), format!("{:?} is not ip:port", pod.address));
+            }
+            if !addresses.insert(pod.address.as_str()) {
+                return invalid(field("address"), format!("duplicate address {}", pod.address));
+            }
+            for (name, endpoint) in [("kv_events", &pod.kv_events), ("kv_events_replay", &pod.kv_events_replay)] {
+                if let Some(e) = endpoint
+                    && !(e.starts_with("tcp://") || e.starts_with("ipc://"))
+                {
+                    return invalid(field(name), format!("{e:?} must start with tcp:// or ipc://"));
+                }
+            }
+            if pod.kv_events_replay.is_some() && pod.kv_events.is_none() {
+                return invalid(field("kv_events_replay"), "needs kv_events");
+            }
+            if let Some(url) = &pod.metrics
+                && !url.starts_with("http://")
+            {
+                return invalid(field("metrics"), format!("{url:?} must be an http:// URL"));
+            }
+        }
+        if let PolicyConfig::Kv(kv) = &self.policy {
+            for (name, v) in [
+                ("prefill_weight", kv.prefill_weight),
+                ("decode_weight", kv.decode_weight),
+                ("prefix_weight", kv.prefix_weight),
+                ("temperature", kv.temperature),
+            ] {
+                if !(v.is_finite() && v >= 0.0) {
+                    return invalid(format!("policy.{name}"), format!("{v} must be a finite number >= 0"));
+                }
+            }
+            if !positive(kv.attention_horizon_tokens) {
+                return invalid("policy.attention_horizon_tokens", "must be positive");
+            }
+        }
+        if self.index.max_blocks_per_pod == 0 {
+            return invalid("index.max_blocks_per_pod", "must be positive");
+        }
+        if !positive(self.index.approximate_ttl_seconds) {
+            return invalid("index.approximate_ttl_seconds", "must be positive");
+        }
+        if !positive(self.load.decode_tokens_per_second) {
+            return invalid("load.decode_tokens_per_second", "must be positive");
+        }
+        if !positive(self.load.request_ttl_seconds) {
+            return invalid("load.request_ttl_seconds", "must be positive");
+        }
+        if self.health.scrape_interval_ms == 0 || self.health.scrape_timeout_ms == 0 || self.health.unhealthy_after == 0
+        {
+            return invalid("health", "scrape_interval_ms, scrape_timeout_ms and unhealthy_after must be positive");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = "pods:\n  - name: pod-a\n    address: 127.0.0.1:8001\n";
+
+    #[test]
+    fn defaults_are_sane() {
+        let c = Config::parse(MINIMAL).unwrap();
+        assert_eq!(c.listen.to_string(), "127.0.0.1:7070");
+        assert_eq!(c.block_size, 16);
+        assert_eq!(c.policy, PolicyConfig::default());
+        assert_eq!(c.pods[0].role, Role::Both);
+        assert!(c.pods[0].kv_events.is_none());
+    }
+
+    #[test]
+    fn a_full_file_parses() {
+        let c = Config::parse(
+            r#"
+listen: 127.0.0.1:7171
+block_size: 32
+lora_adapters: [sql]
+policy: {name: kv, decode_weight: 0.5, prefill_estimate: linear, temperature: 0.1, max_waiting: 32}
+index: {max_blocks_per_pod: 1000, approximate_ttl_seconds: 30}
+load: {default_output_tokens: 128}
+health: {scrape_interval_ms: 200}
+pods:
+  - {name: p1, address: "10.0.0.1:8000", role: prefill, kv_events: "tcp://10.0.0.1:5557", kv_events_replay: "tcp://10.0.0.1:5558", metrics: "http://10.0.0.1:8000/metrics"}
+  - {name: d1, address: "10.0.0.2:8000", role: decode}
+"#,
+        )
+        .unwrap();
+        assert_eq!(c.pods.len(), 2);
+        assert_eq!(c.pods[1].role, Role::Decode);
+        assert_eq!(c.index.max_blocks_per_pod, 1000);
+        assert_eq!(c.health.unhealthy_after, 3, "unset fields keep their defaults");
+    }
+
+    #[test]
+    fn mistakes_name_their_field() {
+        let cases = [
+            ("pods:\n  - name: a\n    address: 1.2.3.4:5\n    kv_event: tcp://x:1\n", "kv_event"),
+            ("blok_size: 4\npods: []\n", "blok_size"),
+            ("block_size: 0\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "block_size"),
+            ("pods: []\n", "pods"),
+            ("pods:\n  - {name: a, address: 'localhost'}\n", "pods[0].address"),
+            ("pods:\n  - {name: a, address: '1.2.3.4:5'}\n  - {name: a, address: '1.2.3.4:6'}\n", "pods[1].name"),
+            ("pods:\n  - {name: a, address: '1.2.3.4:5', kv_events: 'http://x'}\n", "pods[0].kv_events"),
+            ("pods:\n  - {name: a, address: '1.2.3.4:5', kv_events_replay: 'tcp://x:1'}\n", "kv_events_replay"),
+            ("pods:\n  - {name: a, address: '1.2.3.4:5', role: router}\n", "router"),
+            (
+                "policy: {name: kv, decode_weight: -1}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
+                "policy.decode_weight",
+            ),
+            ("policy: {name: fastest}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "fastest"),
+            ("health: {unhealthy_after: 0}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "health"),
+        ];
+        for (yaml, needle) in cases {
+            let err = Config::parse(yaml).expect_err(yaml).to_string();
+            assert!(err.contains(needle), "{yaml:?} → {err}");
+        }
+    }
+}

@@ -1,0 +1,99 @@
+//! The scorer's HTTP API (see the README): `/v1/route`, `/v1/lifecycle`, `/v1/pods`,
+//! `/metrics`, `/healthz`, `/readyz`.
+
+use crate::scorer::{RouteError, Scorer};
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use bytes::Bytes;
+use kvgate_route_api::{ErrorBody, HEADER_API_PATH, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, ROUTE_PATH};
+use serde::Deserialize;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Largest request body `/v1/route` accepts (Envoy's own limit applies first).
+pub const MAX_BODY_BYTES: usize = 64 << 20;
+
+pub fn router(scorer: Arc<Scorer>) -> Router {
+    Router::new()
+        .route(ROUTE_PATH, post(route))
+        .route(LIFECYCLE_PATH, post(lifecycle))
+        .route("/v1/pods", get(pods))
+        .route("/metrics", get(metrics))
+        .route("/healthz", get(|| async { StatusCode::OK }))
+        .route("/readyz", get(readyz))
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "NotFound", "no such endpoint") })
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(scorer)
+}
+
+fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    (status, Json(ErrorBody::new(status.as_u16(), kind, message))).into_response()
+}
+
+#[derive(Deserialize)]
+struct RouteQuery {
+    #[serde(default)]
+    explain: Option<String>,
+}
+
+static GENERATED_IDS: AtomicU64 = AtomicU64::new(0);
+
+async fn route(
+    State(scorer): State<Arc<Scorer>>,
+    Query(query): Query<RouteQuery>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let request_id = match header(HEADER_REQUEST_ID) {
+        Some(id) if !id.is_empty() => id.to_string(),
+        _ => format!("kvgate-scorer-{}", GENERATED_IDS.fetch_add(1, Ordering::Relaxed)),
+    };
+    let Some(path) = header(HEADER_API_PATH) else {
+        scorer.metrics.route_errors.with_label_values(&["400"]).inc();
+        return error(StatusCode::BAD_REQUEST, "BadRequestError", format!("missing header {HEADER_API_PATH}"));
+    };
+    let explain = matches!(query.explain.as_deref(), Some("1" | "true"));
+    match scorer.route(&request_id, path, &body, explain) {
+        Ok(decision) => Json(decision).into_response(),
+        Err(e) => {
+            let (status, kind) = match e {
+                RouteError::BadRequest(_) => (StatusCode::BAD_REQUEST, "BadRequestError"),
+                RouteError::NoPod => (StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable"),
+            };
+            scorer.metrics.route_errors.with_label_values(&[status.as_str()]).inc();
+            error(status, kind, e.to_string())
+        }
+    }
+}
+
+async fn lifecycle(State(scorer): State<Arc<Scorer>>, body: Bytes) -> Response {
+    match serde_json::from_slice::<LifecycleBatch>(&body) {
+        Ok(batch) => {
+            let unknown = scorer.lifecycle(&batch.reports);
+            Json(serde_json::json!({"accepted": batch.reports.len() - unknown, "unknown": unknown})).into_response()
+        }
+        Err(e) => error(StatusCode::BAD_REQUEST, "BadRequestError", format!("invalid lifecycle batch: {e}")),
+    }
+}
+
+async fn pods(State(scorer): State<Arc<Scorer>>) -> Response {
+    Json(scorer.pods_view()).into_response()
+}
+
+async fn metrics(State(scorer): State<Arc<Scorer>>) -> Response {
+    scorer.pods_view(); // refreshes the per-pod gauges
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], scorer.metrics.render())
+        .into_response()
+}
+
+async fn readyz(State(scorer): State<Arc<Scorer>>) -> Response {
+    if scorer.ready() {
+        StatusCode::OK.into_response()
+    } else {
+        error(StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable", "no healthy pod")
+    }
+}

@@ -1,0 +1,108 @@
+//! `kvgate-scorer`: the sidecar that tells the Envoy filter which pod should serve each
+//! request. See the README for the configuration and the HTTP API.
+
+mod config;
+mod http;
+mod metrics;
+mod prompt;
+mod scorer;
+mod scrape;
+mod subscriber;
+
+use anyhow::Context;
+use axum::serve::ListenerExt;
+use clap::Parser;
+use config::Config;
+use kvgate_tokenize::Tokenizer;
+use scorer::Scorer;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// KV-cache-aware pod selection for LLM inference behind Envoy.
+#[derive(Parser, Debug)]
+#[command(name = "kvgate-scorer", version)]
+struct Args {
+    /// The YAML configuration file.
+    #[arg(long)]
+    config: PathBuf,
+    /// Validate the configuration (and load the tokenizer), then exit.
+    #[arg(long)]
+    check: bool,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "kvgate_scorer=info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+    let config =
+        Config::load(&args.config).with_context(|| format!("invalid configuration {}", args.config.display()))?;
+    let tokenizer = match &config.tokenizer {
+        Some(path) => Tokenizer::from_file(path).with_context(|| format!("tokenizer: {}", path.display()))?,
+        None => {
+            tracing::warn!(
+                "no tokenizer configured: prompt tokens are estimated (4 bytes per token) and every pod is indexed \
+                 approximately (what kvgate routed there), not from its KV events"
+            );
+            Tokenizer::fallback()
+        }
+    };
+    if args.check {
+        println!("configuration {} is valid ({} pods)", args.config.display(), config.pods.len());
+        return Ok(());
+    }
+    let listen = config.listen;
+    let scorer = Arc::new(Scorer::new(config, tokenizer));
+
+    for (pod, pod_config) in scorer.pods.iter().zip(&scorer.config.pods) {
+        if pod.precise
+            && let Some(endpoint) = &pod_config.kv_events
+        {
+            tokio::spawn(subscriber::run(
+                scorer.clone(),
+                pod.id,
+                endpoint.clone(),
+                pod_config.kv_events_replay.clone(),
+            ));
+        }
+        if let Some(url) = &pod_config.metrics {
+            tokio::spawn(scrape::run(scorer.clone(), pod.id, url.clone()));
+        }
+    }
+    let expiring = scorer.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            expiring.expire();
+        }
+    });
+
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?
+        .tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::warn!("TCP_NODELAY: {e}");
+            }
+        });
+    tracing::info!(%listen, pods = scorer.pods.len(), policy = ?scorer.config.policy, "kvgate-scorer ready");
+    axum::serve(listener, http::router(scorer)).with_graceful_shutdown(shutdown_signal()).await?;
+    tracing::info!("kvgate-scorer stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("installing the SIGTERM handler");
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term.recv() => {},
+    }
+}

@@ -1,0 +1,130 @@
+//! The scorer's Prometheus metrics. Labels carry pod names and policy names only — never
+//! anything from a request.
+
+use prometheus::{
+    CounterVec, Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    TextEncoder,
+};
+
+pub struct Metrics {
+    registry: Registry,
+    pub decisions: IntCounterVec,
+    pub decision_seconds: Histogram,
+    pub tokenize_seconds: HistogramVec,
+    pub route_errors: IntCounterVec,
+    pub prompt_tokens: IntCounter,
+    pub cached_tokens: IntCounter,
+    pub kv_events: IntCounterVec,
+    pub kv_event_gaps: IntCounterVec,
+    pub kv_event_decode_errors: IntCounterVec,
+    pub kv_replays: IntCounterVec,
+    pub lifecycle_reports: IntCounterVec,
+    pub lifecycle_unknown: IntCounter,
+    pub bookings_expired: IntCounter,
+    pub scrape_failures: IntCounterVec,
+    pub index_blocks: GaugeVec,
+    pub index_entries: GaugeVec,
+    pub inflight_requests: GaugeVec,
+    pub queued_prefill_tokens: GaugeVec,
+    pub pod_healthy: GaugeVec,
+    pub prefix_hit_ratio: CounterVec,
+}
+
+fn buckets() -> Vec<f64> {
+    // 1 µs … 1 s, roughly ×2.5 per bucket.
+    vec![1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.25, 1.0]
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new_custom(Some("kvgate".into()), None).expect("valid prefix");
+        macro_rules! reg {
+            ($m:expr) => {{
+                let m = $m.expect("valid metric");
+                registry.register(Box::new(m.clone())).expect("unique metric");
+                m
+            }};
+        }
+        let decisions =
+            reg!(IntCounterVec::new(Opts::new("decisions_total", "Routing decisions."), &["policy", "pod"]));
+        let decision_seconds = reg!(Histogram::with_opts(
+            HistogramOpts::new("decision_seconds", "Time to choose a pod, tokenization excluded.").buckets(buckets())
+        ));
+        let tokenize_seconds = reg!(HistogramVec::new(
+            HistogramOpts::new("tokenize_seconds", "Time to tokenize a request (chat template included).")
+                .buckets(buckets()),
+            &["api"]
+        ));
+        let route_errors =
+            reg!(IntCounterVec::new(Opts::new("route_errors_total", "Route calls answered with an error."), &["code"]));
+        let prompt_tokens = reg!(IntCounter::new("routed_prompt_tokens_total", "Prompt tokens of routed requests."));
+        let cached_tokens =
+            reg!(IntCounter::new("routed_cached_tokens_total", "Of those, tokens cached on the chosen pod."));
+        let kv_events =
+            reg!(IntCounterVec::new(Opts::new("kv_events_total", "KV events applied, by type."), &["pod", "type"]));
+        let kv_event_gaps =
+            reg!(IntCounterVec::new(Opts::new("kv_event_gaps_total", "Sequence gaps in a pod's events."), &["pod"]));
+        let kv_event_decode_errors = reg!(IntCounterVec::new(
+            Opts::new("kv_event_decode_errors_total", "Event messages dropped as undecodable."),
+            &["pod"]
+        ));
+        let kv_replays = reg!(IntCounterVec::new(
+            Opts::new("kv_replays_total", "Replay attempts after gaps, by outcome."),
+            &["pod", "outcome"]
+        ));
+        let lifecycle_reports =
+            reg!(IntCounterVec::new(Opts::new("lifecycle_reports_total", "Lifecycle reports received."), &["event"]));
+        let lifecycle_unknown =
+            reg!(IntCounter::new("lifecycle_unknown_total", "Lifecycle reports naming no in-flight request."));
+        let bookings_expired =
+            reg!(IntCounter::new("bookings_expired_total", "In-flight bookings dropped after their TTL."));
+        let scrape_failures = reg!(IntCounterVec::new(
+            Opts::new("scrape_failures_total", "Failed scrapes of a pod's /metrics."),
+            &["pod"]
+        ));
+        let index_blocks =
+            reg!(GaugeVec::new(Opts::new("index_blocks", "Blocks indexed per pod, by index."), &["pod", "index"]));
+        let index_entries = reg!(GaugeVec::new(Opts::new("index_size", "Index size."), &["measure"]));
+        let inflight_requests =
+            reg!(GaugeVec::new(Opts::new("inflight_requests", "Requests routed and not finished."), &["pod"]));
+        let queued_prefill_tokens = reg!(GaugeVec::new(
+            Opts::new("queued_prefill_tokens", "Uncached prompt tokens routed and not yet at first token."),
+            &["pod"]
+        ));
+        let pod_healthy = reg!(GaugeVec::new(Opts::new("pod_healthy", "1 if the pod can be chosen."), &["pod"]));
+        let prefix_hit_ratio = reg!(CounterVec::new(
+            Opts::new("prefix_hit_ratio_sum", "Σ cached/prompt tokens over decisions (÷ decisions = mean ratio)."),
+            &["policy"]
+        ));
+        Self {
+            registry,
+            decisions,
+            decision_seconds,
+            tokenize_seconds,
+            route_errors,
+            prompt_tokens,
+            cached_tokens,
+            kv_events,
+            kv_event_gaps,
+            kv_event_decode_errors,
+            kv_replays,
+            lifecycle_reports,
+            lifecycle_unknown,
+            bookings_expired,
+            scrape_failures,
+            index_blocks,
+            index_entries,
+            inflight_requests,
+            queued_prefill_tokens,
+            pod_healthy,
+            prefix_hit_ratio,
+        }
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> String {
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+}

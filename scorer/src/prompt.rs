@@ -1,0 +1,185 @@
+//! From an OpenAI request body to what routing needs: the prompt's token ids as the engine
+//! will see them, the adapter and salt that seed its block hashes, and its output budget.
+
+use kvgate_tokenize::{ChatOptions, Tokenizer};
+use serde::Deserialize;
+use serde_json::{Map, Value};
+
+/// The two APIs kvgate routes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    Completions,
+    ChatCompletions,
+}
+
+impl Api {
+    /// The API of a request path (query string ignored); `None` for anything else.
+    pub fn from_path(path: &str) -> Option<Api> {
+        match path.split('?').next().unwrap_or_default() {
+            "/v1/completions" => Some(Api::Completions),
+            "/v1/chat/completions" => Some(Api::ChatCompletions),
+            _ => None,
+        }
+    }
+}
+
+/// Why a body cannot be routed (the client's fault: HTTP 400).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct PromptError(pub String);
+
+/// What routing needs from a request.
+#[derive(Debug)]
+pub struct PromptInfo {
+    pub tokens: Vec<u32>,
+    pub lora_name: Option<String>,
+    pub cache_salt: Option<String>,
+    pub max_output_tokens: Option<u32>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize)]
+struct Body {
+    model: Option<String>,
+    prompt: Option<Prompt>,
+    messages: Option<Vec<Value>>,
+    max_tokens: Option<u32>,
+    max_completion_tokens: Option<u32>,
+    cache_salt: Option<String>,
+    tools: Option<Value>,
+    chat_template_kwargs: Option<Map<String, Value>>,
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    continue_final_message: bool,
+    add_special_tokens: Option<bool>,
+}
+
+/// Tokenizes a request body the way the engine will.
+///
+/// A completions request with several prompts is routed by its first (the engine serves them
+/// all on one pod; the first is what a shared prefix would match).
+pub fn extract(
+    tokenizer: &Tokenizer,
+    api: Api,
+    body: &[u8],
+    lora_adapters: &[String],
+) -> Result<PromptInfo, PromptError> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| PromptError(format!("request body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(PromptError("request body must be a JSON object".into()));
+    }
+    let body: Body = serde_json::from_value(value).map_err(|e| PromptError(format!("invalid request: {e}")))?;
+    let tokens = match api {
+        Api::Completions => {
+            let add_special = body.add_special_tokens.unwrap_or(true);
+            match body.prompt {
+                None => return Err(PromptError("'prompt' is required".into())),
+                Some(Prompt::Text(text)) => encode(tokenizer, &text, add_special)?,
+                Some(Prompt::Texts(texts)) => match texts.first() {
+                    Some(text) => encode(tokenizer, text, add_special)?,
+                    None => return Err(PromptError("'prompt' must not be empty".into())),
+                },
+                Some(Prompt::Tokens(ids)) => ids,
+                Some(Prompt::TokenLists(mut lists)) => {
+                    if lists.is_empty() {
+                        return Err(PromptError("'prompt' must not be empty".into()));
+                    }
+                    lists.swap_remove(0)
+                }
+            }
+        }
+        Api::ChatCompletions => {
+            let messages = body.messages.ok_or_else(|| PromptError("'messages' is required".into()))?;
+            let options = ChatOptions {
+                add_generation_prompt: body.add_generation_prompt.unwrap_or(!body.continue_final_message),
+                continue_final_message: body.continue_final_message,
+                tools: body.tools,
+                template_kwargs: body.chat_template_kwargs,
+            };
+            let text = tokenizer.render_chat(&messages, &options).map_err(|e| PromptError(e.to_string()))?;
+            encode(tokenizer, &text, body.add_special_tokens.unwrap_or(false))?
+        }
+    };
+    if tokens.is_empty() {
+        return Err(PromptError("the prompt is empty".into()));
+    }
+    let lora_name = body.model.filter(|m| lora_adapters.iter().any(|a| a == m));
+    Ok(PromptInfo {
+        tokens,
+        lora_name,
+        cache_salt: body.cache_salt,
+        max_output_tokens: body.max_completion_tokens.or(body.max_tokens),
+    })
+}
+
+fn encode(tokenizer: &Tokenizer, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
+    tokenizer.encode(text, add_special_tokens).map_err(|e| PromptError(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fallback(api: Api, body: &str) -> Result<PromptInfo, PromptError> {
+        extract(&Tokenizer::fallback(), api, body.as_bytes(), &["sql".to_string()])
+    }
+
+    #[test]
+    fn paths_map_to_apis() {
+        assert_eq!(Api::from_path("/v1/completions"), Some(Api::Completions));
+        assert_eq!(Api::from_path("/v1/chat/completions?x=1"), Some(Api::ChatCompletions));
+        assert_eq!(Api::from_path("/v1/embeddings"), None);
+    }
+
+    #[test]
+    fn prompts_in_every_shape() {
+        let text = fallback(Api::Completions, r#"{"prompt": "abcdefgh", "max_tokens": 9}"#).unwrap();
+        assert_eq!(text.tokens.len(), 2);
+        assert_eq!(text.max_output_tokens, Some(9));
+        let ids = fallback(Api::Completions, r#"{"prompt": [5, 6, 7]}"#).unwrap();
+        assert_eq!(ids.tokens, vec![5, 6, 7]);
+        let lists = fallback(Api::Completions, r#"{"prompt": [[1, 2], [3]]}"#).unwrap();
+        assert_eq!(lists.tokens, vec![1, 2]);
+        let texts = fallback(Api::Completions, r#"{"prompt": ["abcd", "efgh"]}"#).unwrap();
+        assert_eq!(texts.tokens, text.tokens[..1]);
+        let chat = fallback(
+            Api::ChatCompletions,
+            r#"{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3, "max_tokens": 7,
+                "model": "sql", "cache_salt": "t1"}"#,
+        )
+        .unwrap();
+        assert_eq!(chat.max_output_tokens, Some(3));
+        assert_eq!(chat.lora_name.as_deref(), Some("sql"));
+        assert_eq!(chat.cache_salt.as_deref(), Some("t1"));
+        let base =
+            fallback(Api::ChatCompletions, r#"{"messages": [{"role": "user", "content": "hi"}], "model": "base"}"#);
+        assert_eq!(base.unwrap().lora_name, None);
+    }
+
+    #[test]
+    fn bad_bodies_are_explained() {
+        for (api, body, needle) in [
+            (Api::Completions, "{", "not valid JSON"),
+            (Api::Completions, "3", "JSON object"),
+            (Api::Completions, "{}", "'prompt' is required"),
+            (Api::Completions, r#"{"prompt": []}"#, "empty"),
+            (Api::Completions, r#"{"prompt": {"x": 1}}"#, "invalid request"),
+            (Api::Completions, r#"{"prompt": "x", "max_tokens": -1}"#, "invalid request"),
+            (Api::ChatCompletions, r#"{"prompt": "x"}"#, "'messages' is required"),
+            (Api::ChatCompletions, r#"{"messages": []}"#, "must not be empty"),
+            (Api::ChatCompletions, r#"{"messages": [{"role": "user", "content": 1}]}"#, "content"),
+        ] {
+            let err = fallback(api, body).expect_err(body).to_string();
+            assert!(err.contains(needle), "{body}: {err}");
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! Scraping a pod's vLLM `/metrics`: reported load, and health (consecutive failures make a
+//! pod unhealthy; one success brings it back).
+
+use crate::scorer::Scorer;
+use kvgate_routing::pod_set::PodId;
+use kvgate_routing::policy::ReportedLoad;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Scrapes `url` every interval until the process stops.
+pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: String) {
+    let health = scorer.config.health.clone();
+    let client = match reqwest::Client::builder().timeout(Duration::from_millis(health.scrape_timeout_ms)).build() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("cannot build the metrics client: {e}");
+            return;
+        }
+    };
+    let mut interval = tokio::time::interval(Duration::from_millis(health.scrape_interval_ms));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let result = match client.get(&url).send().await {
+            Ok(r) if r.status().is_success() => r.text().await.ok().and_then(|text| parse(&text)),
+            _ => None,
+        };
+        scorer.scraped(pod, result);
+    }
+}
+
+/// The load figures of a vLLM metrics page (summed over data-parallel engines; KV usage is
+/// the fullest engine's). `None` if the page has none of them.
+pub fn parse(text: &str) -> Option<ReportedLoad> {
+    let mut load = ReportedLoad::default();
+    let mut seen = false;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((name_labels, value)) = line.rsplit_once(' ') else { continue };
+        let name = name_labels.split('{').next().unwrap_or_default();
+        let Ok(value) = value.parse::<f64>() else { continue };
+        match name {
+            "vllm:num_requests_running" => load.running += value,
+            "vllm:num_requests_waiting" => load.waiting += value,
+            "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                load.kv_cache_usage = load.kv_cache_usage.max(value)
+            }
+            _ => continue,
+        }
+        seen = true;
+    }
+    seen.then_some(load)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_vllm_names_across_engines() {
+        let text = "# HELP x\n\
+            vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 3.0\n\
+            vllm:num_requests_running{engine=\"1\",model_name=\"m\"} 2.0\n\
+            vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 7.0\n\
+            vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
+            vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"m\"} 0.5\n\
+            vllm:prefix_cache_hits_total{engine=\"0\"} 99.0\n";
+        assert_eq!(parse(text), Some(ReportedLoad { running: 5.0, waiting: 7.0, kv_cache_usage: 0.5 }));
+        assert_eq!(parse("vllm:gpu_cache_usage_perc 0.9\n").unwrap().kv_cache_usage, 0.9, "pre-0.11 name");
+        assert_eq!(parse("<html>not metrics</html>"), None);
+    }
+}

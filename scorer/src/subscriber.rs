@@ -1,0 +1,151 @@
+//! One task per pod with a KV-event stream: subscribe, judge each batch's sequence number,
+//! replay lost batches when the pod has a replay socket, decode and apply.
+//!
+//! Gaps: with a replay endpoint, the missing batches are requested from a DEALER
+//! (`["", start_seq]`; replies until the `ff×8` end marker, in vLLM's 3- or 4-frame form) and
+//! applied in order before the batch that revealed the gap. Without one — or if the replay
+//! does not return every missing batch — the pod's index is cleared and rebuilt from the
+//! events that follow: kvgate would rather forget blocks a pod still holds (costing some
+//! affinity) than believe in blocks it evicted (sending requests where the cache is cold).
+//! A sequence restarting at 0 means the engine restarted: its index is cleared too.
+
+use crate::scorer::Scorer;
+use bytes::Bytes;
+use kvgate_routing::events::decode_batch;
+use kvgate_routing::pod_set::PodId;
+use kvgate_routing::sequence::{SequenceTracker, Sequencing};
+use std::sync::Arc;
+use std::time::Duration;
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+const END_SEQ: [u8; 8] = [0xff; 8];
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Runs until the process stops, reconnecting after errors.
+pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Option<String>) {
+    let name = scorer.pods[pod.index()].name.clone();
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let mut socket = SubSocket::new();
+        let connected = async {
+            socket.connect(&endpoint).await?;
+            socket.subscribe("").await
+        };
+        if let Err(e) = connected.await {
+            tracing::debug!(pod = %name, %endpoint, "kv events: cannot connect ({e}); retrying in {backoff:?}");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+            continue;
+        }
+        tracing::info!(pod = %name, %endpoint, "kv events: subscribed");
+        backoff = Duration::from_millis(100);
+        let mut tracker = SequenceTracker::default();
+        loop {
+            let message = match socket.recv().await {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(pod = %name, "kv events: receive failed ({e}); reconnecting");
+                    break;
+                }
+            };
+            handle(&scorer, pod, &mut tracker, replay.as_deref(), message).await;
+        }
+    }
+}
+
+/// `[topic, seq, payload]` → (seq, payload).
+fn frames(message: ZmqMessage) -> Option<(u64, Bytes)> {
+    let mut frames = message.into_vec();
+    if frames.len() != 3 {
+        return None;
+    }
+    let payload = frames.pop()?;
+    let seq = u64::from_be_bytes(frames.pop()?.as_ref().try_into().ok()?);
+    Some((seq, payload))
+}
+
+async fn handle(scorer: &Scorer, pod: PodId, tracker: &mut SequenceTracker, replay: Option<&str>, message: ZmqMessage) {
+    let Some((seq, payload)) = frames(message) else {
+        scorer.event_decode_error(pod);
+        return;
+    };
+    match tracker.observe(seq) {
+        Sequencing::InOrder => {}
+        Sequencing::Stale => return,
+        Sequencing::Restart => {
+            tracing::info!(pod = %scorer.pods[pod.index()].name, "kv events: sequence restarted at 0 (engine restart): index rebuilt");
+            scorer.resync(pod);
+        }
+        Sequencing::Gap { missing_from, seq } => {
+            scorer.event_gap(pod);
+            let name = &scorer.pods[pod.index()].name;
+            let recovered = match replay {
+                Some(endpoint) => match fetch_replay(endpoint, missing_from).await {
+                    Ok(batches) => apply_replayed(scorer, pod, missing_from, seq, batches),
+                    Err(e) => {
+                        tracing::warn!(pod = %name, "kv events: replay failed: {e}");
+                        false
+                    }
+                },
+                None => false,
+            };
+            let outcome = match (replay.is_some(), recovered) {
+                (_, true) => "recovered",
+                (true, false) => "failed",
+                (false, false) => "unavailable",
+            };
+            scorer.metrics.kv_replays.with_label_values(&[name, outcome]).inc();
+            if !recovered {
+                tracing::warn!(pod = %name, missing_from, seq, "kv events: batches lost; index cleared and rebuilt from here");
+                scorer.resync(pod);
+            }
+        }
+    }
+    apply(scorer, pod, &payload);
+}
+
+fn apply(scorer: &Scorer, pod: PodId, payload: &[u8]) {
+    match decode_batch(payload) {
+        Ok(batch) => scorer.apply_events(pod, &batch),
+        Err(e) => {
+            tracing::debug!(pod = %scorer.pods[pod.index()].name, "kv events: undecodable batch dropped: {e}");
+            scorer.event_decode_error(pod);
+        }
+    }
+}
+
+/// Applies replayed batches `missing_from..until` in order; true if none was missing.
+fn apply_replayed(scorer: &Scorer, pod: PodId, missing_from: u64, until: u64, batches: Vec<(u64, Bytes)>) -> bool {
+    let mut want = missing_from;
+    for (seq, payload) in batches.into_iter().filter(|(s, _)| (missing_from..until).contains(s)) {
+        if seq != want {
+            return false;
+        }
+        apply(scorer, pod, &payload);
+        want += 1;
+    }
+    want == until
+}
+
+/// vLLM's replay protocol: every buffered batch with sequence ≥ `start`.
+async fn fetch_replay(endpoint: &str, start: u64) -> anyhow::Result<Vec<(u64, Bytes)>> {
+    let mut dealer = DealerSocket::new();
+    tokio::time::timeout(REPLAY_TIMEOUT, dealer.connect(endpoint)).await??;
+    let request = ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&start.to_be_bytes())])
+        .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+    dealer.send(request).await?;
+    let mut out = Vec::new();
+    loop {
+        let reply = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv()).await??.into_vec();
+        // ["", seq, payload] (vLLM ≤ 0.25) or ["", topic, seq, payload] (≥ 0.26)
+        let (seq, payload) = match reply.as_slice() {
+            [_, seq, payload] | [_, _, seq, payload] => (seq.clone(), payload.clone()),
+            other => anyhow::bail!("replay reply with {} frames", other.len()),
+        };
+        if seq.as_ref() == END_SEQ {
+            return Ok(out);
+        }
+        let seq: [u8; 8] = seq.as_ref().try_into().map_err(|_| anyhow::anyhow!("replay sequence is not 8 bytes"))?;
+        out.push((u64::from_be_bytes(seq), payload));
+    }
+}

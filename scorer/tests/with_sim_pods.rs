@@ -1,0 +1,201 @@
+//! The scorer against simulated vLLM pods over real ZMQ and HTTP: it learns what each pod
+//! cached from the pods' own events and routes there; eviction moves the decision; a dead
+//! pod is excluded and returns; pods without events are indexed approximately.
+
+use kvgate_test_harness::{ScorerProcess, Sim, qwen3_tokenizer, text};
+use serde_json::{Value, json};
+use std::time::Duration;
+
+const MODEL: &str = "Qwen/Qwen3-8B";
+
+async fn pods(n: usize, extra: &[&str]) -> Vec<Sim> {
+    let tokenizer = qwen3_tokenizer();
+    let mut args = vec!["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", "0.01", "--model", MODEL];
+    args.extend_from_slice(extra);
+    let mut out = Vec::new();
+    for i in 0..n {
+        out.push(Sim::start(&format!("pod-{i}"), &args).await);
+    }
+    out
+}
+
+fn config(pods: &[Sim], with_events: bool, extra: &str) -> String {
+    let mut yaml = format!(
+        "tokenizer: {}\nhealth: {{scrape_interval_ms: 100, scrape_timeout_ms: 200, unhealthy_after: 2}}\n{extra}pods:\n",
+        qwen3_tokenizer().display()
+    );
+    for p in pods {
+        yaml.push_str(&format!(
+            "  - name: {}\n    address: 127.0.0.1:{}\n    metrics: {}/metrics\n",
+            p.pod_id, p.port, p.url
+        ));
+        if with_events {
+            yaml.push_str(&format!("    kv_events: {}\n    kv_events_replay: {}\n", p.events, p.replay));
+        }
+    }
+    yaml
+}
+
+fn chat(system: &str, question: &str) -> Value {
+    json!({"model": MODEL, "max_tokens": 4, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": question}]})
+}
+
+/// Waits until the scorer's index holds at least `blocks` blocks of `pod`.
+async fn indexed(scorer: &ScorerProcess, pod: &str, blocks: u64) {
+    scorer.wait_pod(pod, Duration::from_secs(10), |p| p["cached_blocks"].as_u64().unwrap() >= blocks).await;
+}
+
+#[tokio::test]
+async fn routes_to_the_pod_whose_events_announced_the_prefix() {
+    let pods = pods(3, &[]).await;
+    let scorer = ScorerProcess::start(&config(&pods, true, "")).await;
+    for p in &pods {
+        scorer.wait_pod(&p.pod_id, Duration::from_secs(10), |v| v["events_received"].as_u64().is_some()).await;
+    }
+    // Let the SUB sockets subscribe before the events we rely on are published.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // Warm a long system prompt on pod-1 directly: only its events can tell the scorer.
+    let system = text("You are a meticulous assistant for harbor logistics", 200);
+    let warm = pods[1].post_json("/v1/chat/completions", &chat(&system, "warm up")).await;
+    let warm_prompt = warm["usage"]["prompt_tokens"].as_u64().unwrap();
+    indexed(&scorer, "pod-1", warm_prompt / 16).await;
+
+    for i in 0..5 {
+        let (status, decision) =
+            scorer.route("/v1/chat/completions", &format!("req-{i}"), &chat(&system, &format!("q{i}")), true).await;
+        assert_eq!(status, 200, "{decision}");
+        assert_eq!(decision["pod"], "pod-1", "{decision}");
+        assert_eq!(decision["decode"], format!("127.0.0.1:{}", pods[1].port));
+        assert!(decision["cached_tokens"].as_u64().unwrap() >= warm_prompt / 16 * 16 - 16, "{decision}");
+        // The scorer's token count is the engine's.
+        let served = pods[1].post_json("/v1/chat/completions", &chat(&system, &format!("q{i}"))).await;
+        assert_eq!(decision["prompt_tokens"], served["usage"]["prompt_tokens"]);
+        let explain = decision["explain"].as_array().unwrap();
+        assert_eq!(explain.len(), 3);
+        assert_eq!(explain.iter().filter(|e| e["chosen"] == true).count(), 1);
+        scorer_lifecycle_done(&scorer, &format!("req-{i}")).await;
+    }
+
+    // Eviction moves the decision: pod-1 drops its cache, pod-2 caches the prefix.
+    assert_eq!(pods[1].post("/reset_prefix_cache", &Value::Null).await.status(), 200);
+    scorer.wait_pod("pod-1", Duration::from_secs(10), |p| p["cached_blocks"] == 0).await;
+    let warm2 = pods[2].post_json("/v1/chat/completions", &chat(&system, "warm up again")).await;
+    indexed(&scorer, "pod-2", warm2["usage"]["prompt_tokens"].as_u64().unwrap() / 16).await;
+    let (_, decision) = scorer.route("/v1/chat/completions", "after-evict", &chat(&system, "q"), false).await;
+    assert_eq!(decision["pod"], "pod-2", "{decision}");
+
+    let pod = scorer.pod("pod-1").await;
+    assert_eq!(pod["index"], "precise");
+    assert_eq!(pod["index_stats"]["clears"], 1);
+    assert_eq!(pod["event_gaps"], 0);
+    let metrics = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kvgate_decisions_total{pod=\"pod-1\",policy=\"kv\"} 5"), "{metrics}");
+    assert!(metrics.contains("kvgate_kv_events_total{pod=\"pod-1\",type=\"all_blocks_cleared\"} 1"));
+    assert!(metrics.contains("kvgate_decision_seconds_bucket"));
+}
+
+async fn scorer_lifecycle_done(scorer: &ScorerProcess, id: &str) {
+    let batch = json!({"reports": [{"request_id": id, "event": "first_token"}, {"request_id": id, "event": "done"}]});
+    let r = reqwest::Client::new().post(format!("{}/v1/lifecycle", scorer.url)).json(&batch).send().await.unwrap();
+    let answer: Value = r.json().await.unwrap();
+    assert_eq!(answer, json!({"accepted": 2, "unknown": 0}));
+}
+
+#[tokio::test]
+async fn bookings_spread_a_burst_and_lifecycle_releases_them() {
+    let pods = pods(2, &[]).await;
+    let scorer = ScorerProcess::start(&config(&pods, true, "")).await;
+    // Four distinct long prompts decided back to back, before any pod reports load: the
+    // scorer's own bookings must spread them.
+    let mut chosen = Vec::new();
+    for i in 0..4 {
+        let body = json!({"prompt": text(&format!("topic{i}"), 300), "max_tokens": 50});
+        let (_, d) = scorer.route("/v1/completions", &format!("burst-{i}"), &body, false).await;
+        chosen.push(d["pod"].as_str().unwrap().to_string());
+    }
+    assert_eq!(chosen.iter().filter(|p| *p == "pod-0").count(), 2, "{chosen:?}");
+    let inflight: u64 = scorer.pods().await.iter().map(|p| p["inflight_requests"].as_u64().unwrap()).sum();
+    assert_eq!(inflight, 4);
+    for i in 0..4 {
+        scorer_lifecycle_done(&scorer, &format!("burst-{i}")).await;
+    }
+    for p in scorer.pods().await {
+        assert_eq!(p["inflight_requests"], 0);
+        assert_eq!(p["queued_prefill_tokens"], 0);
+    }
+}
+
+#[tokio::test]
+async fn a_dead_pod_is_excluded_until_it_answers_again() {
+    let mut pods = pods(2, &[]).await;
+    let scorer = ScorerProcess::start(&config(&pods, true, "")).await;
+    pods[0].kill();
+    scorer.wait_pod("pod-0", Duration::from_secs(10), |p| p["healthy"] == false).await;
+    for i in 0..6 {
+        let body = json!({"prompt": format!("question {i}"), "max_tokens": 5});
+        let (status, d) = scorer.route("/v1/completions", &format!("k{i}"), &body, false).await;
+        assert_eq!(status, 200);
+        assert_eq!(d["pod"], "pod-1");
+    }
+    pods[1].kill();
+    scorer.wait_pod("pod-1", Duration::from_secs(10), |p| p["healthy"] == false).await;
+    let (status, d) = scorer.route("/v1/completions", "none", &json!({"prompt": "x"}), false).await;
+    assert_eq!(status, 503, "{d}");
+    assert_eq!(d["error"]["type"], "ServiceUnavailable");
+    assert_eq!(reqwest::get(format!("{}/readyz", scorer.url)).await.unwrap().status(), 503);
+
+    // pod-0 comes back (a restarted engine: empty cache, event sequence from 0).
+    pods[0].restart().await;
+    scorer.wait_pod("pod-0", Duration::from_secs(10), |p| p["healthy"] == true).await;
+    let (status, d) = scorer.route("/v1/completions", "back", &json!({"prompt": "x"}), false).await;
+    assert_eq!((status, d["pod"].as_str()), (200, Some("pod-0")));
+    assert_eq!(reqwest::get(format!("{}/readyz", scorer.url)).await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn pods_without_events_are_indexed_by_what_was_routed() {
+    let pods = pods(3, &[]).await;
+    let scorer = ScorerProcess::start(&config(&pods, false, "")).await;
+    let system = text("Shared instructions for the support desk", 150);
+    let (_, first) = scorer.route("/v1/chat/completions", "a1", &chat(&system, "first"), false).await;
+    let target = first["pod"].as_str().unwrap().to_string();
+    assert_eq!(first["cached_tokens"], 0);
+    // Requests finish between decisions (otherwise queued prefill rightly sends the next
+    // request elsewhere).
+    scorer_lifecycle_done(&scorer, "a1").await;
+    for i in 0..4 {
+        let id = format!("a{i}x");
+        let (_, d) = scorer.route("/v1/chat/completions", &id, &chat(&system, &format!("next {i}")), false).await;
+        assert_eq!(d["pod"], target.as_str(), "approximate affinity: {d}");
+        assert!(d["cached_tokens"].as_u64().unwrap() > 100);
+        scorer_lifecycle_done(&scorer, &id).await;
+    }
+    assert_eq!(scorer.pod(&target).await["index"], "approximate");
+}
+
+#[tokio::test]
+async fn bad_route_calls_get_clear_errors() {
+    let pods = pods(1, &[]).await;
+    let scorer = ScorerProcess::start(&config(&pods, true, "")).await;
+    for (path, body, needle) in [
+        ("/v1/completions", "{oops", "not valid JSON"),
+        ("/v1/completions", r#"{"max_tokens": 2}"#, "'prompt' is required"),
+        ("/v1/chat/completions", r#"{"messages": "hi"}"#, "invalid request"),
+        ("/v1/embeddings", r#"{"input": "x"}"#, "kvgate routes"),
+    ] {
+        let r = reqwest::Client::new()
+            .post(format!("{}/v1/route", scorer.url))
+            .header("x-kvgate-api-path", path)
+            .body(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{body}");
+        let e: Value = r.json().await.unwrap();
+        assert!(e["error"]["message"].as_str().unwrap().contains(needle), "{e}");
+    }
+    let r = reqwest::Client::new().post(format!("{}/v1/route", scorer.url)).body("{}").send().await.unwrap();
+    assert_eq!(r.status(), 400, "the API path header is required");
+}
