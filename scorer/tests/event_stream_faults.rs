@@ -1,0 +1,189 @@
+//! Event-stream faults against the real scorer: a publisher under the test's control sends
+//! vLLM-encoded batches with lost, duplicated and garbage messages, and a replay socket.
+
+use bytes::Bytes;
+use kvgate_sim::cache::{CacheChange, EngineBlockHash, HashKeys};
+use kvgate_sim::events::{EventEncoder, EventFormat, HashFormat};
+use kvgate_test_harness::{ScorerProcess, free_port, qwen3_tokenizer};
+use serde_json::{Value, json};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
+
+const BS: usize = 16;
+
+fn engine_hash(v: u64) -> EngineBlockHash {
+    let mut d = [0u8; 32];
+    d[24..].copy_from_slice(&v.to_be_bytes());
+    EngineBlockHash(d)
+}
+
+/// The prompt: 70 token ids → 4 full blocks.
+fn prompt() -> Vec<u32> {
+    (1000..1070).collect()
+}
+
+/// Batch `i` stores block `i` of the prompt, chained to block `i − 1`.
+fn store_block(i: usize) -> Vec<u8> {
+    let tokens = prompt()[i * BS..(i + 1) * BS].to_vec();
+    let change = CacheChange::Stored {
+        hashes: vec![engine_hash(0xf000_0000_0000_0000 + i as u64)],
+        parent: i.checked_sub(1).map(|p| engine_hash(0xf000_0000_0000_0000 + p as u64)),
+        token_ids: tokens,
+        keys: HashKeys::default(),
+        first_index: i,
+    };
+    let encoder =
+        EventEncoder { format: EventFormat::Map, hashes: HashFormat::U64, block_size: BS, data_parallel_rank: Some(0) };
+    encoder.encode_batch(1.0, &[change])
+}
+
+struct FakePod {
+    publisher: PubSocket,
+    events: String,
+    replay: String,
+    buffer: Arc<Mutex<Vec<(u64, Bytes)>>>,
+}
+
+impl FakePod {
+    async fn start() -> FakePod {
+        let events = format!("tcp://127.0.0.1:{}", free_port());
+        let replay = format!("tcp://127.0.0.1:{}", free_port());
+        let mut publisher = PubSocket::new();
+        publisher.bind(&events).await.unwrap();
+        let mut router = RouterSocket::new();
+        router.bind(&replay).await.unwrap();
+        let buffer: Arc<Mutex<Vec<(u64, Bytes)>>> = Arc::default();
+        let served = buffer.clone();
+        tokio::spawn(async move {
+            // vLLM ≥ 0.26 replay: ["", topic, seq, payload] per batch ≥ start, then the end marker.
+            while let Ok(request) = router.recv().await {
+                let frames = request.into_vec();
+                let start = u64::from_be_bytes(frames[2].as_ref().try_into().unwrap());
+                let batches: Vec<(u64, Bytes)> =
+                    served.lock().unwrap().iter().filter(|(s, _)| *s >= start).cloned().collect();
+                for (seq, payload) in batches {
+                    let reply = vec![
+                        frames[0].clone(),
+                        Bytes::new(),
+                        Bytes::new(),
+                        Bytes::copy_from_slice(&seq.to_be_bytes()),
+                        payload,
+                    ];
+                    router.send(ZmqMessage::try_from(reply).unwrap()).await.unwrap();
+                }
+                let end =
+                    vec![frames[0].clone(), Bytes::new(), Bytes::new(), Bytes::from_static(&[0xff; 8]), Bytes::new()];
+                router.send(ZmqMessage::try_from(end).unwrap()).await.unwrap();
+            }
+        });
+        FakePod { publisher, events, replay, buffer }
+    }
+
+    /// Records batch `seq` for replay; publishes it unless `lose` is set.
+    async fn batch(&mut self, seq: u64, payload: Vec<u8>, lose: bool) {
+        let payload = Bytes::from(payload);
+        self.buffer.lock().unwrap().push((seq, payload.clone()));
+        if !lose {
+            self.raw(vec![Bytes::new(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload]).await;
+        }
+    }
+
+    async fn raw(&mut self, frames: Vec<Bytes>) {
+        self.publisher.send(ZmqMessage::try_from(frames).unwrap()).await.unwrap();
+    }
+}
+
+async fn scorer_for(pod: &FakePod, with_replay: bool) -> ScorerProcess {
+    let replay = if with_replay { format!("\n    kv_events_replay: {}", pod.replay) } else { String::new() };
+    let config = format!(
+        "tokenizer: {}\npods:\n  - name: fake\n    address: 127.0.0.1:9\n    kv_events: {}{replay}\n",
+        qwen3_tokenizer().display(),
+        pod.events
+    );
+    ScorerProcess::start(&config).await
+}
+
+/// Publishes batch 0 until the scorer has applied it (its SUB socket joins asynchronously).
+async fn first_batch(pod: &mut FakePod, scorer: &ScorerProcess) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let payload = Bytes::from(store_block(0));
+    pod.buffer.lock().unwrap().push((0, payload.clone()));
+    while scorer.pod("fake").await["events_received"] == 0 {
+        assert!(Instant::now() < deadline, "the scorer never received batch 0");
+        pod.raw(vec![Bytes::new(), Bytes::copy_from_slice(&0u64.to_be_bytes()), payload.clone()]).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn cached_tokens(scorer: &ScorerProcess) -> u64 {
+    let (status, d) =
+        scorer.route("/v1/completions", "probe", &json!({"prompt": prompt(), "max_tokens": 1}), false).await;
+    assert_eq!(status, 200, "{d}");
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/lifecycle", scorer.url))
+        .json(&json!({"reports": [{"request_id": "probe", "event": "done"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert!(r.status().is_success());
+    d["cached_tokens"].as_u64().unwrap()
+}
+
+async fn metric(scorer: &ScorerProcess, line_start: &str) -> Option<String> {
+    let text = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
+    text.lines().find(|l| l.starts_with(line_start)).map(str::to_string)
+}
+
+#[tokio::test]
+async fn a_gap_is_filled_from_the_replay_socket() {
+    let mut pod = FakePod::start().await;
+    let scorer = scorer_for(&pod, true).await;
+    first_batch(&mut pod, &scorer).await;
+    pod.batch(1, store_block(1), false).await;
+    pod.batch(2, store_block(2), true).await; // lost on the PUB socket
+    pod.batch(3, store_block(3), false).await;
+    let state = scorer.wait_pod("fake", Duration::from_secs(10), |p| p["events_received"] == 4).await;
+    assert_eq!(state["event_gaps"], 1);
+    assert_eq!(state["index_stats"]["orphan_blocks"], 0);
+    assert_eq!(cached_tokens(&scorer).await, 64, "all four blocks, the replayed one included");
+    assert!(metric(&scorer, "kvgate_kv_replays_total{outcome=\"recovered\",pod=\"fake\"} 1").await.is_some());
+}
+
+#[tokio::test]
+async fn a_gap_without_replay_clears_the_pod_and_garbage_is_dropped() {
+    let mut pod = FakePod::start().await;
+    let scorer = scorer_for(&pod, false).await;
+    first_batch(&mut pod, &scorer).await;
+    pod.batch(1, store_block(1), false).await;
+    scorer.wait_pod("fake", Duration::from_secs(10), |p| p["events_received"] == 2).await;
+    assert_eq!(cached_tokens(&scorer).await, 32);
+
+    // Garbage: undecodable payload, wrong frame count, short sequence frame. Counted, dropped.
+    pod.raw(vec![Bytes::new(), Bytes::copy_from_slice(&2u64.to_be_bytes()), Bytes::from_static(b"\xc1garbage")]).await;
+    pod.raw(vec![Bytes::from_static(b"only one frame")]).await;
+    pod.raw(vec![Bytes::new(), Bytes::from_static(b"\x01"), Bytes::from(store_block(2))]).await;
+    let state = scorer.wait_pod("fake", Duration::from_secs(10), |p| p["event_decode_errors"] == 3).await;
+    assert_eq!(state["cached_blocks"], 2, "garbage never touches the index");
+    // A duplicate of an applied batch is ignored.
+    pod.batch(1, store_block(1), false).await;
+
+    // Batches 3 and 4 are lost; 5 reveals the gap. With no replay the pod's index is cleared
+    // and rebuilt from here: 5's parent is unknown, so it is an orphan.
+    pod.batch(3, store_block(2), true).await;
+    pod.batch(4, store_block(3), true).await;
+    pod.batch(5, store_block(3), false).await;
+    let state = scorer.wait_pod("fake", Duration::from_secs(10), |p| p["event_gaps"] == 1).await;
+    assert_eq!(state["cached_blocks"], 0);
+    assert_eq!(state["index_stats"]["orphan_blocks"], 1);
+    assert_eq!(cached_tokens(&scorer).await, 0);
+    assert!(metric(&scorer, "kvgate_kv_replays_total{outcome=\"unavailable\",pod=\"fake\"} 1").await.is_some());
+
+    // The engine restarts: its sequence starts over at 0 and the index is rebuilt.
+    pod.batch(0, store_block(0), false).await;
+    pod.batch(1, store_block(1), false).await;
+    scorer.wait_pod("fake", Duration::from_secs(10), |p| p["cached_blocks"] == 2).await;
+    assert_eq!(cached_tokens(&scorer).await, 32);
+    let pods: Vec<Value> = scorer.pods().await;
+    assert_eq!(pods[0]["event_gaps"], 1, "a restart is not a gap");
+}
