@@ -139,12 +139,18 @@ fn normalise_message(message: &Value) -> Result<Value, TokenizeError> {
     out.insert("content".into(), Value::String(content));
     if let Some(Value::Array(calls)) = out.get_mut("tool_calls") {
         for call in calls.iter_mut() {
-            if let Some(Value::Object(function)) = call.get_mut("function")
-                && let Some(Value::String(args)) = function.get("arguments")
-                && let Ok(parsed @ Value::Object(_)) = serde_json::from_str::<Value>(args)
-            {
-                function.insert("arguments".into(), parsed);
-            }
+            let Some(Value::Object(function)) = call.get_mut("function") else { continue };
+            // vLLM hands templates parsed arguments: a JSON string is parsed, an empty or
+            // missing one becomes {}.
+            let parsed = match function.get("arguments") {
+                None | Some(Value::Null) => Value::Object(Map::new()),
+                Some(Value::String(s)) if s.is_empty() => Value::Object(Map::new()),
+                Some(Value::String(s)) => serde_json::from_str(s).map_err(|e| {
+                    TokenizeError::Request(format!("tool_calls[].function.arguments is not valid JSON: {e}"))
+                })?,
+                Some(other) => other.clone(),
+            };
+            function.insert("arguments".into(), parsed);
         }
     }
     Ok(Value::Object(out))
