@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: setup build test lint fmt sim
+.PHONY: setup build test lint fmt sim bench-scorer
 
 setup:
 	@bash tests/tools/setup.sh
@@ -32,3 +32,7 @@ test: setup lint
 sim: setup
 	$(CARGO) run --release -p kvgate-sim -- --listen 127.0.0.1:8001 --pod-id pod-a \
 	  --kv-events-endpoint tcp://127.0.0.1:5557 --tokenizer $(KVGATE_TOKENIZER)
+
+# The scorer's core benchmarks: decision latency, event ingestion, memory, tokenization.
+bench-scorer: setup
+	$(CARGO) bench -p kvgate-routing --bench routing

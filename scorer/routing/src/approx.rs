@@ -8,6 +8,7 @@
 //! do. Time is supplied by the caller, in seconds.
 
 use crate::hash::SequenceHash;
+use crate::holders::BlockHolders;
 use crate::pod_set::{PodId, PodSet};
 use ahash::AHashMap;
 use std::collections::VecDeque;
@@ -24,13 +25,13 @@ struct PodRoutes {
 pub struct ApproxIndex {
     ttl: f64,
     max_blocks_per_pod: usize,
-    blocks: AHashMap<SequenceHash, PodSet>,
+    holders: BlockHolders,
     pods: Vec<PodRoutes>,
 }
 
 impl ApproxIndex {
     pub fn new(ttl_seconds: f64, max_blocks_per_pod: usize) -> Self {
-        Self { ttl: ttl_seconds, max_blocks_per_pod, blocks: AHashMap::new(), pods: Vec::new() }
+        Self { ttl: ttl_seconds, max_blocks_per_pod, holders: BlockHolders::default(), pods: Vec::new() }
     }
 
     /// Registers a pod (dense ids, as in the other tables).
@@ -45,7 +46,7 @@ impl ApproxIndex {
         let routes = &mut self.pods[pod.index()];
         for &h in chain {
             if routes.expires.insert(h, expiry).is_none() {
-                self.blocks.entry(h).or_default().insert(pod);
+                self.holders.insert(h, pod);
             }
             routes.order.push_back((h, expiry));
         }
@@ -53,7 +54,7 @@ impl ApproxIndex {
             let Some((h, at)) = routes.order.pop_front() else { break };
             if routes.expires.get(&h) == Some(&at) {
                 routes.expires.remove(&h);
-                Self::unset(&mut self.blocks, h, pod);
+                self.holders.remove(h, pod);
             }
         }
     }
@@ -68,7 +69,7 @@ impl ApproxIndex {
                 routes.order.pop_front();
                 if routes.expires.get(&h) == Some(&at) {
                     routes.expires.remove(&h);
-                    Self::unset(&mut self.blocks, h, PodId(i as u32));
+                    self.holders.remove(h, PodId(i as u32));
                 }
             }
         }
@@ -78,16 +79,7 @@ impl ApproxIndex {
     pub fn clear_pod(&mut self, pod: PodId) {
         let routes = std::mem::take(&mut self.pods[pod.index()]);
         for h in routes.expires.into_keys() {
-            Self::unset(&mut self.blocks, h, pod);
-        }
-    }
-
-    fn unset(blocks: &mut AHashMap<SequenceHash, PodSet>, h: SequenceHash, pod: PodId) {
-        if let Some(set) = blocks.get_mut(&h) {
-            set.remove(pod);
-            if set.is_empty() {
-                blocks.remove(&h);
-            }
+            self.holders.remove(h, pod);
         }
     }
 
@@ -100,26 +92,7 @@ impl ApproxIndex {
     /// [`crate::index::KvIndex::longest_prefixes`]); entries past their TTL but not yet
     /// expired by [`ApproxIndex::expire`] still count.
     pub fn longest_prefixes(&self, chain: &[SequenceHash], eligible: &PodSet, out: &mut Vec<u32>) {
-        out.clear();
-        out.resize(self.pods.len(), 0);
-        let mut active = eligible.clone();
-        let mut next = PodSet::default();
-        let mut matched = 0u32;
-        for h in chain {
-            let Some(holders) = self.blocks.get(h) else { break };
-            active.intersect_into(holders, &mut next);
-            if next.is_empty() {
-                break;
-            }
-            for pod in active.iter().filter(|p| !next.contains(*p)) {
-                out[pod.index()] = matched;
-            }
-            std::mem::swap(&mut active, &mut next);
-            matched += 1;
-        }
-        for pod in active.iter() {
-            out[pod.index()] = matched;
-        }
+        self.holders.longest_prefixes(chain, eligible, self.pods.len(), out);
     }
 }
 

@@ -1,11 +1,11 @@
 //! The precise KV index: which pod holds which block, learned from the pods' own KV events.
 //!
 //! Two structures:
-//! - a global map `SequenceHash → PodSet`, so matching a request costs one lookup per block
-//!   of its prompt whatever the number of pods;
-//! - per pod, a map `EngineHash → SequenceHash` (with a count of duplicate stores), so a
-//!   `BlockRemoved`, which names only the engine's hash, can be resolved, plus insertion order
-//!   for the per-pod cap.
+//! - [`BlockHolders`]: `SequenceHash → pods` (a 64-bit mask per shard of 64 pods), so matching
+//!   a request costs one lookup per block of its prompt whatever the number of pods;
+//! - per pod, a map `EngineHash → SequenceHash`, so a `BlockRemoved`, which names only the
+//!   engine's hash, can be resolved; a side map counts the rare duplicate stores of one hash;
+//!   insertion order is kept for the per-pod cap.
 //!
 //! A `BlockStored` whose parent the pod's map does not know cannot be chained and is counted
 //! as an orphan (it happens after lost events); blocks of another tier (CPU offload, other
@@ -17,6 +17,7 @@
 
 use crate::events::{BlockStored, EventBatch, KvEvent, Tier};
 use crate::hash::{EngineHash, SequenceHash, chain, root_hash};
+use crate::holders::BlockHolders;
 use crate::pod_set::{PodId, PodSet};
 use ahash::AHashMap;
 use std::collections::VecDeque;
@@ -50,33 +51,28 @@ pub struct PodIndexStats {
     pub unknown_events: u64,
 }
 
-struct Entry {
-    seq: SequenceHash,
-    /// Outstanding stores of this engine hash (an engine may hold duplicates).
-    refs: u32,
-    /// Matches the entry's slot in `order`, so stale slots are skipped.
-    generation: u32,
-}
-
 #[derive(Default)]
 struct PodBlocks {
-    by_engine: AHashMap<EngineHash, Entry>,
-    order: VecDeque<(EngineHash, u32)>,
-    next_generation: u32,
+    by_engine: AHashMap<EngineHash, SequenceHash>,
+    /// Stores beyond the first of the same engine hash (an engine may hold duplicates).
+    extra_refs: AHashMap<EngineHash, u32>,
+    /// Engine hashes in the order they were first stored, for the cap. Slots of blocks
+    /// removed meanwhile are skipped when popped (and compacted now and then).
+    order: VecDeque<EngineHash>,
     stats: PodIndexStats,
 }
 
 /// The index over all pods.
 pub struct KvIndex {
     config: IndexConfig,
-    blocks: AHashMap<SequenceHash, PodSet>,
+    holders: BlockHolders,
     pods: Vec<PodBlocks>,
 }
 
 impl KvIndex {
     pub fn new(config: IndexConfig) -> Self {
         assert!(config.block_size > 0, "block_size must be positive");
-        Self { config, blocks: AHashMap::new(), pods: Vec::new() }
+        Self { config, holders: BlockHolders::default(), pods: Vec::new() }
     }
 
     pub fn config(&self) -> &IndexConfig {
@@ -98,14 +94,30 @@ impl KvIndex {
         self.pods[pod.index()].by_engine.len()
     }
 
-    /// Distinct sequence hashes held by any pod.
+    /// Distinct sequence hashes held by any pod (per shard of 64 pods).
     pub fn distinct_blocks(&self) -> usize {
-        self.blocks.len()
+        self.holders.len()
     }
 
     /// (block, pod) pairs indexed.
     pub fn entries(&self) -> usize {
         self.pods.iter().map(|p| p.by_engine.len()).sum()
+    }
+
+    /// Bytes the index holds in its tables, from their capacities: hash-map slots (key,
+    /// value and a control byte each) and order queues.
+    pub fn memory_bytes(&self) -> usize {
+        let slot = size_of::<EngineHash>() + size_of::<SequenceHash>() + 1;
+        let per_pod: usize = self
+            .pods
+            .iter()
+            .map(|p| {
+                p.by_engine.capacity() * slot
+                    + p.extra_refs.capacity() * (size_of::<EngineHash>() + size_of::<u32>() + 1)
+                    + p.order.capacity() * size_of::<EngineHash>()
+            })
+            .sum();
+        self.holders.memory_bytes() + per_pod
     }
 
     pub fn stats(&self, pod: PodId) -> PodIndexStats {
@@ -151,7 +163,7 @@ impl KvIndex {
                 root_hash(stored.lora_name, stored.first_block_extra.get(skip).copied())
             }
             Some(engine_parent) => match self.pods[pod.index()].by_engine.get(&engine_parent) {
-                Some(entry) => entry.seq,
+                Some(seq) => *seq,
                 None => {
                     self.pods[pod.index()].stats.orphan_blocks += n;
                     return;
@@ -169,67 +181,55 @@ impl KvIndex {
 
     fn insert(&mut self, pod: PodId, engine: EngineHash, seq: SequenceHash) {
         let p = &mut self.pods[pod.index()];
-        if let Some(entry) = p.by_engine.get_mut(&engine) {
-            entry.refs += 1;
-            if entry.seq == seq {
-                return;
+        match p.by_engine.insert(engine, seq) {
+            None => p.order.push_back(engine),
+            Some(old) if old == seq => *p.extra_refs.entry(engine).or_insert(0) += 1,
+            Some(old) => {
+                // The engine reused a hash for other content (it cannot, but a restarted
+                // engine with our stale state could): trust the newest announcement.
+                p.extra_refs.remove(&engine);
+                self.holders.remove(old, pod);
             }
-            // The engine reused a hash for other content (it cannot, but a restarted engine
-            // with our stale state could): trust the newest announcement.
-            let old = std::mem::replace(&mut entry.seq, seq);
-            entry.refs = 1;
-            Self::unset(&mut self.blocks, old, pod);
-        } else {
-            let generation = p.next_generation;
-            p.next_generation = p.next_generation.wrapping_add(1);
-            p.by_engine.insert(engine, Entry { seq, refs: 1, generation });
-            p.order.push_back((engine, generation));
         }
-        self.blocks.entry(seq).or_default().insert(pod);
+        self.holders.insert(seq, pod);
     }
 
     fn remove(&mut self, pod: PodId, engine: EngineHash) {
         let p = &mut self.pods[pod.index()];
-        let Some(entry) = p.by_engine.get_mut(&engine) else {
-            p.stats.unknown_removals += 1;
+        if let Some(extra) = p.extra_refs.get_mut(&engine) {
+            p.stats.removed_blocks += 1;
+            *extra -= 1;
+            if *extra == 0 {
+                p.extra_refs.remove(&engine);
+            }
             return;
-        };
-        p.stats.removed_blocks += 1;
-        entry.refs -= 1;
-        if entry.refs == 0 {
-            let seq = entry.seq;
-            p.by_engine.remove(&engine);
-            Self::unset(&mut self.blocks, seq, pod);
+        }
+        match p.by_engine.remove(&engine) {
+            Some(seq) => {
+                p.stats.removed_blocks += 1;
+                self.holders.remove(seq, pod);
+            }
+            None => p.stats.unknown_removals += 1,
         }
     }
 
     fn enforce_cap(&mut self, pod: PodId) {
         let cap = self.config.max_blocks_per_pod;
-        loop {
-            let p = &mut self.pods[pod.index()];
-            if p.by_engine.len() <= cap {
-                // Drop stale order slots now and then so `order` stays bounded too.
-                if p.order.len() > 2 * cap.max(1024) {
-                    let live = &p.by_engine;
-                    p.order.retain(|(h, g)| live.get(h).is_some_and(|e| e.generation == *g));
-                }
-                return;
-            }
-            let Some((engine, generation)) = p.order.pop_front() else { return };
-            if p.by_engine.get(&engine).is_some_and(|e| e.generation == generation) {
-                let entry = p.by_engine.remove(&engine).expect("checked above");
+        let p = &mut self.pods[pod.index()];
+        while p.by_engine.len() > cap {
+            let Some(engine) = p.order.pop_front() else { break };
+            if let Some(seq) = p.by_engine.remove(&engine) {
+                p.extra_refs.remove(&engine);
                 p.stats.cap_evictions += 1;
-                Self::unset(&mut self.blocks, entry.seq, pod);
+                self.holders.remove(seq, pod);
             }
         }
-    }
-
-    fn unset(blocks: &mut AHashMap<SequenceHash, PodSet>, seq: SequenceHash, pod: PodId) {
-        if let Some(set) = blocks.get_mut(&seq) {
-            set.remove(pod);
-            if set.is_empty() {
-                blocks.remove(&seq);
-            }
+        // Slots of removed blocks linger in `order`; drop them before they outnumber the
+        // live ones, so the queue stays bounded too.
+        if p.order.len() > 2 * p.by_engine.len().max(1024) {
+            let live = &p.by_engine;
+            let mut seen = ahash::AHashSet::with_capacity(live.len());
+            p.order.retain(|h| live.contains_key(h) && seen.insert(*h));
         }
     }
 
@@ -238,37 +238,18 @@ impl KvIndex {
     pub fn clear_pod(&mut self, pod: PodId) {
         let p = &mut self.pods[pod.index()];
         let entries = std::mem::take(&mut p.by_engine);
+        p.extra_refs.clear();
         p.order.clear();
-        for (_, entry) in entries {
-            Self::unset(&mut self.blocks, entry.seq, pod);
+        for seq in entries.into_values() {
+            self.holders.remove(seq, pod);
         }
     }
 
     /// For each pod in `eligible`, the number of leading blocks of `chain` it holds, written
     /// to `out[pod]` (`out` is resized to the number of pods; other pods get 0). Costs one
-    /// map lookup per matched block plus a few word operations, independent of pod count.
+    /// map lookup per matched block plus a few bit operations, independent of pod count.
     pub fn longest_prefixes(&self, chain: &[SequenceHash], eligible: &PodSet, out: &mut Vec<u32>) {
-        out.clear();
-        out.resize(self.pods.len(), 0);
-        let mut active = eligible.clone();
-        let mut next = PodSet::default();
-        let mut matched = 0u32;
-        for hash in chain {
-            let Some(holders) = self.blocks.get(hash) else { break };
-            active.intersect_into(holders, &mut next);
-            if next.is_empty() {
-                break;
-            }
-            // Pods leaving the active set stop at `matched` blocks.
-            for pod in active.iter().filter(|p| !next.contains(*p)) {
-                out[pod.index()] = matched;
-            }
-            std::mem::swap(&mut active, &mut next);
-            matched += 1;
-        }
-        for pod in active.iter() {
-            out[pod.index()] = matched;
-        }
+        self.holders.longest_prefixes(chain, eligible, self.pods.len(), out);
     }
 }
 
@@ -402,6 +383,7 @@ mod tests {
             idx.apply(pods[0], &batch(vec![removed(&[100 + i])]));
         }
         assert!(idx.pods[0].order.len() <= 2 * 1024 + 1);
+        assert!(idx.memory_bytes() < 200_000);
     }
 
     #[test]

@@ -15,6 +15,7 @@
 pub mod approx;
 pub mod events;
 pub mod hash;
+pub mod holders;
 pub mod index;
 pub mod load;
 pub mod msgpack;

@@ -1,5 +1,4 @@
-//! A set of pods as a bitset: the value of the global block index. Two words inline cover
-//! 128 pods without a heap allocation; larger fleets spill to the heap.
+//! Pod identities and sets of pods (which pods are eligible for a request).
 
 use smallvec::SmallVec;
 
@@ -13,7 +12,7 @@ impl PodId {
     }
 }
 
-/// Which pods hold a block.
+/// A set of pods as a bitset: 64 pods per word, two words inline (no heap up to 128 pods).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PodSet {
     words: SmallVec<[u64; 2]>,
@@ -21,58 +20,20 @@ pub struct PodSet {
 
 impl PodSet {
     pub fn insert(&mut self, pod: PodId) {
-        let (w, bit) = (pod.index() / 64, pod.index() % 64);
+        let w = pod.index() / 64;
         if self.words.len() <= w {
             self.words.resize(w + 1, 0);
         }
-        self.words[w] |= 1 << bit;
-    }
-
-    pub fn remove(&mut self, pod: PodId) {
-        let (w, bit) = (pod.index() / 64, pod.index() % 64);
-        if let Some(word) = self.words.get_mut(w) {
-            *word &= !(1 << bit);
-        }
-        while self.words.last() == Some(&0) {
-            self.words.pop();
-        }
+        self.words[w] |= 1 << (pod.index() % 64);
     }
 
     pub fn contains(&self, pod: PodId) -> bool {
-        self.words.get(pod.index() / 64).is_some_and(|w| w & (1 << (pod.index() % 64)) != 0)
+        self.word(pod.index() / 64) & (1 << (pod.index() % 64)) != 0
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.words.iter().all(|&w| w == 0)
-    }
-
-    /// The pods in `self` that are also in `other`, word by word into `out`.
-    pub fn intersect_into(&self, other: &PodSet, out: &mut PodSet) {
-        out.words.clear();
-        out.words.extend(self.words.iter().zip(other.words.iter()).map(|(a, b)| a & b));
-        while out.words.last() == Some(&0) {
-            out.words.pop();
-        }
-    }
-
-    /// Pods in ascending order.
-    pub fn iter(&self) -> impl Iterator<Item = PodId> + '_ {
-        self.words.iter().enumerate().flat_map(|(w, &word)| {
-            let mut bits = word;
-            std::iter::from_fn(move || {
-                if bits == 0 {
-                    return None;
-                }
-                let bit = bits.trailing_zeros();
-                bits &= bits - 1;
-                Some(PodId(w as u32 * 64 + bit))
-            })
-        })
-    }
-
-    /// Heap bytes used beyond the inline words (0 for fleets up to 128 pods).
-    pub fn heap_bytes(&self) -> usize {
-        if self.words.spilled() { self.words.capacity() * 8 } else { 0 }
+    /// Bits of pods `64·i .. 64·i + 63`.
+    pub fn word(&self, i: usize) -> u64 {
+        self.words.get(i).copied().unwrap_or(0)
     }
 }
 
@@ -91,20 +52,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn insert_remove_and_intersect_across_words() {
+    fn members_across_words() {
         let a: PodSet = [0, 5, 63, 64, 200].into_iter().map(PodId).collect();
-        let b: PodSet = [5, 64, 201].into_iter().map(PodId).collect();
-        let mut both = PodSet::default();
-        a.intersect_into(&b, &mut both);
-        assert_eq!(both.iter().collect::<Vec<_>>(), vec![PodId(5), PodId(64)]);
-        assert!(a.contains(PodId(200)) && !a.contains(PodId(201)) && !a.contains(PodId(9999)));
-        let mut c = a.clone();
         for p in [0, 5, 63, 64, 200] {
-            c.remove(PodId(p));
+            assert!(a.contains(PodId(p)));
         }
-        assert!(c.is_empty());
-        assert_eq!(c, PodSet::default(), "trailing zero words are trimmed");
-        assert!(a.heap_bytes() > 0, "pod 200 needs a fourth word");
-        assert_eq!(b.iter().count(), 3);
+        assert!(!a.contains(PodId(1)) && !a.contains(PodId(201)) && !a.contains(PodId(9999)));
+        assert_eq!(a.word(0), 1 | 1 << 5 | 1 << 63);
+        assert_eq!(a.word(1), 1);
+        assert_eq!(a.word(3), 1 << 8);
+        assert_eq!(a.word(7), 0);
     }
 }
