@@ -6,6 +6,11 @@
 //! and the chat template from the `tokenizer_config.json` beside it, and reproduces vLLM's
 //! `/tokenize` for completions prompts and chat messages. Without a tokenizer it offers a
 //! documented deterministic [`Tokenizer::fallback`] so simulators and tests still work.
+//!
+//! Encoding uses `tokenizers` 1.0.0-rc.3 (pinned), whose pipeline encodes ≈ 100× faster than
+//! 0.23 (32k tokens in ≈ 0.5 ms instead of ≈ 70 ms here) — tokenization dominates the cost of
+//! a long-prompt routing decision. It is a release candidate, so `tests/parity_hf.rs` checks
+//! its ids (and our chat rendering) against HF transformers on a varied request set.
 
 mod chat;
 mod pyjson;
@@ -13,6 +18,7 @@ mod pyjson;
 pub use chat::{ChatOptions, ChatTemplate};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use tokenizers::pipeline::{EncodeOptions, PipelineToken, PipelineTokenizer};
 
 /// Why a prompt could not be tokenized. `Request` errors are the caller's fault (HTTP 400);
 /// the others are configuration problems found at load time.
@@ -43,7 +49,7 @@ pub struct Tokenizer {
 }
 
 enum Kind {
-    Hf { tokenizer: Box<tokenizers::Tokenizer>, chat: Option<Box<ChatTemplate>> },
+    Hf { tokenizer: Box<PipelineTokenizer>, chat: Option<Box<ChatTemplate>> },
     Fallback,
 }
 
@@ -53,9 +59,12 @@ impl Tokenizer {
     /// `chat_template` leaves chat requests unsupported (they fail with a clear error).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self, TokenizeError> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|source| TokenizeError::Io { path: path.into(), source })?;
-        let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes)
-            .map_err(|e| TokenizeError::Load { path: path.into(), message: e.to_string() })?;
+        let text = std::fs::read_to_string(path).map_err(|source| TokenizeError::Io { path: path.into(), source })?;
+        let load = |message: String| TokenizeError::Load { path: path.into(), message };
+        // The reader accepts canonical tokenizer.json only; upgrade files written by older
+        // versions first (a no-op for canonical ones).
+        let canonical = tokenizers::canonicalize_str(&text).map_err(|e| load(e.to_string()))?;
+        let tokenizer = tokenizers::from_json(&canonical).map_err(|e| load(e.to_string()))?;
         let config_path = path.with_file_name("tokenizer_config.json");
         let chat = if config_path.exists() { load_chat_template(&config_path)?.map(Box::new) } else { None };
         Ok(Self { kind: Kind::Hf { tokenizer: Box::new(tokenizer), chat } })
@@ -78,10 +87,12 @@ impl Tokenizer {
     /// Token ids of a completions prompt. vLLM's default is `add_special_tokens = true`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         match &self.kind {
-            Kind::Hf { tokenizer, .. } => tokenizer
-                .encode_fast(text, add_special_tokens)
-                .map(|enc| enc.get_ids().to_vec())
-                .map_err(|e| TokenizeError::Encode(e.to_string())),
+            Kind::Hf { tokenizer, .. } => {
+                let options = EncodeOptions { add_special_tokens, ..EncodeOptions::default() };
+                let mut out: Vec<PipelineToken> = Vec::with_capacity(text.len() / 3);
+                tokenizer.encode_into(text, &options, &mut out).map_err(|e| TokenizeError::Encode(e.to_string()))?;
+                Ok(out.into_iter().map(PipelineToken::id).collect())
+            }
             Kind::Fallback => Ok(fallback_encode(text)),
         }
     }
@@ -116,7 +127,7 @@ impl Tokenizer {
     /// The token string of one id (e.g. `Ġthe`), as `/tokenize` reports with `return_token_strs`.
     pub fn id_to_token(&self, id: u32) -> Option<String> {
         match &self.kind {
-            Kind::Hf { tokenizer, .. } => tokenizer.id_to_token(id),
+            Kind::Hf { tokenizer, .. } => tokenizer.decode_tokens(&[id], false).into_iter().next(),
             Kind::Fallback => None,
         }
     }
