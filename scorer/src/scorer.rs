@@ -93,7 +93,7 @@ pub struct PodView {
     pub event_gaps: u64,
     pub event_decode_errors: u64,
     pub reported: Option<ReportedView>,
-    pub index_stats: IndexStatsView,
+    pub index_stats: PodIndexStats,
 }
 
 #[derive(Serialize)]
@@ -101,33 +101,6 @@ pub struct ReportedView {
     pub running: f64,
     pub waiting: f64,
     pub kv_cache_usage: f64,
-}
-
-#[derive(Serialize)]
-pub struct IndexStatsView {
-    pub stored_blocks: u64,
-    pub removed_blocks: u64,
-    pub clears: u64,
-    pub orphan_blocks: u64,
-    pub ignored_blocks: u64,
-    pub block_size_mismatches: u64,
-    pub unknown_removals: u64,
-    pub cap_evictions: u64,
-}
-
-impl From<PodIndexStats> for IndexStatsView {
-    fn from(s: PodIndexStats) -> Self {
-        Self {
-            stored_blocks: s.stored_blocks,
-            removed_blocks: s.removed_blocks,
-            clears: s.clears,
-            orphan_blocks: s.orphan_blocks,
-            ignored_blocks: s.ignored_blocks,
-            block_size_mismatches: s.block_size_mismatches,
-            unknown_removals: s.unknown_removals,
-            cap_evictions: s.cap_evictions,
-        }
-    }
 }
 
 impl Scorer {
@@ -428,7 +401,7 @@ impl Scorer {
                         waiting: r.waiting,
                         kv_cache_usage: r.kv_cache_usage,
                     }),
-                    index_stats: core.index.stats(p.id).into(),
+                    index_stats: core.index.stats(p.id),
                 }
             })
             .collect();

@@ -306,15 +306,8 @@ fn finish<'a>(kind: &'a str, f: Fields<'a>) -> Result<KvEvent<'a>, DecodeError> 
 mod tests {
     use super::*;
 
-    fn hex(s: &str) -> Vec<u8> {
-        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
-    }
-
     fn fixture(name: &str, index: usize) -> Vec<u8> {
-        let path = format!("{}/../../../shared/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        let json: serde_json::Value = serde_json::from_str(&text).unwrap();
-        hex(json["messages"][index]["payload_hex"].as_str().unwrap())
+        kvgate_test_harness::vllm_fixture_payload(name, index)
     }
 
     fn check_fixture(name: &str) {

@@ -32,7 +32,7 @@ pub struct IndexConfig {
 }
 
 /// What happened to one pod's events, for metrics and `/v1/pods`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct PodIndexStats {
     pub stored_blocks: u64,
     pub removed_blocks: u64,

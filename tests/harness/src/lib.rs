@@ -61,6 +61,16 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
+/// The msgpack payload of message `index` of a fixture in `shared/fixtures/` (bytes that
+/// vLLM's own publisher produced).
+pub fn vllm_fixture_payload(file: &str, index: usize) -> Vec<u8> {
+    let path = root().join("../shared/fixtures").join(file);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let json: Value = serde_json::from_str(&text).expect("fixture JSON");
+    let hex = json["messages"][index]["payload_hex"].as_str().expect("payload_hex");
+    (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex")).collect()
+}
+
 /// A free TCP port on 127.0.0.1 (bound, then released for the child to take).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
