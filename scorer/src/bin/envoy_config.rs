@@ -1,0 +1,61 @@
+//! `kvgate-envoy-config`: prints the Envoy bootstrap that matches a scorer configuration, so
+//! Envoy's pods cluster and the scorer's pod list can never disagree.
+
+use anyhow::Context;
+use clap::Parser;
+use kvgate_scorer::config::Config;
+use kvgate_scorer::envoy::{EnvoyOptions, render};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Render the Envoy bootstrap for a kvgate scorer configuration (to stdout or --out).
+#[derive(Parser, Debug)]
+#[command(name = "kvgate-envoy-config", version)]
+struct Args {
+    /// The scorer's YAML configuration (its pods and listen address are used).
+    #[arg(long)]
+    scorer_config: PathBuf,
+    /// The kvgate filter's `.wasm` file.
+    #[arg(long)]
+    wasm: PathBuf,
+    /// Envoy's listener for inference traffic.
+    #[arg(long, default_value = "127.0.0.1:10000")]
+    listen: SocketAddr,
+    /// Envoy's admin interface.
+    #[arg(long, default_value = "127.0.0.1:9901")]
+    admin: SocketAddr,
+    /// When the scorer is unavailable: `open` (Envoy balances) or `closed` (503).
+    #[arg(long, default_value = "open", value_parser = ["open", "closed"])]
+    failure_mode: String,
+    /// Timeout of the filter's route call to the scorer.
+    #[arg(long, default_value_t = 100)]
+    scorer_timeout_ms: u64,
+    /// Largest request body (bytes); larger ones get a 413.
+    #[arg(long, default_value_t = 8 << 20)]
+    body_limit_bytes: u64,
+    /// Write here instead of stdout.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let config = Config::load(&args.scorer_config)
+        .with_context(|| format!("invalid scorer configuration {}", args.scorer_config.display()))?;
+    let yaml = render(
+        &config,
+        &EnvoyOptions {
+            listen: args.listen,
+            admin: args.admin,
+            wasm: args.wasm,
+            failure_mode: args.failure_mode,
+            scorer_timeout_ms: args.scorer_timeout_ms,
+            body_limit_bytes: args.body_limit_bytes,
+        },
+    );
+    match args.out {
+        Some(path) => std::fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?,
+        None => print!("{yaml}"),
+    }
+    Ok(())
+}

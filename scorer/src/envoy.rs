@@ -1,0 +1,94 @@
+//! The Envoy bootstrap matching a scorer configuration: the pods cluster holds exactly the
+//! scorer's pods, the scorer cluster points at its `listen` address.
+
+use crate::config::Config;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+const TEMPLATE: &str = include_str!("../../envoy/bootstrap.yaml.tmpl");
+
+/// Envoy-side settings (everything else comes from the scorer configuration).
+#[derive(Clone, Debug)]
+pub struct EnvoyOptions {
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+    /// The filter's `.wasm` file.
+    pub wasm: PathBuf,
+    /// `open` or `closed`.
+    pub failure_mode: String,
+    pub scorer_timeout_ms: u64,
+    pub body_limit_bytes: u64,
+}
+
+/// Renders the bootstrap YAML.
+pub fn render(config: &Config, options: &EnvoyOptions) -> String {
+    let filter = serde_json::json!({
+        "scorer_cluster": "kvgate_scorer",
+        "failure_mode": options.failure_mode,
+        "scorer_timeout_ms": options.scorer_timeout_ms,
+        "destination_header": "x-gateway-destination-endpoint",
+    });
+    let endpoints: String = config
+        .pods
+        .iter()
+        .map(|pod| {
+            let addr: SocketAddr = pod.address.parse().expect("validated by the config parser");
+            format!(
+                "        - endpoint:\n            address:\n              socket_address: {{ address: {}, port_value: {} }}\n          metadata:\n            filter_metadata:\n              kvgate: {{ pod: {}, role: {} }}\n",
+                addr.ip(),
+                addr.port(),
+                pod.name,
+                serde_json::to_string(&pod.role).unwrap_or_default().trim_matches('"'),
+            )
+        })
+        .collect();
+    let replacements = [
+        ("${ADMIN_IP}", options.admin.ip().to_string()),
+        ("${ADMIN_PORT}", options.admin.port().to_string()),
+        ("${LISTEN_IP}", options.listen.ip().to_string()),
+        ("${LISTEN_PORT}", options.listen.port().to_string()),
+        ("${BODY_LIMIT}", options.body_limit_bytes.to_string()),
+        ("${FILTER_CONFIG}", filter.to_string()),
+        ("${WASM_PATH}", options.wasm.display().to_string()),
+        ("${SCORER_IP}", config.listen.ip().to_string()),
+        ("${SCORER_PORT}", config.listen.port().to_string()),
+        ("${DESTINATION_HEADER}", "x-gateway-destination-endpoint".to_string()),
+        ("${POD_ENDPOINTS}", endpoints.trim_end().to_string()),
+    ];
+    let mut out = TEMPLATE.to_string();
+    for (key, value) in replacements {
+        out = out.replace(key, &value);
+    }
+    out.push('\n');
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_placeholder_is_filled_and_every_pod_listed() {
+        let config = Config::parse(
+            "listen: 127.0.0.1:7171\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n  - {name: b, address: '10.0.0.2:8000', role: decode}\n",
+        )
+        .unwrap();
+        let out = render(
+            &config,
+            &EnvoyOptions {
+                listen: "0.0.0.0:10000".parse().unwrap(),
+                admin: "127.0.0.1:9901".parse().unwrap(),
+                wasm: "/x/kvgate_filter.wasm".into(),
+                failure_mode: "closed".into(),
+                scorer_timeout_ms: 50,
+                body_limit_bytes: 1 << 23,
+            },
+        );
+        assert!(!out.contains("${"), "{out}");
+        assert!(
+            out.contains("address: 10.0.0.1, port_value: 8000") && out.contains("address: 10.0.0.2, port_value: 8000")
+        );
+        assert!(out.contains("kvgate: { pod: b, role: decode }"));
+        assert!(out.contains("port_value: 7171") && out.contains("\"failure_mode\":\"closed\""));
+    }
+}

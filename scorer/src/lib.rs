@@ -1,0 +1,12 @@
+//! The scorer sidecar's runtime: configuration, HTTP API, KV-event subscriptions, scraping,
+//! and the generation of the matching Envoy configuration. The routing logic itself lives in
+//! `kvgate-routing`; see `README.md` beside this crate for the design.
+
+pub mod config;
+pub mod envoy;
+pub mod http;
+pub mod metrics;
+pub mod prompt;
+pub mod scorer;
+pub mod scrape;
+pub mod subscriber;
