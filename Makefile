@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: setup build test lint fmt sim bench-scorer
+.PHONY: setup build test lint fmt sim bench-scorer wasm
 
 setup:
 	@bash tests/tools/setup.sh
@@ -19,12 +19,18 @@ build:
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p kvgate-filter --target wasm32-wasip1 -- -D warnings
+
+# The Envoy filter module.
+wasm:
+	$(CARGO) build -p kvgate-filter --target wasm32-wasip1 --release
 
 fmt:
 	$(CARGO) fmt --all
 
-# Integration tests start the workspace's binaries (pods, scorer), so build them first.
-test: setup lint
+# Integration and end-to-end tests start the workspace's binaries (pods, scorer, Envoy with
+# the filter module), so build them first.
+test: setup lint wasm
 	$(CARGO) build --workspace --release --bins
 	$(CARGO) test --workspace --release
 

@@ -298,6 +298,7 @@ pub fn sized(seed: &str, tokens: usize) -> String {
 pub struct ScorerProcess {
     child: Child,
     pub url: String,
+    pub port: u16,
     pub config_path: PathBuf,
 }
 
@@ -308,24 +309,49 @@ impl ScorerProcess {
         let port = free_port();
         let config_path = std::env::temp_dir().join(format!("kvgate-scorer-{port}.yaml"));
         std::fs::write(&config_path, format!("listen: 127.0.0.1:{port}\n{config}")).expect("write scorer config");
-        let child = Command::new(binary("kvgate-scorer"))
-            .arg("--config")
-            .arg(&config_path)
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn kvgate-scorer");
-        let scorer = ScorerProcess { child, url: format!("http://127.0.0.1:{port}"), config_path };
+        let child = spawn_scorer(&config_path);
+        let scorer = ScorerProcess { child, url: format!("http://127.0.0.1:{port}"), port, config_path };
+        scorer.wait_up().await;
+        scorer
+    }
+
+    async fn wait_up(&self) {
         let deadline = Instant::now() + Duration::from_secs(30);
         while Instant::now() < deadline {
-            if let Ok(r) = reqwest::get(format!("{}/healthz", scorer.url)).await
+            if let Ok(r) = reqwest::get(format!("{}/healthz", self.url)).await
                 && r.status().is_success()
             {
-                return scorer;
+                return;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         panic!("kvgate-scorer did not come up");
+    }
+
+    /// Kills the scorer (SIGKILL).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts the scorer again with the same configuration and port.
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.child = spawn_scorer(&self.config_path);
+        self.wait_up().await;
+    }
+
+    /// Polls until no request is in flight on any pod (lifecycle reports all arrived).
+    pub async fn wait_idle(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let pods = self.pods().await;
+            if pods.iter().all(|p| p["inflight_requests"] == 0) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "requests still in flight: {pods:?}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// `POST /v1/route` for a request body sent to `api_path`: (status, JSON answer).
@@ -367,10 +393,118 @@ impl ScorerProcess {
     }
 }
 
+fn spawn_scorer(config_path: &std::path::Path) -> Child {
+    Command::new(binary("kvgate-scorer"))
+        .arg("--config")
+        .arg(config_path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn kvgate-scorer")
+}
+
 impl Drop for ScorerProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.config_path);
     }
+}
+
+/// Envoy 1.40 as installed by `make setup`.
+pub fn envoy_binary() -> PathBuf {
+    required(root().join(".kvgate/bin/envoy"), "Envoy")
+}
+
+/// The filter module built for `wasm32-wasip1` (`make test` builds it).
+pub fn filter_wasm() -> PathBuf {
+    required(root().join("target/wasm32-wasip1/release/kvgate_filter.wasm"), "the kvgate filter .wasm")
+}
+
+/// A running Envoy with the kvgate filter in front of a scorer's pods; killed on drop.
+pub struct EnvoyProcess {
+    child: Child,
+    pub url: String,
+    pub admin: String,
+    pub config_path: PathBuf,
+}
+
+impl EnvoyProcess {
+    /// Renders the bootstrap for `scorer` with `kvgate-envoy-config` (extra flags such as
+    /// `--failure-mode closed` appended) and starts Envoy on free ports.
+    pub async fn start(scorer: &ScorerProcess, extra: &[&str]) -> EnvoyProcess {
+        let (port, admin) = (free_port(), free_port());
+        let config_path = std::env::temp_dir().join(format!("kvgate-envoy-{port}.yaml"));
+        let status = Command::new(binary("kvgate-envoy-config"))
+            .arg("--scorer-config")
+            .arg(&scorer.config_path)
+            .arg("--wasm")
+            .arg(filter_wasm())
+            .args(["--listen", &format!("127.0.0.1:{port}"), "--admin", &format!("127.0.0.1:{admin}")])
+            .arg("--out")
+            .arg(&config_path)
+            .args(extra)
+            .status()
+            .expect("run kvgate-envoy-config");
+        assert!(status.success(), "kvgate-envoy-config failed");
+        Self::start_config(config_path, port, admin).await
+    }
+
+    /// Starts Envoy with a ready bootstrap listening on `port` (admin on `admin`).
+    pub async fn start_config(config_path: PathBuf, port: u16, admin: u16) -> EnvoyProcess {
+        let child = Command::new(envoy_binary())
+            .arg("-c")
+            .arg(&config_path)
+            .args(["--concurrency", "1", "--use-dynamic-base-id", "-l", "warning"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn envoy");
+        let envoy = EnvoyProcess {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            admin: format!("http://127.0.0.1:{admin}"),
+            config_path,
+        };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(r) = reqwest::get(format!("{}/ready", envoy.admin)).await
+                && r.status().is_success()
+            {
+                return envoy;
+            }
+            assert!(Instant::now() < deadline, "envoy did not become ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// A counter or gauge from Envoy's admin `/stats` (0 if absent).
+    pub async fn stat(&self, name: &str) -> u64 {
+        let text = reqwest::get(format!("{}/stats?filter=^{name}$", self.admin))
+            .await
+            .expect("stats")
+            .text()
+            .await
+            .expect("text");
+        text.lines().find_map(|l| l.strip_prefix(&format!("{name}: "))).and_then(|v| v.trim().parse().ok()).unwrap_or(0)
+    }
+}
+
+impl Drop for EnvoyProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.config_path);
+    }
+}
+
+/// `envoy --mode validate -c PATH`: Ok, or Envoy's complaint.
+pub fn envoy_validate(path: &std::path::Path) -> Result<(), String> {
+    let out = Command::new(envoy_binary())
+        .args(["--mode", "validate", "--use-dynamic-base-id", "-l", "error", "-c"])
+        .arg(path)
+        .current_dir(root())
+        .output()
+        .expect("run envoy --mode validate");
+    if out.status.success() { Ok(()) } else { Err(String::from_utf8_lossy(&out.stderr).into_owned()) }
 }

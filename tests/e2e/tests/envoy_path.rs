@@ -1,0 +1,253 @@
+//! The whole path in a real Envoy: the kvgate wasm filter, the scorer sidecar and simulated
+//! vLLM pods, over real sockets on loopback.
+
+use kvgate_test_harness::{EnvoyProcess, ScorerProcess, Sim, envoy_validate, filter_wasm, qwen3_tokenizer, root, text};
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+
+const MODEL: &str = "Qwen/Qwen3-8B";
+
+struct Stack {
+    pods: Vec<Sim>,
+    scorer: ScorerProcess,
+    envoy: EnvoyProcess,
+}
+
+async fn stack(n: usize, envoy_flags: &[&str]) -> Stack {
+    let tokenizer = qwen3_tokenizer();
+    let mut pods = Vec::new();
+    for i in 0..n {
+        let args = ["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", "0.02", "--model", MODEL];
+        pods.push(Sim::start(&format!("pod-{i}"), &args).await);
+    }
+    let mut config =
+        format!("tokenizer: {}\nhealth: {{scrape_interval_ms: 200, unhealthy_after: 2}}\npods:\n", tokenizer.display());
+    for p in &pods {
+        config.push_str(&format!(
+            "  - {{name: {}, address: '127.0.0.1:{}', kv_events: '{}', metrics: '{}/metrics'}}\n",
+            p.pod_id, p.port, p.events, p.url
+        ));
+    }
+    let scorer = ScorerProcess::start(&config).await;
+    let envoy = EnvoyProcess::start(&scorer, envoy_flags).await;
+    // Let the scorer's event subscriptions settle before relying on them.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    Stack { pods, scorer, envoy }
+}
+
+struct Answer {
+    status: u16,
+    pod: Option<String>,
+    body: String,
+}
+
+async fn send(envoy: &EnvoyProcess, path: &str, body: &Value, headers: &[(&str, &str)]) -> Answer {
+    let mut req = reqwest::Client::new().post(format!("{}{path}", envoy.url)).json(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let r = req.send().await.expect("request through envoy");
+    let status = r.status().as_u16();
+    let pod = r.headers().get("x-kvgate-pod").map(|v| v.to_str().unwrap().to_string());
+    Answer { status, pod, body: r.text().await.unwrap() }
+}
+
+fn chat(system: &str, question: &str, stream: bool) -> Value {
+    json!({"model": MODEL, "max_tokens": 4, "stream": stream, "stream_options": {"include_usage": true},
+           "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]})
+}
+
+fn cached_tokens(answer: &Answer) -> u64 {
+    let usage_line = answer.body.lines().rev().find(|l| l.contains("\"usage\"")).unwrap_or(&answer.body);
+    let json: Value = serde_json::from_str(usage_line.trim_start_matches("data: ")).expect("usage JSON");
+    json["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()
+}
+
+#[tokio::test]
+async fn shared_prefixes_converge_and_different_prefixes_spread() {
+    let s = stack(3, &[]).await;
+    let mut homes = Vec::new();
+    for (k, topic) in ["harbor logistics", "tax law", "orbital mechanics"].iter().enumerate() {
+        let system = text(&format!("You are an expert in {topic}"), 220);
+        let mut served = Vec::new();
+        for i in 0..4 {
+            let stream = (i + k) % 2 == 0;
+            let a = send(&s.envoy, "/v1/chat/completions", &chat(&system, &format!("question {i}"), stream), &[]).await;
+            assert_eq!(a.status, 200, "{}", a.body);
+            if stream {
+                assert!(a.body.trim_end().ends_with("data: [DONE]"), "streamed through Envoy");
+            }
+            if i > 0 {
+                assert!(cached_tokens(&a) > 600, "served from the prefix cache: {}", a.body);
+            }
+            served.push(a.pod.expect("x-kvgate-pod"));
+            // Sequential users: each request has finished (and been reported) before the next.
+            s.scorer.wait_idle(Duration::from_secs(5)).await;
+        }
+        assert!(served.iter().all(|p| p == &served[0]), "{topic}: {served:?}");
+        homes.push(served[0].clone());
+    }
+    homes.sort();
+    homes.dedup();
+    assert!(homes.len() >= 2, "different prefixes spread across pods: {homes:?}");
+    // Lifecycle reports reached the scorer: nothing is left in flight, all were routed.
+    for p in s.scorer.pods().await {
+        assert_eq!(p["inflight_requests"], 0);
+    }
+    assert_eq!(s.envoy.stat("wasmcustom.kvgate_routed").await, 12);
+    assert_eq!(s.envoy.stat("wasmcustom.kvgate_fail_open").await, 0);
+    assert!(s.envoy.stat("wasmcustom.kvgate_lifecycle_reports_sent").await >= 24, "first_token + done per request");
+}
+
+#[tokio::test]
+async fn scorer_down_fail_open_keeps_serving_then_routing_resumes() {
+    let mut s = stack(2, &["--failure-mode", "open", "--scorer-timeout-ms", "200"]).await;
+    let system = text("Shared instructions for the evaluation harness", 150);
+    let warm = send(&s.envoy, "/v1/chat/completions", &chat(&system, "warm", false), &[]).await;
+    assert_eq!(warm.status, 200);
+    s.scorer.kill();
+    for i in 0..10 {
+        let a = send(&s.envoy, "/v1/chat/completions", &chat(&system, &format!("while down {i}"), false), &[]).await;
+        assert_eq!(a.status, 200, "fail-open: Envoy balances without the scorer: {}", a.body);
+    }
+    assert_eq!(s.envoy.stat("wasmcustom.kvgate_fail_open").await, 10);
+    s.scorer.restart().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    // The restarted scorer learns the caches again from new events; routing is KV-aware.
+    loop {
+        send(&s.envoy, "/v1/chat/completions", &chat(&system, "refill", false), &[]).await;
+        s.scorer.wait_idle(Duration::from_secs(5)).await;
+        let a = send(&s.envoy, "/v1/chat/completions", &chat(&system, "after restart", false), &[]).await;
+        s.scorer.wait_idle(Duration::from_secs(5)).await;
+        if a.status == 200 && cached_tokens(&a) > 400 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "routing did not become KV-aware again");
+    }
+    assert!(s.envoy.stat("wasmcustom.kvgate_routed").await >= 2);
+}
+
+#[tokio::test]
+async fn scorer_down_fail_closed_answers_503_then_recovers() {
+    let mut s = stack(1, &["--failure-mode", "closed"]).await;
+    let body = json!({"model": MODEL, "prompt": "hello there", "max_tokens": 2});
+    assert_eq!(send(&s.envoy, "/v1/completions", &body, &[]).await.status, 200);
+    s.scorer.kill();
+    let a = send(&s.envoy, "/v1/completions", &body, &[]).await;
+    assert_eq!(a.status, 503);
+    let err: Value = serde_json::from_str(&a.body).unwrap();
+    assert_eq!(err["error"]["type"], "ServiceUnavailable");
+    assert!(a.pod.is_none(), "no pod saw it");
+    s.scorer.restart().await;
+    assert_eq!(send(&s.envoy, "/v1/completions", &body, &[]).await.status, 200);
+    assert_eq!(s.envoy.stat("wasmcustom.kvgate_fail_closed").await, 1);
+}
+
+#[tokio::test]
+async fn bad_input_and_destination_spoofing_are_handled() {
+    let s = stack(2, &["--body-limit-bytes", "65536"]).await;
+    let client = reqwest::Client::new();
+    // Malformed JSON: 400 from the filter, without a call to the scorer.
+    let r = client.post(format!("{}/v1/completions", s.envoy.url)).body("{\"prompt\": ").send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let err: Value = r.json().await.unwrap();
+    assert!(err["error"]["message"].as_str().unwrap().contains("not valid JSON"));
+    // A body the scorer cannot use: its 400 and message reach the client.
+    let a = send(&s.envoy, "/v1/completions", &json!({"max_tokens": 3}), &[]).await;
+    assert_eq!(a.status, 400);
+    assert!(a.body.contains("'prompt' is required"), "{}", a.body);
+    let metrics = reqwest::get(format!("{}/metrics", s.scorer.url)).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kvgate_route_errors_total{code=\"400\"} 1"), "only the second reached the scorer");
+    // Over the body limit: 413 from Envoy.
+    let huge = json!({"prompt": "x".repeat(100_000)});
+    assert_eq!(send(&s.envoy, "/v1/completions", &huge, &[]).await.status, 413);
+
+    // A client naming the destination is ignored: the scorer's choice stands.
+    let system = text("Pinned instructions for spoofing checks", 150);
+    let first = send(&s.envoy, "/v1/chat/completions", &chat(&system, "one", false), &[]).await;
+    let home = first.pod.unwrap();
+    s.scorer.wait_idle(Duration::from_secs(5)).await;
+    let other = s.pods.iter().find(|p| p.pod_id != home).unwrap();
+    for target in [format!("127.0.0.1:{}", other.port), "127.0.0.1:1".to_string(), "169.254.169.254:80".to_string()] {
+        let a = send(
+            &s.envoy,
+            "/v1/chat/completions",
+            &chat(&system, "two", false),
+            &[("x-gateway-destination-endpoint", target.as_str())],
+        )
+        .await;
+        assert_eq!((a.status, a.pod.as_deref()), (200, Some(home.as_str())), "header {target} ignored");
+        s.scorer.wait_idle(Duration::from_secs(5)).await;
+    }
+    // Other traffic passes untouched (and the header is stripped there too).
+    let r = client
+        .get(format!("{}/v1/models", s.envoy.url))
+        .header("x-gateway-destination-endpoint", "127.0.0.1:1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+}
+
+#[test]
+fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
+    let dir = root().join("envoy");
+    let mut checked = 0;
+    for entry in walk(&dir) {
+        if entry.extension().is_some_and(|e| e == "yaml") && entry.file_name().is_some_and(|n| n == "envoy.yaml") {
+            envoy_validate(&entry).unwrap_or_else(|e| panic!("{}: {e}", entry.display()));
+            checked += 1;
+        }
+    }
+    assert!(checked >= 1);
+    // The committed local bootstrap is exactly what its scorer configuration renders.
+    let config = kvgate_scorer::config::Config::parse(&std::fs::read_to_string(dir.join("local/scorer.yaml")).unwrap())
+        .expect("local scorer config");
+    let rendered = kvgate_scorer::envoy::render(
+        &config,
+        &kvgate_scorer::envoy::EnvoyOptions {
+            listen: "127.0.0.1:10000".parse().unwrap(),
+            admin: "127.0.0.1:9901".parse().unwrap(),
+            wasm: "target/wasm32-wasip1/release/kvgate_filter.wasm".into(),
+            failure_mode: "open".into(),
+            scorer_timeout_ms: 100,
+            body_limit_bytes: 8 << 20,
+        },
+    );
+    assert_eq!(
+        rendered,
+        std::fs::read_to_string(dir.join("local/envoy.yaml")).unwrap(),
+        "re-render envoy/local/envoy.yaml"
+    );
+    // The template renders to a valid bootstrap for any pod list (here with fail-closed).
+    let config = kvgate_scorer::config::Config::parse(
+        "pods:\n  - {name: a, address: '10.1.2.3:8000', role: prefill}\n  - {name: b, address: '[::1]:8000'}\n",
+    )
+    .unwrap();
+    let options = kvgate_scorer::envoy::EnvoyOptions {
+        listen: "0.0.0.0:8080".parse().unwrap(),
+        admin: "127.0.0.1:9902".parse().unwrap(),
+        wasm: filter_wasm(),
+        failure_mode: "closed".into(),
+        scorer_timeout_ms: 25,
+        body_limit_bytes: 1 << 20,
+    };
+    let path = std::env::temp_dir().join(format!("kvgate-validate-{}.yaml", std::process::id()));
+    std::fs::write(&path, kvgate_scorer::envoy::render(&config, &options)).unwrap();
+    let result = envoy_validate(&path);
+    let _ = std::fs::remove_file(&path);
+    result.expect("rendered template validates");
+}
+
+fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            out.extend(walk(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out
+}
