@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: setup build test lint fmt sim bench-scorer wasm
+.PHONY: setup build test lint fmt sim bench-scorer wasm demo up down bench-overhead
 
 setup:
 	@bash tests/tools/setup.sh
@@ -33,6 +33,25 @@ fmt:
 test: setup lint wasm
 	$(CARGO) build --workspace --release --bins
 	$(CARGO) test --workspace --release
+
+# The main job: 4 simulated pods + scorer + Envoy with the kvgate filter on loopback, a
+# realistic mixed workload through it and through plain round robin, and a report.
+demo: setup wasm
+	$(CARGO) build --workspace --release --bins
+	./target/release/kvgate-demo
+
+# The same stack left running on the documented defaults (see tests/tools/stack.sh).
+up: setup wasm
+	$(CARGO) build --workspace --release --bins
+	@bash tests/tools/stack.sh up
+
+down:
+	@bash tests/tools/stack.sh down
+
+# Added latency of the kvgate path versus the same Envoy round-robin without the filter.
+bench-overhead: setup wasm
+	$(CARGO) build --workspace --release --bins
+	./target/release/kvgate-overhead
 
 # One simulated pod on the documented defaults, for trying things by hand.
 sim: setup

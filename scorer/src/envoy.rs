@@ -18,6 +18,9 @@ pub struct EnvoyOptions {
     pub failure_mode: String,
     pub scorer_timeout_ms: u64,
     pub body_limit_bytes: u64,
+    /// Leave the kvgate filter out: plain Envoy round robin over the same pods, the baseline
+    /// kvgate is measured against.
+    pub baseline: bool,
 }
 
 /// Renders the bootstrap YAML.
@@ -55,11 +58,22 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
         ("${DESTINATION_HEADER}", "x-gateway-destination-endpoint".to_string()),
         ("${POD_ENDPOINTS}", endpoints.trim_end().to_string()),
     ];
-    let mut out = TEMPLATE.to_string();
+    let mut out = String::with_capacity(TEMPLATE.len() + endpoints.len());
+    let mut in_filter = false;
+    for line in TEMPLATE.lines() {
+        match line {
+            "${KVGATE_FILTER_BEGIN}" => in_filter = true,
+            "${KVGATE_FILTER_END}" => in_filter = false,
+            _ if in_filter && options.baseline => {}
+            _ => {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+    }
     for (key, value) in replacements {
         out = out.replace(key, &value);
     }
-    out.push('\n');
     out
 }
 
@@ -67,28 +81,33 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
 mod tests {
     use super::*;
 
+    fn options() -> EnvoyOptions {
+        EnvoyOptions {
+            listen: "0.0.0.0:10000".parse().unwrap(),
+            admin: "127.0.0.1:9901".parse().unwrap(),
+            wasm: "/x/kvgate_filter.wasm".into(),
+            failure_mode: "closed".into(),
+            scorer_timeout_ms: 50,
+            body_limit_bytes: 1 << 23,
+            baseline: false,
+        }
+    }
+
     #[test]
     fn every_placeholder_is_filled_and_every_pod_listed() {
         let config = Config::parse(
             "listen: 127.0.0.1:7171\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n  - {name: b, address: '10.0.0.2:8000', role: decode}\n",
         )
         .unwrap();
-        let out = render(
-            &config,
-            &EnvoyOptions {
-                listen: "0.0.0.0:10000".parse().unwrap(),
-                admin: "127.0.0.1:9901".parse().unwrap(),
-                wasm: "/x/kvgate_filter.wasm".into(),
-                failure_mode: "closed".into(),
-                scorer_timeout_ms: 50,
-                body_limit_bytes: 1 << 23,
-            },
-        );
+        let out = render(&config, &options());
         assert!(!out.contains("${"), "{out}");
         assert!(
             out.contains("address: 10.0.0.1, port_value: 8000") && out.contains("address: 10.0.0.2, port_value: 8000")
         );
         assert!(out.contains("kvgate: { pod: b, role: decode }"));
         assert!(out.contains("port_value: 7171") && out.contains("\"failure_mode\":\"closed\""));
+        assert!(out.contains("filters.http.wasm.v3.Wasm"));
+        let baseline = render(&config, &EnvoyOptions { baseline: true, ..options() });
+        assert!(!baseline.contains("filters.http.wasm") && baseline.contains("envoy.filters.http.router"));
     }
 }

@@ -33,6 +33,10 @@ struct Args {
     /// Largest request body (bytes); larger ones get a 413.
     #[arg(long, default_value_t = 8 << 20)]
     body_limit_bytes: u64,
+    /// Leave the kvgate filter out (plain round robin over the same pods): the baseline
+    /// kvgate is compared against.
+    #[arg(long)]
+    baseline_round_robin: bool,
     /// Write here instead of stdout.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -51,6 +55,7 @@ fn main() -> anyhow::Result<()> {
             failure_mode: args.failure_mode,
             scorer_timeout_ms: args.scorer_timeout_ms,
             body_limit_bytes: args.body_limit_bytes,
+            baseline: args.baseline_round_robin,
         },
     );
     match args.out {

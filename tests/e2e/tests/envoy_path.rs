@@ -212,6 +212,7 @@ fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
             failure_mode: "open".into(),
             scorer_timeout_ms: 100,
             body_limit_bytes: 8 << 20,
+            baseline: false,
         },
     );
     assert_eq!(
@@ -231,12 +232,19 @@ fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
         failure_mode: "closed".into(),
         scorer_timeout_ms: 25,
         body_limit_bytes: 1 << 20,
+        baseline: false,
     };
     let path = std::env::temp_dir().join(format!("kvgate-validate-{}.yaml", std::process::id()));
     std::fs::write(&path, kvgate_scorer::envoy::render(&config, &options)).unwrap();
     let result = envoy_validate(&path);
     let _ = std::fs::remove_file(&path);
     result.expect("rendered template validates");
+    let baseline =
+        kvgate_scorer::envoy::render(&config, &kvgate_scorer::envoy::EnvoyOptions { baseline: true, ..options });
+    std::fs::write(&path, baseline).unwrap();
+    let result = envoy_validate(&path);
+    let _ = std::fs::remove_file(&path);
+    result.expect("the baseline bootstrap validates");
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {

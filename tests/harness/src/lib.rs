@@ -50,8 +50,11 @@ pub fn qwen3_tokenizer() -> PathBuf {
 /// only the tested package's binaries, so `make test` builds all of them first).
 pub fn binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
-    // target/<profile>/deps/<test> → target/<profile>/<name>
-    let dir = exe.parent().and_then(|deps| deps.parent()).expect("target profile directory");
+    // target/<profile>/deps/<test> (tests) or target/<profile>/<bin> (tools) → target/<profile>
+    let mut dir = exe.parent().expect("executable directory");
+    if dir.ends_with("deps") {
+        dir = dir.parent().expect("target profile directory");
+    }
     let path = dir.join(name);
     assert!(
         path.exists(),
@@ -69,6 +72,18 @@ pub fn vllm_fixture_payload(file: &str, index: usize) -> Vec<u8> {
     let json: Value = serde_json::from_str(&text).expect("fixture JSON");
     let hex = json["messages"][index]["payload_hex"].as_str().expect("payload_hex");
     (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex")).collect()
+}
+
+static QUIET_CHILDREN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Discard the stderr of processes started from now on (tools that print their own
+/// progress); by default it is inherited, so a failing test shows its processes' logs.
+pub fn quiet_children() {
+    QUIET_CHILDREN.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn child_stderr() -> Stdio {
+    if QUIET_CHILDREN.load(std::sync::atomic::Ordering::Relaxed) { Stdio::null() } else { Stdio::inherit() }
 }
 
 /// A free TCP port on 127.0.0.1 (bound, then released for the child to take).
@@ -191,7 +206,7 @@ fn spawn_sim(args: &[String]) -> Child {
     Command::new(binary("kvgate-sim"))
         .args(args)
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
+        .stderr(child_stderr())
         .spawn()
         .expect("spawn kvgate-sim")
 }
@@ -211,7 +226,7 @@ pub struct JsonLines {
 
 impl JsonLines {
     pub fn spawn(mut command: Command) -> JsonLines {
-        let mut child = command.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn helper");
+        let mut child = command.stdout(Stdio::piped()).stderr(child_stderr()).spawn().expect("spawn helper");
         let stdout: ChildStdout = child.stdout.take().expect("stdout");
         let (tx, lines) = mpsc::channel();
         std::thread::spawn(move || {
@@ -398,7 +413,7 @@ fn spawn_scorer(config_path: &std::path::Path) -> Child {
         .arg("--config")
         .arg(config_path)
         .stdout(Stdio::null())
-        .stderr(Stdio::inherit())
+        .stderr(child_stderr())
         .spawn()
         .expect("spawn kvgate-scorer")
 }
@@ -457,7 +472,7 @@ impl EnvoyProcess {
             .arg(&config_path)
             .args(["--concurrency", "1", "--use-dynamic-base-id", "-l", "warning"])
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(child_stderr())
             .spawn()
             .expect("spawn envoy");
         let envoy = EnvoyProcess {

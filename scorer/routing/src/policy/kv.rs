@@ -57,7 +57,7 @@ impl Default for KvPolicyConfig {
     fn default() -> Self {
         Self {
             prefill_weight: 1.0,
-            decode_weight: 1.0,
+            decode_weight: 0.1,
             prefix_weight: 1.0,
             prefill_estimate: PrefillEstimate::Trapezoid,
             attention_horizon_tokens: 30_000.0,
