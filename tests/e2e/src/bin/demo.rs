@@ -48,7 +48,7 @@ const MAX_TOKENS: u32 = 32;
 
 fn progress(done: &AtomicUsize, total: usize) {
     let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-    if n == total || n % (total / 8).max(1) == 0 {
+    if n == total || n.is_multiple_of((total / 8).max(1)) {
         println!("    {n}/{total} requests done");
         let _ = std::io::stdout().flush();
     }

@@ -59,7 +59,7 @@ async fn main() -> anyhow::Result<()> {
                 anyhow::ensure!(m.status == 200, "{} answered {}", paths[k].0, m.status);
                 samples[k].push(m.total);
             }
-            if (i + 1) % (args.requests / 4).max(1) == 0 {
+            if (i + 1).is_multiple_of((args.requests / 4).max(1)) {
                 eprintln!("    {label}: {}/{} rounds", i + 1, args.requests);
             }
         }
