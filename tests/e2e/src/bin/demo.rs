@@ -36,10 +36,10 @@ struct Args {
     #[arg(long, default_value_t = 1000)]
     num_blocks: usize,
     /// Turns per session.
-    #[arg(long, default_value_t = 6)]
+    #[arg(long, default_value_t = 8)]
     turns: usize,
     /// Requests with unique prompts.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 4)]
     unique: usize,
 }
 
