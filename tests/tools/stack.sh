@@ -11,8 +11,9 @@ cd "$root"
 
 start() { # name, command...
   local name=$1; shift
-  "$@" >"$run/$name.log" 2>&1 &
-  echo $! >"$run/$name.pid"
+  # Detached: its own session, no stdin, and re-parented at once (the subshell exits right
+  # away). Envoy asks for SIGTERM when its parent dies, so it must not be this script's child.
+  (setsid sh -c 'echo $$ >"$0"; exec "$@"' "$run/$name.pid" "$@" >"$run/$name.log" 2>&1 </dev/null &)
 }
 
 wait_http() { # url
