@@ -4,6 +4,18 @@
 
 use serde::Deserialize;
 
+/// How a disaggregated request reaches its prefill pod.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PdMode {
+    /// The filter sends the prefill leg itself and hands its `kv_transfer_params` to the
+    /// decode pod (vLLM's NIXL flow, no extra proxy to deploy).
+    Envoy,
+    /// The filter names the prefill pod in a header for the decode pod's own sidecar
+    /// (llm-d's convention) and routes to the decode pod.
+    Header,
+}
+
 /// What to do when the scorer is down, slow (timeout) or answers 5xx.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
@@ -36,6 +48,13 @@ pub struct FilterConfig {
     pub lifecycle_batch_max: usize,
     /// Timeout of a lifecycle batch call.
     pub lifecycle_timeout_ms: u64,
+    pub pd_mode: PdMode,
+    /// Envoy cluster of the pods (prefill legs go there, steered by the destination header).
+    pub pods_cluster: String,
+    /// Timeout of a prefill leg; beyond it the decode pod prefills locally.
+    pub prefill_timeout_ms: u64,
+    /// Header naming the prefill pod in `header` mode.
+    pub prefiller_header: String,
 }
 
 impl Default for FilterConfig {
@@ -50,6 +69,10 @@ impl Default for FilterConfig {
             lifecycle_flush_ms: 20,
             lifecycle_batch_max: 256,
             lifecycle_timeout_ms: 1000,
+            pd_mode: PdMode::Envoy,
+            pods_cluster: "kvgate_pods".into(),
+            prefill_timeout_ms: 60_000,
+            prefiller_header: "x-prefiller-host-port".into(),
         }
     }
 }
@@ -69,8 +92,18 @@ impl FilterConfig {
         if config.scorer_cluster.is_empty() {
             return Err("scorer_cluster must not be empty".into());
         }
-        if config.scorer_timeout_ms == 0 || config.lifecycle_timeout_ms == 0 || config.lifecycle_flush_ms == 0 {
-            return Err("scorer_timeout_ms, lifecycle_timeout_ms and lifecycle_flush_ms must be positive".into());
+        if config.scorer_timeout_ms == 0
+            || config.lifecycle_timeout_ms == 0
+            || config.lifecycle_flush_ms == 0
+            || config.prefill_timeout_ms == 0
+        {
+            return Err(
+                "scorer_timeout_ms, lifecycle_timeout_ms, lifecycle_flush_ms and prefill_timeout_ms must be positive"
+                    .into(),
+            );
+        }
+        if config.pods_cluster.is_empty() {
+            return Err("pods_cluster must not be empty".into());
         }
         if config.lifecycle_batch_max == 0 {
             return Err("lifecycle_batch_max must be positive".into());
@@ -78,8 +111,12 @@ impl FilterConfig {
         if config.paths.is_empty() || config.paths.iter().any(|p| !p.starts_with('/')) {
             return Err("paths must be a non-empty list of paths starting with '/'".into());
         }
-        if !header_name(&config.destination_header) {
-            return Err(format!("destination_header {:?} is not a lowercase header name", config.destination_header));
+        for (field, name) in
+            [("destination_header", &config.destination_header), ("prefiller_header", &config.prefiller_header)]
+        {
+            if !header_name(name) {
+                return Err(format!("{field} {name:?} is not a lowercase header name"));
+            }
         }
         Ok(config)
     }
@@ -101,8 +138,9 @@ mod tests {
         assert_eq!(c, FilterConfig::default());
         assert!(c.intercepts("/v1/chat/completions") && c.intercepts("/v1/completions?x=1"));
         assert!(!c.intercepts("/v1/models") && !c.intercepts("/v1/completions/render"));
-        let c = FilterConfig::parse(br#"{"failure_mode": "closed", "scorer_timeout_ms": 20}"#).unwrap();
-        assert_eq!((c.failure_mode, c.scorer_timeout_ms), (FailureMode::Closed, 20));
+        let c = FilterConfig::parse(br#"{"failure_mode": "closed", "scorer_timeout_ms": 20, "pd_mode": "header"}"#)
+            .unwrap();
+        assert_eq!((c.failure_mode, c.scorer_timeout_ms, c.pd_mode), (FailureMode::Closed, 20, PdMode::Header));
     }
 
     #[test]
@@ -115,6 +153,8 @@ mod tests {
             (r#"{"paths": ["v1/completions"]}"#, "paths"),
             (r#"{"destination_header": "X-Dest"}"#, "destination_header"),
             (r#"{"scorer_cluster": ""}"#, "scorer_cluster"),
+            (r#"{"pd_mode": "sidecar"}"#, "expected `envoy` or `header`"),
+            (r#"{"prefiller_header": "X"}"#, "prefiller_header"),
             ("not json", "invalid"),
         ] {
             let err = FilterConfig::parse(json.as_bytes()).unwrap_err();

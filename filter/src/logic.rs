@@ -2,6 +2,7 @@
 //! body validation, reading the scorer's answer, error bodies, usage scanning.
 
 use kvgate_route_api::{ErrorBody, RouteResponse};
+use serde_json::{Map, Value, json};
 use std::net::SocketAddr;
 
 /// Checks that a request body is one JSON object, without building it.
@@ -18,8 +19,8 @@ pub fn validate_body(body: &[u8]) -> Result<(), String> {
 /// What the scorer's answer means for the request.
 #[derive(Debug, PartialEq)]
 pub enum Verdict {
-    /// Route to `destination` (`ip:port`).
-    Route { destination: String, pod: String },
+    /// Route to `destination` (`ip:port`), after a prefill leg on `prefill` when given.
+    Route { destination: String, pod: String, prefill: Option<String> },
     /// The request itself is bad (scorer said 400): tell the client.
     BadRequest(String),
     /// The scorer is down, slow, failing, or answered nonsense: the failure mode decides.
@@ -31,8 +32,13 @@ pub enum Verdict {
 pub fn interpret(status: Option<u16>, body: &[u8]) -> Verdict {
     match status {
         Some(200) => match serde_json::from_slice::<RouteResponse>(body) {
-            Ok(r) if r.decode.parse::<SocketAddr>().is_ok() => Verdict::Route { destination: r.decode, pod: r.pod },
-            Ok(r) => Verdict::Unavailable(format!("scorer chose {:?}, which is not ip:port", r.decode)),
+            Ok(r) if r.decode.parse::<SocketAddr>().is_err() => {
+                Verdict::Unavailable(format!("scorer chose {:?}, which is not ip:port", r.decode))
+            }
+            Ok(r) if r.prefill.as_ref().is_some_and(|p| p.parse::<SocketAddr>().is_err()) => {
+                Verdict::Unavailable(format!("scorer chose prefill pod {:?}, which is not ip:port", r.prefill))
+            }
+            Ok(r) => Verdict::Route { destination: r.decode, pod: r.pod, prefill: r.prefill },
             Err(e) => Verdict::Unavailable(format!("scorer answered an unreadable decision: {e}")),
         },
         Some(400) => Verdict::BadRequest(
@@ -43,6 +49,39 @@ pub fn interpret(status: Option<u16>, body: &[u8]) -> Verdict {
         Some(code) => Verdict::Unavailable(format!("scorer answered {code}")),
         None => Verdict::Unavailable("no answer from the scorer".into()),
     }
+}
+
+/// The prefill leg of a disaggregated request (vLLM's NIXL flow): the client's request
+/// with `stream: false`, one output token, no `stream_options`/`min_tokens`, and
+/// `kv_transfer_params` asking the prefill pod to keep the KV for a remote decode.
+pub fn prefill_leg_body(original: &[u8]) -> Result<Vec<u8>, String> {
+    let mut body: Map<String, Value> = serde_json::from_slice(original).map_err(|e| e.to_string())?;
+    body.insert("stream".into(), Value::Bool(false));
+    body.insert("max_tokens".into(), json!(1));
+    if body.contains_key("max_completion_tokens") {
+        body.insert("max_completion_tokens".into(), json!(1));
+    }
+    body.remove("stream_options");
+    body.remove("min_tokens");
+    body.insert(
+        "kv_transfer_params".into(),
+        json!({"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null,
+               "remote_block_ids": null, "remote_host": null, "remote_port": null}),
+    );
+    serde_json::to_vec(&body).map_err(|e| e.to_string())
+}
+
+/// The decode leg: the client's request with the prefill pod's `kv_transfer_params`
+/// copied in unchanged. Fails when the prefill answer carries none.
+pub fn decode_leg_body(original: &[u8], prefill_answer: &[u8]) -> Result<Vec<u8>, String> {
+    let answer: Value = serde_json::from_slice(prefill_answer).map_err(|e| format!("prefill answer: {e}"))?;
+    let params = match answer.get("kv_transfer_params") {
+        Some(p @ Value::Object(_)) => p.clone(),
+        _ => return Err("the prefill answer has no kv_transfer_params".into()),
+    };
+    let mut body: Map<String, Value> = serde_json::from_slice(original).map_err(|e| e.to_string())?;
+    body.insert("kv_transfer_params".into(), params);
+    serde_json::to_vec(&body).map_err(|e| e.to_string())
 }
 
 /// An OpenAI-shaped JSON error body.
@@ -86,7 +125,15 @@ mod tests {
     #[test]
     fn scorer_answers() {
         let ok = br#"{"decode":"10.0.0.1:8000","pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
-        assert_eq!(interpret(Some(200), ok), Verdict::Route { destination: "10.0.0.1:8000".into(), pod: "p1".into() });
+        assert_eq!(
+            interpret(Some(200), ok),
+            Verdict::Route { destination: "10.0.0.1:8000".into(), pod: "p1".into(), prefill: None }
+        );
+        let pd = br#"{"decode":"10.0.0.1:8000","prefill":"10.0.0.2:8000","pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
+        assert!(matches!(interpret(Some(200), pd), Verdict::Route { prefill: Some(p), .. } if p == "10.0.0.2:8000"));
+        let bad_pd =
+            br#"{"decode":"10.0.0.1:8000","prefill":"x","pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
+        assert!(matches!(interpret(Some(200), bad_pd), Verdict::Unavailable(_)));
         let host = br#"{"decode":"evil.example:80","pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
         assert!(matches!(interpret(Some(200), host), Verdict::Unavailable(_)));
         assert!(matches!(interpret(Some(200), b"garbage"), Verdict::Unavailable(_)));
@@ -97,6 +144,28 @@ mod tests {
             assert!(matches!(interpret(Some(code), b""), Verdict::Unavailable(_)));
         }
         assert!(matches!(interpret(None, b""), Verdict::Unavailable(_)));
+    }
+
+    #[test]
+    fn pd_legs_follow_vllms_nixl_flow() {
+        let original = br#"{"model":"m","prompt":"p","stream":true,"stream_options":{"include_usage":true},"max_tokens":50,"max_completion_tokens":50,"min_tokens":3}"#;
+        let leg: Value = serde_json::from_slice(&prefill_leg_body(original).unwrap()).unwrap();
+        assert_eq!(leg["stream"], false);
+        assert_eq!((leg["max_tokens"].as_u64(), leg["max_completion_tokens"].as_u64()), (Some(1), Some(1)));
+        assert!(leg.get("stream_options").is_none() && leg.get("min_tokens").is_none());
+        assert_eq!(leg["kv_transfer_params"]["do_remote_decode"], true);
+        assert!(leg["kv_transfer_params"]["remote_engine_id"].is_null());
+        let answer = br#"{"choices":[],"kv_transfer_params":{"do_remote_prefill":true,"remote_block_ids":[1,2],"remote_engine_id":"e","x":{"opaque":[1]}}}"#;
+        let decode: Value = serde_json::from_slice(&decode_leg_body(original, answer).unwrap()).unwrap();
+        let params: Value = serde_json::from_slice::<Value>(answer).unwrap()["kv_transfer_params"].clone();
+        assert_eq!(decode["kv_transfer_params"], params, "copied unchanged");
+        assert_eq!(
+            (decode["stream"].as_bool(), decode["max_tokens"].as_u64()),
+            (Some(true), Some(50)),
+            "the rest untouched"
+        );
+        assert!(decode_leg_body(original, br#"{"choices":[]}"#).is_err());
+        assert!(decode_leg_body(original, b"<html>").is_err());
     }
 
     #[test]

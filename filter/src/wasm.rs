@@ -2,7 +2,7 @@
 //! `proxy_wasm::hostcalls` directly (the SDK's convenience methods `unwrap` host errors and
 //! non-UTF-8 header values, and a panic traps the VM: every request on the worker fails).
 
-use crate::config::{FailureMode, FilterConfig};
+use crate::config::{FailureMode, FilterConfig, PdMode};
 use crate::logic::{self, Verdict};
 use kvgate_route_api::{
     HEADER_API_PATH, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, LifecycleEvent, LifecycleReport, ROUTE_PATH,
@@ -29,6 +29,9 @@ struct Metrics {
     callout_ms: u32,
     lifecycle_sent: u32,
     lifecycle_failed: u32,
+    pd_prefill_ok: u32,
+    pd_fallback: u32,
+    pd_header: u32,
 }
 
 impl Metrics {
@@ -43,6 +46,9 @@ impl Metrics {
             callout_ms: m(MetricType::Histogram, "kvgate_callout_ms"),
             lifecycle_sent: m(MetricType::Counter, "kvgate_lifecycle_reports_sent"),
             lifecycle_failed: m(MetricType::Counter, "kvgate_lifecycle_reports_failed"),
+            pd_prefill_ok: m(MetricType::Counter, "kvgate_pd_prefill_ok"),
+            pd_fallback: m(MetricType::Counter, "kvgate_pd_fallback"),
+            pd_header: m(MetricType::Counter, "kvgate_pd_header"),
         }
     }
 }
@@ -147,7 +153,7 @@ impl RootContext for Root {
     }
 }
 
-#[derive(Default, PartialEq)]
+#[derive(Default, PartialEq, Clone)]
 enum Phase {
     /// Not for the scorer (other path or method): passes untouched.
     #[default]
@@ -156,6 +162,8 @@ enum Phase {
     Buffering,
     /// Waiting for the scorer.
     Deciding,
+    /// Waiting for the prefill leg of a disaggregated request; then on to `decode`.
+    Prefilling { decode: String },
     /// Sent to the pod the scorer chose.
     Routed,
     /// Answered by the filter itself (400, 503) or sent on without a decision (fail-open).
@@ -244,28 +252,43 @@ impl Request {
 
 impl Context for Request {
     fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _trailers: usize) {
-        if self.phase != Phase::Deciding {
-            return;
+        let status = header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok());
+        let body =
+            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten().unwrap_or_default();
+        match self.phase.clone() {
+            Phase::Deciding => self.on_decision(status, &body),
+            Phase::Prefilling { decode } => self.on_prefilled(status, &body, &decode),
+            _ => {}
         }
+    }
+}
+
+impl Request {
+    fn on_decision(&mut self, status: Option<u16>, body: &[u8]) {
         if let Some(started) = self.call_started {
             let ms = now().duration_since(started).map(|d| d.as_millis() as u64).unwrap_or(0);
             let _ = hostcalls::record_metric(self.shared().metrics.callout_ms, ms);
         }
-        let status = header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok());
-        let body =
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten().unwrap_or_default();
-        match logic::interpret(status, &body) {
-            Verdict::Route { destination, pod } => {
-                let shared = self.shared.clone().expect("shared state");
-                let _ = hostcalls::set_map_value(
-                    MapType::HttpRequestHeaders,
-                    &shared.config.destination_header,
-                    Some(&destination),
-                );
-                incr(shared.metrics.routed, 1);
+        match logic::interpret(status, body) {
+            Verdict::Route { destination, pod, prefill: None } => {
                 log::debug!("kvgate: request {} → {pod} ({destination})", self.request_id);
-                self.phase = Phase::Routed;
-                let _ = hostcalls::resume_http_request();
+                self.route_to(&destination);
+            }
+            Verdict::Route { destination, pod, prefill: Some(prefill) } => {
+                let shared = self.shared.clone().expect("shared state");
+                log::debug!("kvgate: request {} → prefill {prefill}, decode {pod} ({destination})", self.request_id);
+                match shared.config.pd_mode {
+                    PdMode::Header => {
+                        incr(shared.metrics.pd_header, 1);
+                        let _ = hostcalls::set_map_value(
+                            MapType::HttpRequestHeaders,
+                            &shared.config.prefiller_header,
+                            Some(&prefill),
+                        );
+                        self.route_to(&destination);
+                    }
+                    PdMode::Envoy => self.send_prefill_leg(&prefill, destination),
+                }
             }
             Verdict::BadRequest(message) => {
                 incr(self.shared().metrics.scorer_bad_request, 1);
@@ -278,6 +301,76 @@ impl Context for Request {
                 }
             }
         }
+    }
+
+    /// Sets the destination and lets the request go.
+    fn route_to(&mut self, destination: &str) {
+        let shared = self.shared.clone().expect("shared state");
+        let _ =
+            hostcalls::set_map_value(MapType::HttpRequestHeaders, &shared.config.destination_header, Some(destination));
+        incr(shared.metrics.routed, 1);
+        self.phase = Phase::Routed;
+        let _ = hostcalls::resume_http_request();
+    }
+
+    /// The prefill leg, sent by the filter to the prefill pod through the pods cluster.
+    fn send_prefill_leg(&mut self, prefill: &str, decode: String) {
+        let shared = self.shared.clone().expect("shared state");
+        let original =
+            hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX).ok().flatten().unwrap_or_default();
+        let leg = match logic::prefill_leg_body(&original) {
+            Ok(leg) => leg,
+            Err(e) => return self.prefill_failed(&format!("cannot build the prefill leg: {e}"), &decode),
+        };
+        let headers = vec![
+            (":method", "POST"),
+            (":path", self.api_path.as_str()),
+            (":authority", "kvgate-prefill"),
+            ("content-type", "application/json"),
+            (HEADER_REQUEST_ID, self.request_id.as_str()),
+            (shared.config.destination_header.as_str(), prefill),
+        ];
+        let timeout = Duration::from_millis(shared.config.prefill_timeout_ms);
+        match hostcalls::dispatch_http_call(&shared.config.pods_cluster, headers, Some(&leg), vec![], timeout) {
+            Ok(_) => self.phase = Phase::Prefilling { decode },
+            Err(status) => {
+                self.prefill_failed(&format!("cannot call cluster {}: {status:?}", shared.config.pods_cluster), &decode)
+            }
+        }
+    }
+
+    /// The prefill pod answered: hand its `kv_transfer_params` to the decode pod.
+    fn on_prefilled(&mut self, status: Option<u16>, answer: &[u8], decode: &str) {
+        let shared = self.shared.clone().expect("shared state");
+        shared.report(&self.request_id, LifecycleEvent::PrefillDone, None);
+        if status != Some(200) {
+            return self.prefill_failed(&format!("prefill pod answered {status:?}"), decode);
+        }
+        let original =
+            hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX).ok().flatten().unwrap_or_default();
+        let body = match logic::decode_leg_body(&original, answer) {
+            Ok(body) => body,
+            Err(e) => return self.prefill_failed(&e, decode),
+        };
+        if let Err(e) = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, original.len(), &body) {
+            return self.prefill_failed(&format!("cannot rewrite the body: {e:?}"), decode);
+        }
+        // The client's content-length no longer holds; a stale one would truncate the body.
+        let length = body.len().to_string();
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "content-length", Some(&length));
+        incr(shared.metrics.pd_prefill_ok, 1);
+        self.route_to(decode);
+    }
+
+    /// No usable prefill: the decode pod prefills locally; the client still gets its answer.
+    fn prefill_failed(&mut self, reason: &str, decode: &str) {
+        let shared = self.shared.clone().expect("shared state");
+        incr(shared.metrics.pd_fallback, 1);
+        log::warn!("kvgate: prefill leg of {} failed ({reason}); decoding with local prefill", self.request_id);
+        if !matches!(self.phase, Phase::Prefilling { .. }) {
+            shared.report(&self.request_id, LifecycleEvent::PrefillDone, None);
+        }
+        self.route_to(decode);
     }
 }
 
@@ -318,7 +411,7 @@ impl HttpContext for Request {
             Phase::Buffering if !end_of_stream => return Action::Pause,
             Phase::Buffering => {}
             Phase::Passthrough | Phase::Routed | Phase::Settled => return Action::Continue,
-            Phase::Deciding => return Action::Pause,
+            Phase::Deciding | Phase::Prefilling { .. } => return Action::Pause,
         }
         let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size).ok().flatten().unwrap_or_default();
         if let Err(message) = logic::validate_body(&body) {
@@ -359,7 +452,10 @@ impl HttpContext for Request {
     fn on_log(&mut self) {
         // A decided request (or one whose decision may have been made before the client
         // left) releases its booking in the scorer.
-        if !matches!(self.phase, Phase::Routed | Phase::Deciding) {
+        if let Phase::Prefilling { .. } = self.phase {
+            self.shared().report(&self.request_id, LifecycleEvent::PrefillDone, None);
+        }
+        if !matches!(self.phase, Phase::Routed | Phase::Deciding | Phase::Prefilling { .. }) {
             return;
         }
         let status = header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok());

@@ -23,6 +23,17 @@ pub const ROUTE_PATH: &str = "/v1/route";
 /// Path of the lifecycle call on the scorer.
 pub const LIFECYCLE_PATH: &str = "/v1/lifecycle";
 
+/// Whether a request is served by one pod, or prefilled on one and decoded on another.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum RoutePath {
+    /// One pod prefills and decodes.
+    #[default]
+    Direct,
+    /// Prefill/decode disaggregation: `prefill` computes the KV, `decode` pulls it.
+    Pd,
+}
+
 /// The scorer's decision.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct RouteResponse {
@@ -31,8 +42,17 @@ pub struct RouteResponse {
     /// `ip:port` of the pod that should prefill it first, when disaggregated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill: Option<String>,
-    /// Name of the chosen pod (for logs and headers).
+    /// Name of the chosen (decode) pod (for logs and headers).
     pub pod: String,
+    /// Name of the prefill pod, when disaggregated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prefill_pod: Option<String>,
+    /// Direct or disaggregated.
+    #[serde(default)]
+    pub path: RoutePath,
+    /// Uncached prompt tokens on the best decode-capable pod: what the P/D threshold weighs.
+    #[serde(default)]
+    pub uncached_tokens: u32,
     /// The policy that decided.
     pub policy: String,
     /// Prompt tokens of the request, as the engine will count them.
@@ -91,6 +111,8 @@ pub enum LifecycleEvent {
     Done,
     /// The client went away or the upstream failed.
     Cancelled,
+    /// The prefill leg of a disaggregated request finished (answered, failed or timed out).
+    PrefillDone,
 }
 
 /// One report.
@@ -119,6 +141,9 @@ mod tests {
             decode: "10.0.0.7:8000".into(),
             prefill: None,
             pod: "pod-a".into(),
+            prefill_pod: None,
+            path: RoutePath::Direct,
+            uncached_tokens: 10,
             policy: "kv".into(),
             prompt_tokens: 10,
             cached_tokens: 0,
@@ -126,14 +151,21 @@ mod tests {
         };
         assert_eq!(
             serde_json::to_string(&r).unwrap(),
-            r#"{"decode":"10.0.0.7:8000","pod":"pod-a","policy":"kv","prompt_tokens":10,"cached_tokens":0}"#
+            r#"{"decode":"10.0.0.7:8000","pod":"pod-a","path":"direct","uncached_tokens":10,"policy":"kv","prompt_tokens":10,"cached_tokens":0}"#
         );
+        let pd: RouteResponse = serde_json::from_str(
+            r#"{"decode":"d:1","prefill":"p:1","pod":"d","prefill_pod":"p","path":"pd","uncached_tokens":900,"policy":"kv","prompt_tokens":1000,"cached_tokens":0}"#,
+        )
+        .unwrap();
+        assert_eq!((pd.path, pd.prefill.as_deref()), (RoutePath::Pd, Some("p:1")));
         let batch: LifecycleBatch = serde_json::from_str(
             r#"{"reports":[{"request_id":"a","event":"first_token"},{"request_id":"a","event":"done","output_tokens":5}]}"#,
         )
         .unwrap();
         assert_eq!(batch.reports[1].event, LifecycleEvent::Done);
         assert_eq!(batch.reports[1].output_tokens, Some(5));
+        let prefill: LifecycleReport = serde_json::from_str(r#"{"request_id":"a","event":"prefill_done"}"#).unwrap();
+        assert_eq!(prefill.event, LifecycleEvent::PrefillDone);
         let e = serde_json::to_value(ErrorBody::new(503, "ServiceUnavailable", "no pod")).unwrap();
         assert_eq!(e["error"]["type"], "ServiceUnavailable");
     }

@@ -104,6 +104,25 @@ impl Default for HealthSection {
     }
 }
 
+/// Prefill/decode disaggregation.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PdSection {
+    /// Disaggregate when the best decode-capable pod would have to prefill at least this many
+    /// uncached tokens (and a healthy prefill pod exists). 0 = always.
+    pub threshold_tokens: u32,
+    /// How the prefill pod is chosen (`kv`: KV overlap + queued prefill work).
+    pub prefill_policy: PolicyConfig,
+    /// How the decode pod of a disaggregated request is chosen (`kv`: decode load).
+    pub decode_policy: PolicyConfig,
+}
+
+impl Default for PdSection {
+    fn default() -> Self {
+        Self { threshold_tokens: 1024, prefill_policy: PolicyConfig::default(), decode_policy: PolicyConfig::default() }
+    }
+}
+
 /// The whole file.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -132,6 +151,8 @@ pub struct Config {
     pub load: LoadSection,
     #[serde(default)]
     pub health: HealthSection,
+    #[serde(default)]
+    pub pd: PdSection,
     pub pods: Vec<PodConfig>,
 }
 
@@ -162,6 +183,24 @@ impl Config {
             return invalid("tokenizer", format!("{} is not a file", tokenizer.display()));
         }
         Ok(config)
+    }
+
+    fn validate_policy(section: &str, policy: &PolicyConfig) -> Result<(), ConfigError> {
+        let PolicyConfig::Kv(kv) = policy else { return Ok(()) };
+        for (name, v) in [
+            ("prefill_weight", kv.prefill_weight),
+            ("decode_weight", kv.decode_weight),
+            ("prefix_weight", kv.prefix_weight),
+            ("temperature", kv.temperature),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return invalid(format!("{section}.{name}"), format!("{v} must be a finite number >= 0"));
+            }
+        }
+        if !positive(kv.attention_horizon_tokens) {
+            return invalid(format!("{section}.attention_horizon_tokens"), "must be positive");
+        }
+        Ok(())
     }
 
     /// Parses and validates YAML text (file checks aside).
@@ -210,20 +249,12 @@ impl Config {
                 return invalid(field("metrics"), format!("{url:?} must be an http:// URL"));
             }
         }
-        if let PolicyConfig::Kv(kv) = &self.policy {
-            for (name, v) in [
-                ("prefill_weight", kv.prefill_weight),
-                ("decode_weight", kv.decode_weight),
-                ("prefix_weight", kv.prefix_weight),
-                ("temperature", kv.temperature),
-            ] {
-                if !(v.is_finite() && v >= 0.0) {
-                    return invalid(format!("policy.{name}"), format!("{v} must be a finite number >= 0"));
-                }
-            }
-            if !positive(kv.attention_horizon_tokens) {
-                return invalid("policy.attention_horizon_tokens", "must be positive");
-            }
+        for (section, policy) in [
+            ("policy", &self.policy),
+            ("pd.prefill_policy", &self.pd.prefill_policy),
+            ("pd.decode_policy", &self.pd.decode_policy),
+        ] {
+            Self::validate_policy(section, policy)?;
         }
         if self.index.max_blocks_per_pod == 0 {
             return invalid("index.max_blocks_per_pod", "must be positive");
@@ -272,6 +303,7 @@ policy: {name: kv, decode_weight: 0.5, prefill_estimate: linear, temperature: 0.
 index: {max_blocks_per_pod: 1000, approximate_ttl_seconds: 30}
 load: {default_output_tokens: 128}
 health: {scrape_interval_ms: 200}
+pd: {threshold_tokens: 2048, prefill_policy: {name: least-loaded}}
 pods:
   - {name: p1, address: "10.0.0.1:8000", role: prefill, kv_events: "tcp://10.0.0.1:5557", kv_events_replay: "tcp://10.0.0.1:5558", metrics: "http://10.0.0.1:8000/metrics"}
   - {name: d1, address: "10.0.0.2:8000", role: decode}
@@ -282,6 +314,7 @@ pods:
         assert_eq!(c.pods[1].role, Role::Decode);
         assert_eq!(c.index.max_blocks_per_pod, 1000);
         assert_eq!(c.health.unhealthy_after, 3, "unset fields keep their defaults");
+        assert_eq!((c.pd.threshold_tokens, &c.pd.prefill_policy), (2048, &PolicyConfig::LeastLoaded));
     }
 
     #[test]

@@ -17,6 +17,8 @@ pub struct EnvoyOptions {
     /// `open` or `closed`.
     pub failure_mode: String,
     pub scorer_timeout_ms: u64,
+    /// `envoy` (the filter sends prefill legs) or `header` (llm-d decode sidecars).
+    pub pd_mode: String,
     pub body_limit_bytes: u64,
     /// Leave the kvgate filter out: plain Envoy round robin over the same pods, the baseline
     /// kvgate is measured against.
@@ -29,6 +31,7 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
         "scorer_cluster": "kvgate_scorer",
         "failure_mode": options.failure_mode,
         "scorer_timeout_ms": options.scorer_timeout_ms,
+        "pd_mode": options.pd_mode,
         "destination_header": "x-gateway-destination-endpoint",
     });
     let endpoints: String = config
@@ -88,6 +91,7 @@ mod tests {
             wasm: "/x/kvgate_filter.wasm".into(),
             failure_mode: "closed".into(),
             scorer_timeout_ms: 50,
+            pd_mode: "envoy".into(),
             body_limit_bytes: 1 << 23,
             baseline: false,
         }

@@ -9,6 +9,7 @@ use prometheus::{
 pub struct Metrics {
     registry: Registry,
     pub decisions: IntCounterVec,
+    pub decisions_by_path: IntCounterVec,
     pub decision_seconds: Histogram,
     pub tokenize_seconds: HistogramVec,
     pub route_errors: IntCounterVec,
@@ -53,6 +54,10 @@ impl Metrics {
         }
         let decisions =
             reg!(IntCounterVec::new(Opts::new("decisions_total", "Routing decisions."), &["policy", "pod"]));
+        let decisions_by_path = reg!(IntCounterVec::new(
+            Opts::new("decisions_by_path_total", "Routing decisions: direct, or prefill/decode disaggregated."),
+            &["path"]
+        ));
         let decision_seconds = reg!(Histogram::with_opts(
             HistogramOpts::new("decision_seconds", "Time to choose a pod, tokenization excluded.").buckets(buckets())
         ));
@@ -105,6 +110,7 @@ impl Metrics {
         Self {
             registry,
             decisions,
+            decisions_by_path,
             decision_seconds,
             tokenize_seconds,
             route_errors,

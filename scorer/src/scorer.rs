@@ -8,7 +8,7 @@
 use crate::config::{Config, Role};
 use crate::metrics::Metrics;
 use crate::prompt::{self, Api, PromptError};
-use kvgate_route_api::{LifecycleEvent, LifecycleReport, PodExplain, RouteResponse};
+use kvgate_route_api::{LifecycleEvent, LifecycleReport, PodExplain, RoutePath, RouteResponse};
 use kvgate_routing::approx::ApproxIndex;
 use kvgate_routing::events::{EventBatch, KvEvent};
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
@@ -61,6 +61,8 @@ struct Core {
     approx: ApproxIndex,
     load: LoadTracker,
     policy: Box<dyn Policy>,
+    prefill_policy: Box<dyn Policy>,
+    decode_policy: Box<dyn Policy>,
     health: Vec<PodHealth>,
     overlap: Vec<u32>,
     approx_overlap: Vec<u32>,
@@ -103,6 +105,11 @@ pub struct ReportedView {
     pub kv_cache_usage: f64,
 }
 
+/// The booking id of a disaggregated request's prefill leg.
+fn prefill_booking(request_id: &str) -> String {
+    format!("{request_id}\u{0}prefill")
+}
+
 impl Scorer {
     /// Builds the scorer. Without a real tokenizer every pod is indexed approximately: the
     /// fallback's token ids are not the engines', so their events could never match.
@@ -141,6 +148,8 @@ impl Scorer {
             approx,
             load,
             policy: config.policy.build(config.seed),
+            prefill_policy: config.pd.prefill_policy.build(config.seed.wrapping_add(1)),
+            decode_policy: config.pd.decode_policy.build(config.seed.wrapping_add(2)),
             // Pods start healthy; scraping demotes them after consecutive failures.
             health: vec![PodHealth { healthy: true, ..Default::default() }; pods.len()],
             overlap: Vec::new(),
@@ -159,7 +168,8 @@ impl Scorer {
         self.core.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Chooses the pod for one request.
+    /// Chooses the pod for one request — or, when disaggregation pays off, a prefill pod and
+    /// a decode pod.
     pub fn route(&self, request_id: &str, path: &str, body: &[u8], explain: bool) -> Result<RouteResponse, RouteError> {
         let api = Api::from_path(path).ok_or_else(|| {
             RouteError::BadRequest(format!("kvgate routes /v1/completions and /v1/chat/completions, not {path:?}"))
@@ -170,56 +180,66 @@ impl Scorer {
         self.metrics.tokenize_seconds.with_label_values(&[api_label]).observe(t0.elapsed().as_secs_f64());
 
         let t1 = Instant::now();
-        let bs = self.config.block_size;
         let mut chain: Vec<SequenceHash> = Vec::new();
         let root = root_hash(info.lora_name.as_deref(), info.cache_salt.as_deref());
-        sequence_hashes(root, &info.tokens, bs, &mut chain);
+        sequence_hashes(root, &info.tokens, self.config.block_size, &mut chain);
         let prompt_tokens = info.tokens.len() as u32;
+        let input = RouteInput { prompt_tokens, block_size: self.config.block_size as u32 };
         let now = self.now();
 
         let mut core = self.lock();
         let core = &mut *core;
-        let eligible: Vec<&Pod> = self
-            .pods
-            .iter()
-            .filter(|p| core.health[p.id.index()].healthy && matches!(p.role, Role::Both | Role::Decode))
-            .collect();
-        if eligible.is_empty() {
+        let healthy = |p: &&Pod| core.health[p.id.index()].healthy;
+        let decoders: Vec<&Pod> =
+            self.pods.iter().filter(healthy).filter(|p| matches!(p.role, Role::Both | Role::Decode)).collect();
+        if decoders.is_empty() {
             return Err(RouteError::NoPod);
         }
-        let precise: PodSet = eligible.iter().filter(|p| p.precise).map(|p| p.id).collect();
-        let approximate: PodSet = eligible.iter().filter(|p| !p.precise).map(|p| p.id).collect();
-        core.index.longest_prefixes(&chain, &precise, &mut core.overlap);
-        core.approx.longest_prefixes(&chain, &approximate, &mut core.approx_overlap);
-        let candidates: Vec<Candidate> = eligible
-            .iter()
-            .map(|p| {
-                let blocks = core.overlap[p.id.index()].max(core.approx_overlap[p.id.index()]);
-                Candidate {
-                    pod: p.id,
-                    cached_tokens: (blocks as usize * bs).min(prompt_tokens as usize) as u32,
-                    load: core.load.load(p.id, now),
-                    reported: core.health[p.id.index()].reported,
-                }
-            })
-            .collect();
-        let input = RouteInput { prompt_tokens, block_size: bs as u32 };
-        let decision = core.policy.select(&input, &candidates);
-        let chosen = &candidates[decision.chosen];
-        let pod = &self.pods[chosen.pod.index()];
+        let prefillers: Vec<&Pod> = self.pods.iter().filter(healthy).filter(|p| p.role == Role::Prefill).collect();
+        let direct = self.candidates(core, &decoders, &chain, prompt_tokens, now, None);
+        let best_cached = direct.iter().map(|c| c.cached_tokens).max().unwrap_or(0);
+        let uncached_tokens = prompt_tokens - best_cached;
+        let disaggregate = !prefillers.is_empty() && uncached_tokens >= self.config.pd.threshold_tokens;
+
+        let (decode, prefill, candidates, decision, policy) = if disaggregate {
+            let prefill_candidates = self.candidates(core, &prefillers, &chain, prompt_tokens, now, None);
+            let prefill_decision = core.prefill_policy.select(&input, &prefill_candidates);
+            let prefill = prefill_candidates[prefill_decision.chosen];
+            // The decode pod pulls the KV: it computes no prefill, only its load counts.
+            let decode_candidates = self.candidates(core, &decoders, &chain, prompt_tokens, now, Some(prompt_tokens));
+            let decision = core.decode_policy.select(&input, &decode_candidates);
+            let decode = decode_candidates[decision.chosen];
+            core.load.book(
+                &prefill_booking(request_id),
+                &Booking {
+                    pod: prefill.pod,
+                    prompt_tokens,
+                    cached_tokens: prefill.cached_tokens,
+                    chain: &chain,
+                    max_output_tokens: Some(0),
+                },
+                now,
+            );
+            (decode, Some(prefill), decode_candidates, decision, core.decode_policy.name())
+        } else {
+            let decision = core.policy.select(&input, &direct);
+            (direct[decision.chosen], None, direct, decision, core.policy.name())
+        };
         core.load.book(
             request_id,
             &Booking {
-                pod: pod.id,
+                pod: decode.pod,
                 prompt_tokens,
-                cached_tokens: chosen.cached_tokens,
+                cached_tokens: decode.cached_tokens,
                 chain: &chain,
                 max_output_tokens: info.max_output_tokens,
             },
             now,
         );
-        if !pod.precise {
-            core.approx.record(pod.id, &chain, now);
+        for chosen in std::iter::once(decode.pod).chain(prefill.map(|p| p.pod)) {
+            if !self.pods[chosen.index()].precise {
+                core.approx.record(chosen, &chain, now);
+            }
         }
         let explain = explain.then(|| {
             candidates
@@ -231,7 +251,7 @@ impl Scorer {
                     PodExplain {
                         pod: p.name.clone(),
                         address: p.address.clone(),
-                        cached_blocks: c.cached_tokens / bs as u32,
+                        cached_blocks: c.cached_tokens / self.config.block_size as u32,
                         cached_tokens: c.cached_tokens,
                         queued_prefill_tokens: c.load.queued_prefill_tokens,
                         decode_blocks: c.load.decode_blocks,
@@ -242,24 +262,64 @@ impl Scorer {
                 })
                 .collect()
         });
-        let policy = core.policy.name();
+        let pod = &self.pods[decode.pod.index()];
+        let route_path = if prefill.is_some() { RoutePath::Pd } else { RoutePath::Direct };
         self.metrics.decisions.with_label_values(&[policy, &pod.name]).inc();
+        self.metrics.decisions_by_path.with_label_values(&[if prefill.is_some() { "pd" } else { "direct" }]).inc();
         self.metrics.decision_seconds.observe(t1.elapsed().as_secs_f64());
         self.metrics.prompt_tokens.inc_by(u64::from(prompt_tokens));
-        self.metrics.cached_tokens.inc_by(u64::from(chosen.cached_tokens));
+        let cached_tokens = prefill.map_or(decode.cached_tokens, |p| p.cached_tokens);
+        self.metrics.cached_tokens.inc_by(u64::from(cached_tokens));
         self.metrics
             .prefix_hit_ratio
             .with_label_values(&[policy])
-            .inc_by(f64::from(chosen.cached_tokens) / f64::from(prompt_tokens.max(1)));
+            .inc_by(f64::from(cached_tokens) / f64::from(prompt_tokens.max(1)));
+        let prefill_pod = prefill.map(|p| &self.pods[p.pod.index()]);
         Ok(RouteResponse {
             decode: pod.address.clone(),
-            prefill: None,
+            prefill: prefill_pod.map(|p| p.address.clone()),
             pod: pod.name.clone(),
+            prefill_pod: prefill_pod.map(|p| p.name.clone()),
+            path: route_path,
+            uncached_tokens,
             policy: policy.to_string(),
             prompt_tokens,
-            cached_tokens: chosen.cached_tokens,
+            cached_tokens,
             explain,
         })
+    }
+
+    /// Candidates among `pods`: their cached prefix of `chain` (or `cached_override` tokens,
+    /// for decode pods that will receive the KV), their booked load and reported load.
+    fn candidates(
+        &self,
+        core: &mut Core,
+        pods: &[&Pod],
+        chain: &[SequenceHash],
+        prompt_tokens: u32,
+        now: f64,
+        cached_override: Option<u32>,
+    ) -> Vec<Candidate> {
+        if cached_override.is_none() {
+            let precise: PodSet = pods.iter().filter(|p| p.precise).map(|p| p.id).collect();
+            let approximate: PodSet = pods.iter().filter(|p| !p.precise).map(|p| p.id).collect();
+            core.index.longest_prefixes(chain, &precise, &mut core.overlap);
+            core.approx.longest_prefixes(chain, &approximate, &mut core.approx_overlap);
+        }
+        pods.iter()
+            .map(|p| {
+                let cached = cached_override.unwrap_or_else(|| {
+                    let blocks = core.overlap[p.id.index()].max(core.approx_overlap[p.id.index()]);
+                    (blocks as usize * self.config.block_size).min(prompt_tokens as usize) as u32
+                });
+                Candidate {
+                    pod: p.id,
+                    cached_tokens: cached,
+                    load: core.load.load(p.id, now),
+                    reported: core.health[p.id.index()].reported,
+                }
+            })
+            .collect()
     }
 
     /// Applies a batch of lifecycle reports; returns how many named no in-flight request.
@@ -272,9 +332,16 @@ impl Scorer {
                 LifecycleEvent::FirstToken => (Lifecycle::FirstToken, "first_token"),
                 LifecycleEvent::Done => (Lifecycle::Done, "done"),
                 LifecycleEvent::Cancelled => (Lifecycle::Cancelled, "cancelled"),
+                LifecycleEvent::PrefillDone => (Lifecycle::Done, "prefill_done"),
             };
             self.metrics.lifecycle_reports.with_label_values(&[label]).inc();
-            if core.load.report(&r.request_id, event, now).is_err() {
+            // A disaggregated request's prefill booking ends with its prefill leg, or at the
+            // latest with the first token (header mode: the decode pod's sidecar prefills).
+            let prefill = prefill_booking(&r.request_id);
+            let prefill_known = core.load.report(&prefill, Lifecycle::Done, now).is_ok();
+            if r.event == LifecycleEvent::PrefillDone {
+                unknown += usize::from(!prefill_known);
+            } else if core.load.report(&r.request_id, event, now).is_err() {
                 unknown += 1;
             }
         }

@@ -30,6 +30,10 @@ struct Args {
     /// Timeout of the filter's route call to the scorer.
     #[arg(long, default_value_t = 100)]
     scorer_timeout_ms: u64,
+    /// Disaggregated requests: `envoy` (the filter sends the prefill leg) or `header` (it sets
+    /// x-prefiller-host-port for the decode pod's sidecar).
+    #[arg(long, default_value = "envoy", value_parser = ["envoy", "header"])]
+    pd_mode: String,
     /// Largest request body (bytes); larger ones get a 413.
     #[arg(long, default_value_t = 8 << 20)]
     body_limit_bytes: u64,
@@ -54,6 +58,7 @@ fn main() -> anyhow::Result<()> {
             wasm: args.wasm,
             failure_mode: args.failure_mode,
             scorer_timeout_ms: args.scorer_timeout_ms,
+            pd_mode: args.pd_mode,
             body_limit_bytes: args.body_limit_bytes,
             baseline: args.baseline_round_robin,
         },

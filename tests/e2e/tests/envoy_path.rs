@@ -235,6 +235,7 @@ fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
             wasm: "target/wasm32-wasip1/release/kvgate_filter.wasm".into(),
             failure_mode: "open".into(),
             scorer_timeout_ms: 100,
+            pd_mode: "envoy".into(),
             body_limit_bytes: 8 << 20,
             baseline: false,
         },
@@ -255,6 +256,7 @@ fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
         wasm: filter_wasm(),
         failure_mode: "closed".into(),
         scorer_timeout_ms: 25,
+        pd_mode: "header".into(),
         body_limit_bytes: 1 << 20,
         baseline: false,
     };

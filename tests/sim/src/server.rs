@@ -81,6 +81,8 @@ pub struct RequestRecord {
     pub kv_transfer: &'static str,
     /// The `kv_transfer_params` the request carried, as received.
     pub kv_transfer_params: Option<Map<String, Value>>,
+    /// `x-prefiller-host-port` (llm-d's header naming the prefill pod), if sent.
+    pub prefiller: Option<String>,
     /// Wall-clock milliseconds from arrival to the first token and to the last.
     pub ttft_ms: f64,
     pub total_ms: f64,
@@ -139,6 +141,7 @@ struct Job {
     keys: HashKeys,
     kv_transfer: KvTransfer,
     kv_transfer_params: Option<Map<String, Value>>,
+    prefiller: Option<String>,
 }
 
 async fn completions(
@@ -238,6 +241,7 @@ fn job(
         keys: HashKeys { lora_name, cache_salt: common.cache_salt.clone() },
         kv_transfer,
         kv_transfer_params: params,
+        prefiller: headers.get("x-prefiller-host-port").and_then(|v| v.to_str().ok()).map(str::to_owned),
     })
 }
 
@@ -457,6 +461,7 @@ fn record(state: &AppState, job: &Job, choices: &[ChoiceState], started: Instant
             KvTransfer::RemotePrefill => "remote_prefill",
         },
         kv_transfer_params: job.kv_transfer_params.clone(),
+        prefiller: job.prefiller.clone(),
         ttft_ms: first.map(ms).unwrap_or_default(),
         total_ms: ms(Instant::now()),
     };
