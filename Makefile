@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: setup build test lint fmt sim bench-scorer wasm demo up down bench-overhead
+.PHONY: setup build test lint fmt sim bench-scorer wasm demo demo-pd up down bench-overhead
 
 setup:
 	@bash tests/tools/setup.sh
@@ -39,6 +39,11 @@ test: setup lint wasm
 demo: setup wasm
 	$(CARGO) build --workspace --release --bins
 	./target/release/kvgate-demo
+
+# The P/D variant: 2 prefill + 2 decode pods; conditional vs always vs never disaggregating.
+demo-pd: setup wasm
+	$(CARGO) build --workspace --release --bins
+	./target/release/kvgate-demo --pd
 
 # The same stack left running on the documented defaults (see tests/tools/stack.sh).
 up: setup wasm

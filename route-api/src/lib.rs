@@ -53,6 +53,9 @@ pub struct RouteResponse {
     /// Uncached prompt tokens on the best decode-capable pod: what the P/D threshold weighs.
     #[serde(default)]
     pub uncached_tokens: u32,
+    /// The P/D threshold the decision compared them with (absent without prefill pods).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threshold_tokens: Option<u32>,
     /// The policy that decided.
     pub policy: String,
     /// Prompt tokens of the request, as the engine will count them.
@@ -144,6 +147,7 @@ mod tests {
             prefill_pod: None,
             path: RoutePath::Direct,
             uncached_tokens: 10,
+            threshold_tokens: None,
             policy: "kv".into(),
             prompt_tokens: 10,
             cached_tokens: 0,

@@ -282,6 +282,7 @@ impl Scorer {
             prefill_pod: prefill_pod.map(|p| p.name.clone()),
             path: route_path,
             uncached_tokens,
+            threshold_tokens: (!prefillers.is_empty()).then_some(self.config.pd.threshold_tokens),
             policy: policy.to_string(),
             prompt_tokens,
             cached_tokens,

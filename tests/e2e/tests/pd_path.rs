@@ -107,6 +107,16 @@ async fn long_prompts_are_disaggregated_short_ones_go_direct() {
     assert!(records(&s.prefill, "short-1").await.is_empty());
     assert_eq!(records(&s.decode, "short-1").await[0].1["kv_transfer"], "local");
     assert!(metric(&s.scorer, "kvgate_decisions_by_path_total{path=\"pd\"} 1").await);
+    // The scorer explains its choice: both pods, and why (uncached tokens vs threshold).
+    let body = json!({"model": MODEL, "prompt": text("Explain the tides once more", 600), "max_tokens": 2});
+    let (status, d) = s.scorer.route("/v1/completions", "explained", &body, true).await;
+    assert_eq!(status, 200);
+    assert_eq!((d["path"].as_str(), d["threshold_tokens"].as_u64()), (Some("pd"), Some(256)));
+    assert!(d["uncached_tokens"].as_u64().unwrap() >= 256 && d["prefill"].is_string() && d["prefill_pod"].is_string());
+    // (That decision was not served: release its bookings as the filter would.)
+    let done = json!({"reports": [{"request_id": "explained", "event": "done"}]});
+    let r = reqwest::Client::new().post(format!("{}/v1/lifecycle", s.scorer.url)).json(&done).send().await.unwrap();
+    assert_eq!(r.json::<Value>().await.unwrap()["accepted"], 1);
     assert!(metric(&s.scorer, "kvgate_decisions_by_path_total{path=\"direct\"} 1").await);
     s.scorer.wait_idle(Duration::from_secs(5)).await;
     assert_eq!(s.envoy.stat("wasmcustom.kvgate_pd_prefill_ok").await, 1);

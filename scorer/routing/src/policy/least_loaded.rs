@@ -1,17 +1,12 @@
 //! `least-loaded` — the pod with the fewest requests kvgate has in flight there, then the
-//! smallest reported queue (running + waiting), then at random. Ignores the cache.
+//! smallest reported queue (running + waiting); among equals (load unknown or even), round
+//! robin. Ignores the cache.
 
-use super::{Candidate, Decision, Policy, RouteInput, argmin_random_tie};
-use rand::rngs::StdRng;
+use super::{Candidate, Decision, Policy, RouteInput};
 
+#[derive(Default)]
 pub struct LeastLoaded {
-    rng: StdRng,
-}
-
-impl LeastLoaded {
-    pub fn new(rng: StdRng) -> Self {
-        Self { rng }
-    }
+    next: usize,
 }
 
 /// Requests in flight, with the reported queue as a fractional tie-breaker.
@@ -27,7 +22,10 @@ impl Policy for LeastLoaded {
 
     fn select(&mut self, _input: &RouteInput, candidates: &[Candidate]) -> Decision {
         let costs: Vec<Option<f64>> = candidates.iter().map(|c| Some(load_score(c))).collect();
-        let chosen = argmin_random_tie(&costs, &mut self.rng);
+        let best = costs.iter().flatten().copied().fold(f64::INFINITY, f64::min);
+        let ties: Vec<usize> = (0..candidates.len()).filter(|&i| costs[i] == Some(best)).collect();
+        let chosen = ties[self.next % ties.len()];
+        self.next = self.next.wrapping_add(1);
         Decision { chosen, costs }
     }
 }
@@ -35,18 +33,19 @@ impl Policy for LeastLoaded {
 #[cfg(test)]
 mod tests {
     use super::super::ReportedLoad;
-    use super::super::test_support::{INPUT, candidate};
+    use super::super::test_support::{INPUT, candidate, histogram};
     use super::*;
-    use rand::SeedableRng;
 
     #[test]
-    fn fewest_inflight_then_reported_queue() {
-        let mut p = LeastLoaded::new(StdRng::seed_from_u64(1));
+    fn fewest_inflight_then_reported_queue_then_round_robin() {
+        let mut p = LeastLoaded::default();
         let cands = [candidate(0, 900, 4, 0), candidate(1, 0, 2, 0), candidate(2, 0, 3, 0)];
         assert_eq!(p.select(&INPUT, &cands).chosen, 1);
         let mut a = candidate(0, 0, 1, 0);
         a.reported = Some(ReportedLoad { running: 5.0, waiting: 2.0, ..Default::default() });
         let b = candidate(1, 0, 1, 0);
         assert_eq!(p.select(&INPUT, &[a, b]).chosen, 1);
+        let even = [candidate(0, 0, 0, 0), candidate(1, 0, 0, 0), candidate(2, 0, 0, 0)];
+        assert_eq!(histogram(&mut p, &even, 300), vec![100, 100, 100], "no load known: round robin");
     }
 }

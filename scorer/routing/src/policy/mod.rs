@@ -96,7 +96,7 @@ impl PolicyConfig {
             PolicyConfig::Kv(config) => Box::new(KvPolicy::new(config.clone(), rng)),
             PolicyConfig::Prefix => Box::new(LongestPrefix::new(rng)),
             PolicyConfig::Ttft => Box::new(TtftPolicy::new(rng)),
-            PolicyConfig::LeastLoaded => Box::new(LeastLoaded::new(rng)),
+            PolicyConfig::LeastLoaded => Box::new(LeastLoaded::default()),
             PolicyConfig::RoundRobin => Box::new(RoundRobin::default()),
             PolicyConfig::Random => Box::new(Random::new(rng)),
             PolicyConfig::PowerOfTwo => Box::new(PowerOfTwo::new(rng)),

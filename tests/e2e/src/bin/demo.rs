@@ -22,6 +22,10 @@ struct Args {
     /// Wall seconds per simulated second (1 = an 8B model on an H100, in real time).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
+    /// Prefill/decode disaggregation: half the pods prefill, half decode; compares
+    /// conditional, always and never disaggregating.
+    #[arg(long)]
+    pd: bool,
     /// Requests in flight at once.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
@@ -108,6 +112,8 @@ async fn workload(url: &str, args: &Args) -> Vec<Measured> {
 
 struct Row {
     name: &'static str,
+    /// `direct / pd` decisions (P/D demo).
+    paths: Option<String>,
     per_pod: BTreeMap<String, usize>,
     hit_rate: f64,
     ttft_p50: Duration,
@@ -128,6 +134,7 @@ fn summarize(name: &'static str, results: &[Measured]) -> Row {
     let total: Duration = ok.iter().map(|r| r.total).sum();
     Row {
         name,
+        paths: None,
         per_pod,
         hit_rate: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
         ttft_p50: percentile(&mut ttft, 0.5),
@@ -137,12 +144,18 @@ fn summarize(name: &'static str, results: &[Measured]) -> Row {
     }
 }
 
+/// Starts the pods: all `both`, or with `--pd` half prefill, half decode.
 async fn start_pods(args: &Args) -> Vec<Sim> {
     let tokenizer = qwen3_tokenizer();
     let scale = args.time_scale.to_string();
+    let blocks = args.num_blocks.to_string();
     let mut pods = Vec::new();
     for i in 1..=args.pods {
-        let blocks = args.num_blocks.to_string();
+        let role = match (args.pd, i <= args.pods / 2) {
+            (false, _) => "both",
+            (true, true) => "prefill",
+            (true, false) => "decode",
+        };
         let flags = [
             "--tokenizer",
             tokenizer.to_str().unwrap(),
@@ -152,10 +165,97 @@ async fn start_pods(args: &Args) -> Vec<Sim> {
             MODEL,
             "--num-blocks",
             &blocks,
+            "--role",
+            role,
         ];
-        pods.push(Sim::start(&format!("pod-{i}"), &flags).await);
+        let name = if args.pd { format!("{role}-{i}") } else { format!("pod-{i}") };
+        pods.push(Sim::start(&name, &flags).await);
     }
     pods
+}
+
+/// The scorer configuration for `pods`, with extra top-level YAML.
+fn scorer_config(pods: &[Sim], args: &Args, extra: &str) -> String {
+    let mut config = format!("tokenizer: {}\n{extra}pods:\n", qwen3_tokenizer().display());
+    for (i, p) in pods.iter().enumerate() {
+        let role = match (args.pd, i < args.pods / 2) {
+            (false, _) => "both",
+            (true, true) => "prefill",
+            (true, false) => "decode",
+        };
+        config.push_str(&format!(
+            "  - {{name: {}, role: {role}, address: '127.0.0.1:{}', kv_events: '{}', kv_events_replay: '{}', metrics: '{}/metrics'}}\n",
+            p.pod_id, p.port, p.events, p.replay, p.url
+        ));
+    }
+    config
+}
+
+fn print_table(rows: &[Row]) {
+    println!(
+        "| routing | requests per pod | direct / P/D | prefix-cache hit rate | TTFT p50 | TTFT p90 | mean latency | errors |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let per_pod: Vec<String> = r.per_pod.iter().map(|(p, n)| format!("{p}: {n}")).collect();
+        println!(
+            "| {} | {} | {} | {:.1} % | {} | {} | {} | {} |",
+            r.name,
+            per_pod.join(", "),
+            r.paths.as_deref().unwrap_or("–"),
+            r.hit_rate * 100.0,
+            ms(r.ttft_p50),
+            ms(r.ttft_p90),
+            ms(r.latency_mean),
+            r.errors
+        );
+    }
+}
+
+/// `direct / pd` decision counts from the scorer's metrics.
+async fn paths(scorer: &ScorerProcess) -> String {
+    let text = reqwest::get(format!("{}/metrics", scorer.url)).await.map(|r| r.text());
+    let text = match text {
+        Ok(t) => t.await.unwrap_or_default(),
+        Err(_) => String::new(),
+    };
+    let count = |path: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("kvgate_decisions_by_path_total{{path=\"{path}\"}} ")))
+            .unwrap_or("0")
+            .to_string()
+    };
+    format!("{} / {}", count("direct"), count("pd"))
+}
+
+/// `make demo-pd`: the same workload on prefill and decode pods, disaggregated only when it
+/// pays off (the threshold), always, and never.
+async fn pd_demo(args: &Args) -> anyhow::Result<Vec<Row>> {
+    println!("[1/4] starting {} prefill and {} decode pods", args.pods / 2, args.pods - args.pods / 2);
+    let mut pods = start_pods(args).await;
+    let variants = [
+        ("kvgate, conditional P/D (threshold 512)", "pd: {threshold_tokens: 512}\n"),
+        ("kvgate, always disaggregate", "pd: {threshold_tokens: 0}\n"),
+        ("kvgate, never disaggregate", "pd: {threshold_tokens: 4294967295}\n"),
+    ];
+    let mut rows = Vec::new();
+    for (step, (name, extra)) in variants.iter().enumerate() {
+        if step > 0 {
+            for p in &mut pods {
+                p.restart().await;
+            }
+        }
+        let scorer = ScorerProcess::start(&scorer_config(&pods, args, extra)).await;
+        let envoy = EnvoyProcess::start(&scorer, &[]).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        println!("[{}/4] workload: {name}", step + 2);
+        let results = workload(&envoy.url, args).await;
+        let mut row = summarize(name, &results);
+        row.paths = Some(paths(&scorer).await);
+        rows.push(row);
+    }
+    println!("\nreport\n");
+    Ok(rows)
 }
 
 #[tokio::main]
@@ -173,22 +273,23 @@ async fn main() -> anyhow::Result<()> {
         args.unique,
         args.concurrency
     );
-
-    println!("[1/4] starting pods, scorer and Envoy with the kvgate filter");
-    let mut pods = start_pods(&args).await;
-    let mut config = format!("tokenizer: {}\npods:\n", qwen3_tokenizer().display());
-    for p in &pods {
-        config.push_str(&format!(
-            "  - {{name: {}, address: '127.0.0.1:{}', kv_events: '{}', kv_events_replay: '{}', metrics: '{}/metrics'}}\n",
-            p.pod_id, p.port, p.events, p.replay, p.url
-        ));
+    let rows = if args.pd { pd_demo(&args).await? } else { demo(&args).await? };
+    print_table(&rows);
+    if rows.iter().any(|r| r.errors > 0) {
+        anyhow::bail!("some requests failed");
     }
-    let scorer = ScorerProcess::start(&config).await;
+    Ok(())
+}
+
+async fn demo(args: &Args) -> anyhow::Result<Vec<Row>> {
+    println!("[1/4] starting pods, scorer and Envoy with the kvgate filter");
+    let mut pods = start_pods(args).await;
+    let scorer = ScorerProcess::start(&scorer_config(&pods, args, "")).await;
     let envoy = EnvoyProcess::start(&scorer, &[]).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
 
     println!("[2/4] workload through Envoy + kvgate ({})", envoy.url);
-    let kvgate = workload(&envoy.url, &args).await;
+    let kvgate = workload(&envoy.url, args).await;
     drop(envoy);
 
     println!("[3/4] same workload through Envoy round robin (no filter), on freshly started pods");
@@ -196,34 +297,16 @@ async fn main() -> anyhow::Result<()> {
         p.restart().await;
     }
     let baseline_envoy = EnvoyProcess::start(&scorer, &["--baseline-round-robin"]).await;
-    let baseline = workload(&baseline_envoy.url, &args).await;
+    let baseline = workload(&baseline_envoy.url, args).await;
     drop(baseline_envoy);
 
     println!("[4/4] report\n");
-    let rows = [summarize("Envoy + kvgate (kv policy)", &kvgate), summarize("Envoy round robin", &baseline)];
-    println!("| routing | requests per pod | prefix-cache hit rate | TTFT p50 | TTFT p90 | mean latency | errors |");
-    println!("|---|---|---|---|---|---|---|");
-    for r in &rows {
-        let per_pod: Vec<String> = r.per_pod.iter().map(|(p, n)| format!("{p}: {n}")).collect();
-        println!(
-            "| {} | {} | {:.1} % | {} | {} | {} | {} |",
-            r.name,
-            per_pod.join(", "),
-            r.hit_rate * 100.0,
-            ms(r.ttft_p50),
-            ms(r.ttft_p90),
-            ms(r.latency_mean),
-            r.errors
-        );
-    }
+    let rows = vec![summarize("Envoy + kvgate (kv policy)", &kvgate), summarize("Envoy round robin", &baseline)];
     println!(
-        "\nTTFT p90: kvgate {} vs round robin {} ({:.2}×)",
+        "TTFT p90: kvgate {} vs round robin {} ({:.2}×)\n",
         ms(rows[0].ttft_p90),
         ms(rows[1].ttft_p90),
         rows[1].ttft_p90.as_secs_f64() / rows[0].ttft_p90.as_secs_f64().max(1e-9)
     );
-    if rows.iter().any(|r| r.errors > 0) {
-        anyhow::bail!("some requests failed");
-    }
-    Ok(())
+    Ok(rows)
 }
