@@ -14,10 +14,15 @@ struct Stack {
 }
 
 async fn stack(n: usize, envoy_flags: &[&str]) -> Stack {
+    stack_at(n, envoy_flags, "0.02").await
+}
+
+/// `n` pods at `time_scale` (wall seconds per simulated second), scorer and Envoy.
+async fn stack_at(n: usize, envoy_flags: &[&str], time_scale: &str) -> Stack {
     let tokenizer = qwen3_tokenizer();
     let mut pods = Vec::new();
     for i in 0..n {
-        let args = ["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", "0.02", "--model", MODEL];
+        let args = ["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", time_scale, "--model", MODEL];
         pods.push(Sim::start(&format!("pod-{i}"), &args).await);
     }
     let mut config =
@@ -284,4 +289,85 @@ fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
         }
     }
     out
+}
+
+/// A JSON completions body of exactly `len` bytes.
+fn body_of_len(len: usize) -> Vec<u8> {
+    let head = br#"{"max_tokens": 1, "prompt": ""#;
+    let tail = br#""}"#;
+    let mut body = head.to_vec();
+    body.extend(std::iter::repeat_n(b'a', len - head.len() - tail.len()));
+    body.extend_from_slice(tail);
+    body
+}
+
+#[tokio::test]
+async fn hostile_requests_get_clean_answers() {
+    let s = stack(1, &["--body-limit-bytes", "65536"]).await;
+    let client = reqwest::Client::new();
+    let deep = format!("{{\"prompt\": {}1{}}}", "[".repeat(20_000), "]".repeat(20_000));
+    let cases: Vec<(&str, &str, Vec<u8>, u16)> = vec![
+        ("non-JSON", "/v1/completions", b"hello world".to_vec(), 400),
+        ("JSON array", "/v1/chat/completions", b"[1, 2, 3]".to_vec(), 400),
+        ("deeply nested JSON", "/v1/completions", deep.into_bytes(), 400),
+        ("invalid UTF-8", "/v1/completions", b"{\"prompt\": \"\xff\xfe\"}".to_vec(), 400),
+        ("wrong type", "/v1/completions", br#"{"prompt": 5}"#.to_vec(), 400),
+        ("wrong nested type", "/v1/chat/completions", br#"{"messages": [{"role": 1, "content": "x"}]}"#.to_vec(), 400),
+        ("empty messages", "/v1/chat/completions", br#"{"messages": []}"#.to_vec(), 400),
+        ("empty prompt", "/v1/completions", br#"{"prompt": ""}"#.to_vec(), 400),
+        ("empty body", "/v1/completions", Vec::new(), 400),
+        ("unknown path", "/v1/embeddings", br#"{"input": "x"}"#.to_vec(), 404),
+        ("huge string", "/v1/completions", body_of_len(60_000), 200),
+        ("body at the limit", "/v1/completions", body_of_len(65_536), 200),
+        ("body one byte over the limit", "/v1/completions", body_of_len(65_537), 413),
+    ];
+    for (name, path, body, status) in cases {
+        let r = client.post(format!("{}{path}", s.envoy.url)).body(body).send().await.unwrap();
+        let got = r.status().as_u16();
+        let text = r.text().await.unwrap_or_default();
+        assert_eq!(got, status, "{name}: {text}");
+        if status == 400 {
+            let err: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: not JSON ({e}): {text}"));
+            assert!(err["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{name}: {err}");
+        }
+    }
+    // Nothing trapped the filter: Envoy still routes normally.
+    let ok = send(&s.envoy, "/v1/completions", &json!({"prompt": "still fine", "max_tokens": 1}), &[]).await;
+    assert_eq!(ok.status, 200);
+    assert_eq!(s.envoy.stat("wasmcustom.kvgate_routed").await, 3, "the huge string, the body at the limit, and this");
+}
+
+#[tokio::test]
+async fn a_pod_killed_mid_stream_fails_cleanly_and_is_avoided() {
+    let mut s = stack_at(2, &[], "1").await;
+    // A long generation in real time (≈ 6 ms per token): plenty of time to kill its pod.
+    let body = json!({"model": MODEL, "prompt": text("A long story", 50), "max_tokens": 2000, "stream": true});
+    let response =
+        reqwest::Client::new().post(format!("{}/v1/completions", s.envoy.url)).json(&body).send().await.unwrap();
+    assert_eq!(response.status(), 200);
+    let victim = response.headers()["x-kvgate-pod"].to_str().unwrap().to_string();
+    let mut stream = futures::StreamExt::boxed(response.bytes_stream());
+    assert!(futures::StreamExt::next(&mut stream).await.is_some(), "streaming started");
+    assert_eq!(s.scorer.pod(&victim).await["inflight_requests"], 1);
+    s.pods.iter_mut().find(|p| p.pod_id == victim).unwrap().kill();
+    // The client sees the stream end with an error, not a hang and not a fake success.
+    let mut failed = false;
+    let mut text = String::new();
+    while let Some(chunk) = futures::StreamExt::next(&mut stream).await {
+        match chunk {
+            Ok(bytes) => text.push_str(&String::from_utf8_lossy(&bytes)),
+            Err(_) => {
+                failed = true;
+                break;
+            }
+        }
+    }
+    assert!(failed || !text.contains("[DONE]"), "a killed pod cannot have finished the stream");
+    // Its booking is released (cancelled), it is marked unhealthy, and it is not chosen.
+    s.scorer.wait_pod(&victim, Duration::from_secs(10), |p| p["inflight_requests"] == 0 && p["healthy"] == false).await;
+    for i in 0..5 {
+        let a = send(&s.envoy, "/v1/completions", &json!({"prompt": format!("after {i}"), "max_tokens": 2}), &[]).await;
+        assert_eq!(a.status, 200);
+        assert_ne!(a.pod.as_deref(), Some(victim.as_str()));
+    }
 }

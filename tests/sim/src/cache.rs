@@ -148,10 +148,6 @@ impl BlockPool {
         pool
     }
 
-    pub fn block_size(&self) -> usize {
-        self.block_size
-    }
-
     pub fn num_blocks(&self) -> usize {
         self.ref_count.len()
     }
