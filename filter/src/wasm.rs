@@ -109,9 +109,8 @@ struct Root {
 impl Context for Root {}
 
 impl RootContext for Root {
-    fn on_configure(&mut self, _size: usize) -> bool {
-        let bytes =
-            hostcalls::get_buffer(BufferType::PluginConfiguration, 0, usize::MAX).ok().flatten().unwrap_or_default();
+    fn on_configure(&mut self, size: usize) -> bool {
+        let bytes = buffer(BufferType::PluginConfiguration, size);
         match FilterConfig::parse(&bytes) {
             Ok(config) => {
                 let _ = hostcalls::set_tick_period(Duration::from_millis(config.lifecycle_flush_ms));
@@ -178,9 +177,22 @@ struct Request {
     request_id: String,
     api_path: String,
     call_started: Option<SystemTime>,
+    /// Size of the buffered request body.
+    body_size: usize,
+    /// `:status` of the response, read when its headers pass.
+    response_status: Option<u16>,
     first_token: bool,
     response_complete: bool,
     output_tokens: Option<u32>,
+}
+
+/// The first `size` bytes of a buffer; empty without asking the host when `size` is 0 (the
+/// host answers BadArgument for a missing buffer, and the SDK panics on that).
+fn buffer(kind: BufferType, size: usize) -> Vec<u8> {
+    if size == 0 {
+        return Vec::new();
+    }
+    hostcalls::get_buffer(kind, 0, size).ok().flatten().unwrap_or_default()
 }
 
 fn header(map: MapType, name: &str) -> Option<String> {
@@ -251,10 +263,13 @@ impl Request {
 }
 
 impl Context for Request {
-    fn on_http_call_response(&mut self, _token: u32, _headers: usize, body_size: usize, _trailers: usize) {
-        let status = header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok());
-        let body =
-            hostcalls::get_buffer(BufferType::HttpCallResponseBody, 0, body_size).ok().flatten().unwrap_or_default();
+    fn on_http_call_response(&mut self, _token: u32, num_headers: usize, body_size: usize, _trailers: usize) {
+        let status = if num_headers == 0 {
+            None
+        } else {
+            header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok())
+        };
+        let body = buffer(BufferType::HttpCallResponseBody, body_size);
         match self.phase.clone() {
             Phase::Deciding => self.on_decision(status, &body),
             Phase::Prefilling { decode } => self.on_prefilled(status, &body, &decode),
@@ -316,8 +331,7 @@ impl Request {
     /// The prefill leg, sent by the filter to the prefill pod through the pods cluster.
     fn send_prefill_leg(&mut self, prefill: &str, decode: String) {
         let shared = self.shared.clone().expect("shared state");
-        let original =
-            hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX).ok().flatten().unwrap_or_default();
+        let original = buffer(BufferType::HttpRequestBody, self.body_size);
         let leg = match logic::prefill_leg_body(&original) {
             Ok(leg) => leg,
             Err(e) => return self.prefill_failed(&format!("cannot build the prefill leg: {e}"), &decode),
@@ -346,8 +360,7 @@ impl Request {
         if status != Some(200) {
             return self.prefill_failed(&format!("prefill pod answered {status:?}"), decode);
         }
-        let original =
-            hostcalls::get_buffer(BufferType::HttpRequestBody, 0, usize::MAX).ok().flatten().unwrap_or_default();
+        let original = buffer(BufferType::HttpRequestBody, self.body_size);
         let body = match logic::decode_leg_body(&original, answer) {
             Ok(body) => body,
             Err(e) => return self.prefill_failed(&e, decode),
@@ -413,7 +426,8 @@ impl HttpContext for Request {
             Phase::Passthrough | Phase::Routed | Phase::Settled => return Action::Continue,
             Phase::Deciding | Phase::Prefilling { .. } => return Action::Pause,
         }
-        let body = hostcalls::get_buffer(BufferType::HttpRequestBody, 0, body_size).ok().flatten().unwrap_or_default();
+        self.body_size = body_size;
+        let body = buffer(BufferType::HttpRequestBody, body_size);
         if let Err(message) = logic::validate_body(&body) {
             incr(self.shared().metrics.bad_request, 1);
             self.phase = Phase::Settled;
@@ -424,6 +438,7 @@ impl HttpContext for Request {
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
+        self.response_status = header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok());
         if end_of_stream {
             self.response_complete = true;
         }
@@ -436,10 +451,7 @@ impl HttpContext for Request {
                 self.first_token = true;
                 self.shared().report(&self.request_id, LifecycleEvent::FirstToken, None);
             }
-            if body_size > 0
-                && let Some(chunk) = hostcalls::get_buffer(BufferType::HttpResponseBody, 0, body_size).ok().flatten()
-                && let Some(n) = logic::completion_tokens(&chunk)
-            {
+            if let Some(n) = logic::completion_tokens(&buffer(BufferType::HttpResponseBody, body_size)) {
                 self.output_tokens = Some(n);
             }
         }
@@ -458,8 +470,7 @@ impl HttpContext for Request {
         if !matches!(self.phase, Phase::Routed | Phase::Deciding | Phase::Prefilling { .. }) {
             return;
         }
-        let status = header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok());
-        let ok = self.response_complete && status.is_some_and(|s| (200..300).contains(&s));
+        let ok = self.response_complete && self.response_status.is_some_and(|s| (200..300).contains(&s));
         let event = if ok { LifecycleEvent::Done } else { LifecycleEvent::Cancelled };
         self.shared().report(&self.request_id, event, self.output_tokens);
     }

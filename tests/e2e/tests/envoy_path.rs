@@ -371,3 +371,63 @@ async fn a_pod_killed_mid_stream_fails_cleanly_and_is_avoided() {
         assert_ne!(a.pod.as_deref(), Some(victim.as_str()));
     }
 }
+
+#[tokio::test]
+async fn a_scorer_slower_than_the_timeout_is_treated_as_down() {
+    let s = stack(1, &["--failure-mode", "open", "--scorer-timeout-ms", "100"]).await;
+    let closed = EnvoyProcess::start(&s.scorer, &["--failure-mode", "closed", "--scorer-timeout-ms", "100"]).await;
+    let body = json!({"model": MODEL, "prompt": "while the scorer hangs", "max_tokens": 2});
+    s.scorer.pause();
+    let started = Instant::now();
+    let open = send(&s.envoy, "/v1/completions", &body, &[]).await;
+    assert_eq!(open.status, 200, "fail-open: served without a decision");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    let shut = send(&closed, "/v1/completions", &body, &[]).await;
+    assert_eq!(shut.status, 503, "fail-closed: {}", shut.body);
+    s.scorer.resume();
+    assert_eq!(send(&s.envoy, "/v1/completions", &body, &[]).await.status, 200);
+    assert_eq!(s.envoy.stat("wasmcustom.kvgate_fail_open").await, 1);
+    assert!(s.envoy.stat("wasmcustom.kvgate_routed").await >= 1, "routing resumed");
+}
+
+#[tokio::test]
+async fn a_scorer_answering_garbage_is_treated_as_down() {
+    // Something else answers on the scorer's port: 200 with nonsense, or a bad status line.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let mut n = 0u32;
+        while let Ok((mut socket, _)) = listener.accept().await {
+            n += 1;
+            let answer: &[u8] = match n % 3 {
+                0 => b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nnot json!",
+                1 => b"HTTP/1.1 200 OK\r\ncontent-length: 42\r\n\r\n{\"decode\": \"evil.example:80\", \"pod\": \"x\"}",
+                _ => b"garbage garbage garbage\r\n\r\n",
+            };
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut buf = vec![0u8; 1 << 16];
+                let _ = socket.read(&mut buf).await;
+                let _ = socket.write_all(answer).await;
+            });
+        }
+    });
+    let pod = Sim::start("pod-g", &["--time-scale", "0.02"]).await;
+    let config = std::env::temp_dir().join(format!("kvgate-garbage-{port}.yaml"));
+    std::fs::write(
+        &config,
+        format!("listen: 127.0.0.1:{port}\npods:\n  - {{name: pod-g, address: '127.0.0.1:{}'}}\n", pod.port),
+    )
+    .unwrap();
+    let open = EnvoyProcess::start_for(&config, &["--failure-mode", "open"]).await;
+    let closed = EnvoyProcess::start_for(&config, &["--failure-mode", "closed"]).await;
+    let _ = std::fs::remove_file(&config);
+    for i in 0..6 {
+        let body = json!({"prompt": format!("garbage {i}"), "max_tokens": 2});
+        let a = send(&open, "/v1/completions", &body, &[]).await;
+        assert_eq!((a.status, a.pod.as_deref()), (200, Some("pod-g")), "fail-open serves: {}", a.body);
+        assert_eq!(send(&closed, "/v1/completions", &body, &[]).await.status, 503);
+    }
+    assert_eq!(open.stat("wasmcustom.kvgate_routed").await, 0, "no garbage decision was followed");
+    assert_eq!(open.stat("wasmcustom.kvgate_fail_open").await, 6);
+}

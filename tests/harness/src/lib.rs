@@ -343,6 +343,16 @@ impl ScorerProcess {
         panic!("kvgate-scorer did not come up");
     }
 
+    /// Freezes the scorer (SIGSTOP): it accepts connections but never answers.
+    pub fn pause(&self) {
+        signal(self.child.id(), "-STOP");
+    }
+
+    /// Thaws a paused scorer (SIGCONT).
+    pub fn resume(&self) {
+        signal(self.child.id(), "-CONT");
+    }
+
     /// Kills the scorer (SIGKILL).
     pub fn kill(&mut self) {
         let _ = self.child.kill();
@@ -408,6 +418,11 @@ impl ScorerProcess {
     }
 }
 
+fn signal(pid: u32, which: &str) {
+    let status = Command::new("kill").args([which, &pid.to_string()]).status().expect("run kill");
+    assert!(status.success(), "kill {which} {pid} failed");
+}
+
 fn spawn_scorer(config_path: &std::path::Path) -> Child {
     Command::new(binary("kvgate-scorer"))
         .arg("--config")
@@ -448,11 +463,17 @@ impl EnvoyProcess {
     /// Renders the bootstrap for `scorer` with `kvgate-envoy-config` (extra flags such as
     /// `--failure-mode closed` appended) and starts Envoy on free ports.
     pub async fn start(scorer: &ScorerProcess, extra: &[&str]) -> EnvoyProcess {
+        Self::start_for(&scorer.config_path, extra).await
+    }
+
+    /// Like [`EnvoyProcess::start`], for a scorer configuration file (whose `listen` may be
+    /// any server standing in for the scorer).
+    pub async fn start_for(scorer_config: &std::path::Path, extra: &[&str]) -> EnvoyProcess {
         let (port, admin) = (free_port(), free_port());
         let config_path = std::env::temp_dir().join(format!("kvgate-envoy-{port}.yaml"));
         let status = Command::new(binary("kvgate-envoy-config"))
             .arg("--scorer-config")
-            .arg(&scorer.config_path)
+            .arg(scorer_config)
             .arg("--wasm")
             .arg(filter_wasm())
             .args(["--listen", &format!("127.0.0.1:{port}"), "--admin", &format!("127.0.0.1:{admin}")])
