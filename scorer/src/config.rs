@@ -104,6 +104,23 @@ impl Default for HealthSection {
     }
 }
 
+/// Who can see what: the debug endpoints reveal per-pod state, so they can be turned off or
+/// moved to their own address (with `/metrics`).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminSection {
+    /// Serve `/v1/pods`, `/metrics`, `/healthz` and `/readyz` here instead of on `listen`.
+    pub listen: Option<SocketAddr>,
+    /// `GET /v1/pods` and `?explain=1` on route calls; false turns both off.
+    pub debug_endpoints: bool,
+}
+
+impl Default for AdminSection {
+    fn default() -> Self {
+        Self { listen: None, debug_endpoints: true }
+    }
+}
+
 /// Prefill/decode disaggregation.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -153,6 +170,8 @@ pub struct Config {
     pub health: HealthSection,
     #[serde(default)]
     pub pd: PdSection,
+    #[serde(default)]
+    pub admin: AdminSection,
     pub pods: Vec<PodConfig>,
 }
 
@@ -255,6 +274,9 @@ impl Config {
             ("pd.decode_policy", &self.pd.decode_policy),
         ] {
             Self::validate_policy(section, policy)?;
+        }
+        if self.admin.listen == Some(self.listen) {
+            return invalid("admin.listen", "must differ from listen");
         }
         if self.index.max_blocks_per_pod == 0 {
             return invalid("index.max_blocks_per_pod", "must be positive");

@@ -16,17 +16,30 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Largest request body `/v1/route` accepts (Envoy's own limit applies first).
 pub const MAX_BODY_BYTES: usize = 64 << 20;
 
+/// The API on `listen`: route and lifecycle calls and the probes, plus the admin endpoints
+/// unless `admin.listen` moves them.
 pub fn router(scorer: Arc<Scorer>) -> Router {
-    Router::new()
-        .route(ROUTE_PATH, post(route))
-        .route(LIFECYCLE_PATH, post(lifecycle))
-        .route("/v1/pods", get(pods))
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(|| async { StatusCode::OK }))
-        .route("/readyz", get(readyz))
-        .fallback(|| async { error(StatusCode::NOT_FOUND, "NotFound", "no such endpoint") })
+    let api = Router::new().route(ROUTE_PATH, post(route)).route(LIFECYCLE_PATH, post(lifecycle));
+    let api = if scorer.config.admin.listen.is_none() { api.merge(admin_routes(&scorer)) } else { api.merge(probes()) };
+    api.fallback(|| async { error(StatusCode::NOT_FOUND, "NotFound", "no such endpoint") })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(scorer)
+}
+
+/// The API on `admin.listen`.
+pub fn admin_router(scorer: Arc<Scorer>) -> Router {
+    admin_routes(&scorer)
+        .fallback(|| async { error(StatusCode::NOT_FOUND, "NotFound", "no such endpoint") })
+        .with_state(scorer)
+}
+
+fn probes() -> Router<Arc<Scorer>> {
+    Router::new().route("/healthz", get(|| async { StatusCode::OK })).route("/readyz", get(readyz))
+}
+
+fn admin_routes(scorer: &Scorer) -> Router<Arc<Scorer>> {
+    let admin = probes().route("/metrics", get(metrics));
+    if scorer.config.admin.debug_endpoints { admin.route("/v1/pods", get(pods)) } else { admin }
 }
 
 fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
@@ -56,7 +69,7 @@ async fn route(
         scorer.metrics.route_errors.with_label_values(&["400"]).inc();
         return error(StatusCode::BAD_REQUEST, "BadRequestError", format!("missing header {HEADER_API_PATH}"));
     };
-    let explain = matches!(query.explain.as_deref(), Some("1" | "true"));
+    let explain = scorer.config.admin.debug_endpoints && matches!(query.explain.as_deref(), Some("1" | "true"));
     match scorer.route(&request_id, path, &body, explain) {
         Ok(decision) => Json(decision).into_response(),
         Err(e) => {

@@ -50,6 +50,7 @@ async fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     let listen = config.listen;
+    let admin_listen = config.admin.listen;
     let scorer = Arc::new(Scorer::new(config, tokenizer));
 
     for (pod, pod_config) in scorer.pods.iter().zip(&scorer.config.pods) {
@@ -76,6 +77,17 @@ async fn main() -> anyhow::Result<()> {
         }
     });
 
+    if let Some(admin) = admin_listen {
+        let listener =
+            tokio::net::TcpListener::bind(admin).await.with_context(|| format!("cannot listen on {admin}"))?;
+        tracing::info!(%admin, "admin endpoints on their own address");
+        let router = http::admin_router(scorer.clone());
+        tokio::spawn(async move {
+            if let Err(e) = axum::serve(listener, router).await {
+                tracing::error!("admin server failed: {e}");
+            }
+        });
+    }
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("cannot listen on {listen}"))?

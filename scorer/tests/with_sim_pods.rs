@@ -199,3 +199,37 @@ async fn bad_route_calls_get_clear_errors() {
     let r = reqwest::Client::new().post(format!("{}/v1/route", scorer.url)).body("{}").send().await.unwrap();
     assert_eq!(r.status(), 400, "the API path header is required");
 }
+
+#[tokio::test]
+async fn bookings_whose_lifecycle_reports_are_lost_expire() {
+    let pods = pods(1, &[]).await;
+    let scorer = ScorerProcess::start(&config(&pods, true, "load: {request_ttl_seconds: 1}\n")).await;
+    let (status, _) = scorer.route("/v1/completions", "lost-1", &json!({"prompt": text("orphan", 100)}), false).await;
+    assert_eq!(status, 200);
+    assert_eq!(scorer.pod("pod-0").await["inflight_requests"], 1);
+    // No `done` ever arrives: the booking is dropped after its TTL (checked every second).
+    scorer.wait_pod("pod-0", Duration::from_secs(5), |p| p["inflight_requests"] == 0).await;
+    let metrics = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kvgate_bookings_expired_total 1"), "{metrics}");
+}
+
+#[tokio::test]
+async fn debug_endpoints_can_be_turned_off_or_moved() {
+    let pods = pods(1, &[]).await;
+    let admin = kvgate_test_harness::free_port();
+    let scorer = ScorerProcess::start(&config(
+        &pods,
+        true,
+        &format!("admin: {{listen: '127.0.0.1:{admin}', debug_endpoints: false}}\n"),
+    ))
+    .await;
+    let get = |url: String| async move { reqwest::get(url).await.unwrap().status().as_u16() };
+    assert_eq!(get(format!("{}/v1/pods", scorer.url)).await, 404);
+    assert_eq!(get(format!("{}/metrics", scorer.url)).await, 404, "moved to the admin address");
+    assert_eq!(get(format!("http://127.0.0.1:{admin}/metrics")).await, 200);
+    assert_eq!(get(format!("http://127.0.0.1:{admin}/v1/pods")).await, 404, "debug endpoints off");
+    assert_eq!(get(format!("{}/readyz", scorer.url)).await, 200, "probes stay on the main address");
+    let (status, d) = scorer.route("/v1/completions", "x", &json!({"prompt": "hello"}), true).await;
+    assert_eq!(status, 200);
+    assert!(d.get("explain").is_none(), "explain is a debug endpoint: {d}");
+}
