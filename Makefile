@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: setup build test lint fmt sim bench-scorer wasm demo demo-pd up down bench-overhead
+.PHONY: setup build test lint fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz
 
 setup:
 	@bash tests/tools/setup.sh
@@ -66,3 +66,7 @@ sim: setup
 # The scorer's core benchmarks: decision latency, event ingestion, memory, tokenization.
 bench-scorer: setup
 	$(CARGO) bench -p kvgate-routing --bench routing
+
+# libFuzzer on every input parser (FUZZ_SECONDS per target, default 60); nightly + cargo-fuzz.
+fuzz:
+	@bash tests/tools/fuzz.sh
