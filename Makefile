@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: setup build test lint fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz
+.PHONY: setup build test lint fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak
 
 setup:
 	@bash tests/tools/setup.sh
@@ -70,3 +70,8 @@ bench-scorer: setup
 # libFuzzer on every input parser (FUZZ_SECONDS per target, default 60); nightly + cargo-fuzz.
 fuzz:
 	@bash tests/tools/fuzz.sh
+
+# A bounded soak (SOAK_SECONDS, default 120) at a fixed rate: memory, descriptors, bookings.
+soak: setup wasm
+	$(CARGO) build --workspace --release --bins
+	./target/release/kvgate-soak --seconds $${SOAK_SECONDS:-120}

@@ -343,6 +343,10 @@ impl ScorerProcess {
         panic!("kvgate-scorer did not come up");
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Freezes the scorer (SIGSTOP): it accepts connections but never answers.
     pub fn pause(&self) {
         signal(self.child.id(), "-STOP");
