@@ -73,14 +73,14 @@ async fn main() -> anyhow::Result<()> {
     while began.elapsed() < Duration::from_secs(args.seconds) {
         tick.tick().await;
         n += 1;
-        let body = if n % 4 == 0 {
+        let body = if n.is_multiple_of(4) {
             json!({"prompt": text(&format!("unique {n}"), 120), "max_tokens": 8})
         } else {
             json!({"messages": [{"role": "system", "content": systems[(n % 6) as usize]},
                                 {"role": "user", "content": format!("question {n}")}],
-                   "max_tokens": 8, "stream": n % 2 == 0})
+                   "max_tokens": 8, "stream": n.is_multiple_of(2)})
         };
-        let path = if n % 4 == 0 { "/v1/completions" } else { "/v1/chat/completions" };
+        let path = if n.is_multiple_of(4) { "/v1/completions" } else { "/v1/chat/completions" };
         let (client, url) = (client.clone(), format!("{}{path}", envoy.url));
         let (done, failed) = (sent.clone(), errors.clone());
         tasks.spawn(async move {
