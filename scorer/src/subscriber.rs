@@ -26,6 +26,8 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
     let name = scorer.pods[pod.index()].name.clone();
     let mut backoff = Duration::from_millis(100);
     loop {
+        // Once connected, the socket reconnects and resubscribes by itself when the publisher
+        // restarts; its new sequence (from 0) then clears the pod's index (a restart).
         let mut socket = SubSocket::new();
         let connected = async {
             socket.connect(&endpoint).await?;
@@ -34,7 +36,7 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
         if let Err(e) = connected.await {
             tracing::debug!(pod = %name, %endpoint, "kv events: cannot connect ({e}); retrying in {backoff:?}");
             tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(5));
+            backoff = (backoff * 2).min(Duration::from_secs(1));
             continue;
         }
         tracing::info!(pod = %name, %endpoint, "kv events: subscribed");

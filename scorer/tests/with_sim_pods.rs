@@ -152,6 +152,18 @@ async fn a_dead_pod_is_excluded_until_it_answers_again() {
     let (status, d) = scorer.route("/v1/completions", "back", &json!({"prompt": "x"}), false).await;
     assert_eq!((status, d["pod"].as_str()), (200, Some("pod-0")));
     assert_eq!(reqwest::get(format!("{}/readyz", scorer.url)).await.unwrap().status(), 200);
+    // Its event stream is followed again: what it caches after the restart is indexed (the
+    // scorer resubscribes within its reconnect backoff; batches published before are missed).
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    for i in 0.. {
+        let body = json!({"prompt": text(&format!("after restart {i}"), 200), "max_tokens": 1});
+        pods[0].post_json("/v1/completions", &body).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        if scorer.pod("pod-0").await["cached_blocks"].as_u64().unwrap() > 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the restarted pod's events are never indexed");
+    }
 }
 
 #[tokio::test]
