@@ -86,6 +86,20 @@ fn child_stderr() -> Stdio {
     if QUIET_CHILDREN.load(std::sync::atomic::Ordering::Relaxed) { Stdio::null() } else { Stdio::inherit() }
 }
 
+/// Polls `url` until it answers 2xx; false after `limit`.
+pub async fn wait_for(url: &str, limit: Duration) -> bool {
+    let deadline = Instant::now() + limit;
+    while Instant::now() < deadline {
+        if let Ok(r) = reqwest::get(url).await
+            && r.status().is_success()
+        {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
 /// A free TCP port on 127.0.0.1 (bound, then released for the child to take).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
@@ -139,17 +153,11 @@ impl Sim {
     }
 
     async fn wait_healthy(&self, limit: Duration) {
-        let deadline = Instant::now() + limit;
-        let client = reqwest::Client::new();
-        while Instant::now() < deadline {
-            if let Ok(r) = client.get(format!("{}/health", self.url)).send().await
-                && r.status().is_success()
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("kvgate-sim {} did not become healthy", self.pod_id);
+        assert!(
+            wait_for(&format!("{}/health", self.url), limit).await,
+            "kvgate-sim {} did not become healthy",
+            self.pod_id
+        );
     }
 
     pub fn pid(&self) -> u32 {
@@ -331,16 +339,10 @@ impl ScorerProcess {
     }
 
     async fn wait_up(&self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Ok(r) = reqwest::get(format!("{}/healthz", self.url)).await
-                && r.status().is_success()
-            {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        panic!("kvgate-scorer did not come up");
+        assert!(
+            wait_for(&format!("{}/healthz", self.url), Duration::from_secs(30)).await,
+            "kvgate-scorer did not come up"
+        );
     }
 
     pub fn pid(&self) -> u32 {
@@ -506,16 +508,11 @@ impl EnvoyProcess {
             admin: format!("http://127.0.0.1:{admin}"),
             config_path,
         };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Ok(r) = reqwest::get(format!("{}/ready", envoy.admin)).await
-                && r.status().is_success()
-            {
-                return envoy;
-            }
-            assert!(Instant::now() < deadline, "envoy did not become ready");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        assert!(
+            wait_for(&format!("{}/ready", envoy.admin), Duration::from_secs(30)).await,
+            "envoy did not become ready"
+        );
+        envoy
     }
 
     /// A counter or gauge from Envoy's admin `/stats` (0 if absent).
