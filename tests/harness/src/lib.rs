@@ -86,24 +86,48 @@ fn child_stderr() -> Stdio {
     if QUIET_CHILDREN.load(std::sync::atomic::Ordering::Relaxed) { Stdio::null() } else { Stdio::inherit() }
 }
 
-/// Polls `url` until it answers 2xx; false after `limit`.
-pub async fn wait_for(url: &str, limit: Duration) -> bool {
+/// Polls `url` until it answers 2xx while `child` runs: Ok, or Err saying why not (the
+/// child exited — typically a port taken between [`free_port`] and its bind — or `limit`
+/// passed).
+async fn wait_child_ready(child: &mut Child, url: &str, limit: Duration) -> Result<(), String> {
     let deadline = Instant::now() + limit;
-    while Instant::now() < deadline {
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return Err(format!("exited ({status})"));
+        }
         if let Ok(r) = reqwest::get(url).await
             && r.status().is_success()
         {
-            return true;
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("not ready after {limit:?}"));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    false
 }
 
-/// A free TCP port on 127.0.0.1 (bound, then released for the child to take).
+/// How often a process started on fresh ports is started again on other ports when it
+/// exits during start-up (another process may take a port between [`free_port`] and the
+/// child's bind; the OS also hands ephemeral ports to outgoing connections).
+const START_ATTEMPTS: usize = 3;
+
+/// A free TCP port on 127.0.0.1 (bound, then released for the child to take). Never the
+/// same port twice in one test process, so parallel tests do not hand each other's ports out.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let mut handed_out = HANDED_OUT.lock().expect("port registry");
+        if !handed_out.contains(&port) {
+            handed_out.push(port);
+            return port;
+        }
+    }
 }
+
+/// How long a pod may take to answer `/health` after its start.
+const SIM_START_LIMIT: Duration = Duration::from_secs(20);
 
 /// A running `kvgate-sim`; killed on drop.
 pub struct Sim {
@@ -120,22 +144,31 @@ impl Sim {
     /// Starts a pod with KV events and replay on fresh ports, plus `extra` flags, and waits
     /// until `/health` answers.
     pub async fn start(pod_id: &str, extra: &[&str]) -> Sim {
-        let port = free_port();
-        let mut events = format!("tcp://127.0.0.1:{}", free_port());
-        let replay = format!("tcp://127.0.0.1:{}", free_port());
-        let mut args: Vec<String> =
-            vec!["--listen".into(), format!("127.0.0.1:{port}"), "--pod-id".into(), pod_id.into()];
-        match extra.iter().position(|a| *a == "--kv-events-endpoint") {
-            Some(i) => events = extra[i + 1].to_string(),
-            None => args.extend(["--kv-events-endpoint".into(), events.clone()]),
+        let mut why = String::new();
+        for _ in 0..START_ATTEMPTS {
+            let port = free_port();
+            let mut events = format!("tcp://127.0.0.1:{}", free_port());
+            let replay = format!("tcp://127.0.0.1:{}", free_port());
+            let mut args: Vec<String> =
+                vec!["--listen".into(), format!("127.0.0.1:{port}"), "--pod-id".into(), pod_id.into()];
+            match extra.iter().position(|a| *a == "--kv-events-endpoint") {
+                Some(i) => events = extra[i + 1].to_string(),
+                None => args.extend(["--kv-events-endpoint".into(), events.clone()]),
+            }
+            args.extend(["--kv-events-replay-endpoint".into(), replay.clone()]);
+            args.extend(extra.iter().map(|s| s.to_string()));
+            let mut child = spawn_sim(&args);
+            let url = format!("http://127.0.0.1:{port}");
+            match wait_child_ready(&mut child, &format!("{url}/health"), SIM_START_LIMIT).await {
+                Ok(()) => return Sim { child, args, pod_id: pod_id.into(), url, port, events, replay },
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    why = e;
+                }
+            }
         }
-        args.extend(["--kv-events-replay-endpoint".into(), replay.clone()]);
-        args.extend(extra.iter().map(|s| s.to_string()));
-        let child = spawn_sim(&args);
-        let sim =
-            Sim { child, args, pod_id: pod_id.into(), url: format!("http://127.0.0.1:{port}"), port, events, replay };
-        sim.wait_healthy(Duration::from_secs(20)).await;
-        sim
+        panic!("kvgate-sim {pod_id} did not become healthy: {why}");
     }
 
     /// Kills the pod (SIGKILL: no goodbye on any socket).
@@ -149,15 +182,10 @@ impl Sim {
     pub async fn restart(&mut self) {
         self.kill();
         self.child = spawn_sim(&self.args);
-        self.wait_healthy(Duration::from_secs(20)).await;
-    }
-
-    async fn wait_healthy(&self, limit: Duration) {
-        assert!(
-            wait_for(&format!("{}/health", self.url), limit).await,
-            "kvgate-sim {} did not become healthy",
-            self.pod_id
-        );
+        let health = format!("{}/health", self.url);
+        if let Err(e) = wait_child_ready(&mut self.child, &health, SIM_START_LIMIT).await {
+            panic!("kvgate-sim {} did not come back: {e}", self.pod_id);
+        }
     }
 
     pub fn pid(&self) -> u32 {
@@ -329,20 +357,28 @@ impl ScorerProcess {
     /// Starts the scorer with `config` (YAML without `listen`, which is added) and waits for
     /// `/healthz`.
     pub async fn start(config: &str) -> ScorerProcess {
-        let port = free_port();
-        let config_path = std::env::temp_dir().join(format!("kvgate-scorer-{port}.yaml"));
-        std::fs::write(&config_path, format!("listen: 127.0.0.1:{port}\n{config}")).expect("write scorer config");
-        let child = spawn_scorer(&config_path);
-        let scorer = ScorerProcess { child, url: format!("http://127.0.0.1:{port}"), port, config_path };
-        scorer.wait_up().await;
-        scorer
+        let mut why = String::new();
+        for _ in 0..START_ATTEMPTS {
+            let port = free_port();
+            let config_path = std::env::temp_dir().join(format!("kvgate-scorer-{port}.yaml"));
+            std::fs::write(&config_path, format!("listen: 127.0.0.1:{port}\n{config}")).expect("write scorer config");
+            let mut scorer = ScorerProcess {
+                child: spawn_scorer(&config_path),
+                url: format!("http://127.0.0.1:{port}"),
+                port,
+                config_path,
+            };
+            match scorer.wait_up().await {
+                Ok(()) => return scorer,
+                Err(e) => why = e, // dropped: killed, config removed
+            }
+        }
+        panic!("kvgate-scorer did not come up: {why}");
     }
 
-    async fn wait_up(&self) {
-        assert!(
-            wait_for(&format!("{}/healthz", self.url), Duration::from_secs(30)).await,
-            "kvgate-scorer did not come up"
-        );
+    async fn wait_up(&mut self) -> Result<(), String> {
+        let health = format!("{}/healthz", self.url);
+        wait_child_ready(&mut self.child, &health, Duration::from_secs(30)).await
     }
 
     pub fn pid(&self) -> u32 {
@@ -369,7 +405,9 @@ impl ScorerProcess {
     pub async fn restart(&mut self) {
         self.kill();
         self.child = spawn_scorer(&self.config_path);
-        self.wait_up().await;
+        if let Err(e) = self.wait_up().await {
+            panic!("kvgate-scorer did not come back: {e}");
+        }
     }
 
     /// Polls until no request is in flight on any pod (lifecycle reports all arrived).
@@ -475,44 +513,43 @@ impl EnvoyProcess {
     /// Like [`EnvoyProcess::start`], for a scorer configuration file (whose `listen` may be
     /// any server standing in for the scorer).
     pub async fn start_for(scorer_config: &std::path::Path, extra: &[&str]) -> EnvoyProcess {
-        let (port, admin) = (free_port(), free_port());
-        let config_path = std::env::temp_dir().join(format!("kvgate-envoy-{port}.yaml"));
-        let status = Command::new(binary("kvgate-envoy-config"))
-            .arg("--scorer-config")
-            .arg(scorer_config)
-            .arg("--wasm")
-            .arg(filter_wasm())
-            .args(["--listen", &format!("127.0.0.1:{port}"), "--admin", &format!("127.0.0.1:{admin}")])
-            .arg("--out")
-            .arg(&config_path)
-            .args(extra)
-            .status()
-            .expect("run kvgate-envoy-config");
-        assert!(status.success(), "kvgate-envoy-config failed");
-        Self::start_config(config_path, port, admin).await
-    }
-
-    /// Starts Envoy with a ready bootstrap listening on `port` (admin on `admin`).
-    pub async fn start_config(config_path: PathBuf, port: u16, admin: u16) -> EnvoyProcess {
-        let child = Command::new(envoy_binary())
-            .arg("-c")
-            .arg(&config_path)
-            .args(["--concurrency", "1", "--use-dynamic-base-id", "-l", "warning"])
-            .stdout(Stdio::null())
-            .stderr(child_stderr())
-            .spawn()
-            .expect("spawn envoy");
-        let envoy = EnvoyProcess {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            admin: format!("http://127.0.0.1:{admin}"),
-            config_path,
-        };
-        assert!(
-            wait_for(&format!("{}/ready", envoy.admin), Duration::from_secs(30)).await,
-            "envoy did not become ready"
-        );
-        envoy
+        let mut why = String::new();
+        for _ in 0..START_ATTEMPTS {
+            let (port, admin) = (free_port(), free_port());
+            let config_path = std::env::temp_dir().join(format!("kvgate-envoy-{port}.yaml"));
+            let status = Command::new(binary("kvgate-envoy-config"))
+                .arg("--scorer-config")
+                .arg(scorer_config)
+                .arg("--wasm")
+                .arg(filter_wasm())
+                .args(["--listen", &format!("127.0.0.1:{port}"), "--admin", &format!("127.0.0.1:{admin}")])
+                .arg("--out")
+                .arg(&config_path)
+                .args(extra)
+                .status()
+                .expect("run kvgate-envoy-config");
+            assert!(status.success(), "kvgate-envoy-config failed");
+            let child = Command::new(envoy_binary())
+                .arg("-c")
+                .arg(&config_path)
+                .args(["--concurrency", "1", "--use-dynamic-base-id", "-l", "warning"])
+                .stdout(Stdio::null())
+                .stderr(child_stderr())
+                .spawn()
+                .expect("spawn envoy");
+            let mut envoy = EnvoyProcess {
+                child,
+                url: format!("http://127.0.0.1:{port}"),
+                admin: format!("http://127.0.0.1:{admin}"),
+                config_path,
+            };
+            let ready = format!("{}/ready", envoy.admin);
+            match wait_child_ready(&mut envoy.child, &ready, Duration::from_secs(30)).await {
+                Ok(()) => return envoy,
+                Err(e) => why = e, // dropped: killed, bootstrap removed
+            }
+        }
+        panic!("envoy did not become ready: {why}");
     }
 
     /// A counter or gauge from Envoy's admin `/stats` (0 if absent).
