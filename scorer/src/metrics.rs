@@ -17,6 +17,8 @@ pub struct Metrics {
     pub cached_tokens: IntCounter,
     pub kv_events: IntCounterVec,
     pub kv_event_gaps: IntCounterVec,
+    pub kv_event_batches_missed: IntCounterVec,
+    pub kv_event_batches_stale: IntCounterVec,
     pub kv_event_decode_errors: IntCounterVec,
     pub kv_replays: IntCounterVec,
     pub lifecycle_reports: IntCounterVec,
@@ -75,6 +77,14 @@ impl Metrics {
             reg!(IntCounterVec::new(Opts::new("kv_events_total", "KV events applied, by type."), &["pod", "type"]));
         let kv_event_gaps =
             reg!(IntCounterVec::new(Opts::new("kv_event_gaps_total", "Sequence gaps in a pod's events."), &["pod"]));
+        let kv_event_batches_missed = reg!(IntCounterVec::new(
+            Opts::new("kv_event_batches_missed_total", "Batches skipped by sequence gaps (before replay)."),
+            &["pod"]
+        ));
+        let kv_event_batches_stale = reg!(IntCounterVec::new(
+            Opts::new("kv_event_batches_stale_total", "Duplicate or late batches dropped."),
+            &["pod"]
+        ));
         let kv_event_decode_errors = reg!(IntCounterVec::new(
             Opts::new("kv_event_decode_errors_total", "Event messages dropped as undecodable."),
             &["pod"]
@@ -118,6 +128,8 @@ impl Metrics {
             cached_tokens,
             kv_events,
             kv_event_gaps,
+            kv_event_batches_missed,
+            kv_event_batches_stale,
             kv_event_decode_errors,
             kv_replays,
             lifecycle_reports,

@@ -53,6 +53,8 @@ struct PodHealth {
     reported: Option<ReportedLoad>,
     events_received: u64,
     event_gaps: u64,
+    batches_missed: u64,
+    batches_stale: u64,
     decode_errors: u64,
 }
 
@@ -93,6 +95,11 @@ pub struct PodView {
     pub decode_blocks: f64,
     pub events_received: u64,
     pub event_gaps: u64,
+    /// Batches the gaps skipped (lost by the publisher's full queue or the network), before
+    /// any replay: with `events_received` this accounts for every batch a pod published.
+    pub event_batches_missed: u64,
+    /// Duplicate or late batches dropped by their sequence number.
+    pub event_batches_stale: u64,
     pub event_decode_errors: u64,
     pub reported: Option<ReportedView>,
     pub index_stats: PodIndexStats,
@@ -380,10 +387,23 @@ impl Scorer {
         self.metrics.kv_event_decode_errors.with_label_values(&[&self.pods[pod.index()].name]).inc();
     }
 
-    /// Batches were lost.
-    pub fn event_gap(&self, pod: PodId) {
-        self.lock().health[pod.index()].event_gaps += 1;
-        self.metrics.kv_event_gaps.with_label_values(&[&self.pods[pod.index()].name]).inc();
+    /// `missed` batches were lost before the one just received.
+    pub fn event_gap(&self, pod: PodId, missed: u64) {
+        {
+            let mut core = self.lock();
+            let health = &mut core.health[pod.index()];
+            health.event_gaps += 1;
+            health.batches_missed += missed;
+        }
+        let name = &self.pods[pod.index()].name;
+        self.metrics.kv_event_gaps.with_label_values(&[name]).inc();
+        self.metrics.kv_event_batches_missed.with_label_values(&[name]).inc_by(missed);
+    }
+
+    /// A duplicate or late batch was dropped.
+    pub fn event_stale(&self, pod: PodId) {
+        self.lock().health[pod.index()].batches_stale += 1;
+        self.metrics.kv_event_batches_stale.with_label_values(&[&self.pods[pod.index()].name]).inc();
     }
 
     /// The pod's index can no longer be trusted (lost events not replayed, engine restart):
@@ -463,6 +483,8 @@ impl Scorer {
                     decode_blocks: load.decode_blocks,
                     events_received: h.events_received,
                     event_gaps: h.event_gaps,
+                    event_batches_missed: h.batches_missed,
+                    event_batches_stale: h.batches_stale,
                     event_decode_errors: h.decode_errors,
                     reported: h.reported.map(|r| ReportedView {
                         running: r.running,

@@ -8,6 +8,10 @@
 //! events that follow: kvgate would rather forget blocks a pod still holds (costing some
 //! affinity) than believe in blocks it evicted (sending requests where the cache is cold).
 //! A sequence restarting at 0 means the engine restarted: its index is cleared too.
+//!
+//! No queue sits between the socket and the index: the SUB socket reads only as fast as
+//! batches are applied, so a flood backs up into the publisher's bounded queue, which drops
+//! the excess; the drops come back here as gaps and are counted (`event_batches_missed`).
 
 use crate::scorer::Scorer;
 use bytes::Bytes;
@@ -73,13 +77,16 @@ async fn handle(scorer: &Scorer, pod: PodId, tracker: &mut SequenceTracker, repl
     };
     match tracker.observe(seq) {
         Sequencing::InOrder => {}
-        Sequencing::Stale => return,
+        Sequencing::Stale => {
+            scorer.event_stale(pod);
+            return;
+        }
         Sequencing::Restart => {
             tracing::info!(pod = %scorer.pods[pod.index()].name, "kv events: sequence restarted at 0 (engine restart): index rebuilt");
             scorer.resync(pod);
         }
         Sequencing::Gap { missing_from, seq } => {
-            scorer.event_gap(pod);
+            scorer.event_gap(pod, seq - missing_from);
             let name = &scorer.pods[pod.index()].name;
             let recovered = match replay {
                 Some(endpoint) => match fetch_replay(endpoint, missing_from).await {

@@ -177,6 +177,8 @@ async fn a_gap_without_replay_clears_the_pod_and_garbage_is_dropped() {
     let state = scorer
         .wait_pod("fake", Duration::from_secs(10), |p| p["event_gaps"] == 1 && p["index_stats"]["orphan_blocks"] == 1)
         .await;
+    assert_eq!(state["event_batches_missed"], 2);
+    assert!(state["event_batches_stale"].as_u64().unwrap() >= 1, "the duplicate of batch 1 was counted");
     assert_eq!(state["cached_blocks"], 0);
     assert_eq!(cached_tokens(&scorer).await, 0);
     assert!(metric(&scorer, "kvgate_kv_replays_total{outcome=\"unavailable\",pod=\"fake\"} 1").await.is_some());
@@ -188,4 +190,105 @@ async fn a_gap_without_replay_clears_the_pod_and_garbage_is_dropped() {
     assert_eq!(cached_tokens(&scorer).await, 32);
     let pods: Vec<Value> = scorer.pods().await;
     assert_eq!(pods[0]["event_gaps"], 1, "a restart is not a gap");
+}
+
+#[tokio::test]
+async fn a_batch_overtaken_by_a_later_one_is_replayed_in_order_and_its_late_copy_dropped() {
+    let mut pod = FakePod::start().await;
+    let scorer = scorer_for(&pod, true).await;
+    first_batch(&mut pod, &scorer).await;
+    let stale_before = scorer.pod("fake").await["event_batches_stale"].as_u64().unwrap();
+    pod.batch(1, store_block(1), false).await;
+    pod.batch(2, store_block(2), true).await; // delayed: published after batch 3
+    pod.batch(3, store_block(3), false).await;
+    scorer.wait_pod("fake", Duration::from_secs(10), |p| p["events_received"] == 4).await;
+    let late = Bytes::from(store_block(2));
+    pod.raw(vec![Bytes::new(), Bytes::copy_from_slice(&2u64.to_be_bytes()), late]).await;
+    let state = scorer
+        .wait_pod("fake", Duration::from_secs(10), |p| p["event_batches_stale"].as_u64() == Some(stale_before + 1))
+        .await;
+    assert_eq!(state["events_received"], 4, "the late copy is not applied again");
+    assert_eq!((state["event_gaps"].as_u64(), state["event_batches_missed"].as_u64()), (Some(1), Some(1)));
+    assert_eq!(state["index_stats"]["orphan_blocks"], 0, "2 was applied before 3");
+    assert_eq!(cached_tokens(&scorer).await, 64);
+}
+
+/// A memory figure of `/proc/<pid>/status` (`VmRSS`, `VmHWM` = peak RSS), in bytes.
+fn memory(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("/proc status");
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("{field} missing"));
+    kib * 1024
+}
+
+/// Events published far faster than the scorer applies them (it is frozen while the pod
+/// floods): the scorer has no queue of its own — its SUB socket reads only as fast as it
+/// applies — so the backlog piles up at the publisher, whose bounded per-subscriber queue
+/// drops the excess. The scorer's memory stays flat, every batch is either applied or
+/// counted as missed, and the index is rebuilt from the batches after the gap.
+#[tokio::test]
+async fn an_event_flood_is_bounded_and_every_lost_batch_is_counted() {
+    const FLOOD: u64 = 130_000; // above zeromq's PUB queue (100,000 messages) plus socket buffers
+    const BOUND: u64 = 24 << 20;
+    let mut pod = FakePod::start().await;
+    let scorer = scorer_for(&pod, false).await;
+    first_batch(&mut pod, &scorer).await;
+
+    // One batch storing 8 blocks (128 tokens), re-published with rising sequence numbers.
+    let tokens: Vec<u32> = (5000..5128).collect();
+    let change = CacheChange::Stored {
+        hashes: (0..8).map(|i| engine_hash(0xe000_0000_0000_0000 + i)).collect(),
+        parent: None,
+        token_ids: tokens.clone(),
+        keys: HashKeys::default(),
+        first_index: 0,
+    };
+    let encoder =
+        EventEncoder { format: EventFormat::Map, hashes: HashFormat::U64, block_size: BS, data_parallel_rank: Some(0) };
+    let payload = Bytes::from(encoder.encode_batch(2.0, &[change]));
+    let flood_bytes = FLOOD * payload.len() as u64;
+    assert!(flood_bytes > 2 * BOUND, "the flood ({flood_bytes} bytes) must dwarf the memory bound");
+
+    let rss_before = memory(scorer.pid(), "VmRSS");
+    scorer.pause();
+    for seq in 1..=FLOOD {
+        pod.raw(vec![Bytes::new(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()]).await;
+    }
+    scorer.resume();
+
+    // Publish further batches until the last one sent is accounted for: once the backlog
+    // drains one gets through and reveals the gap left by the dropped ones.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut next = FLOOD + 1;
+    let state = loop {
+        pod.raw(vec![Bytes::new(), Bytes::copy_from_slice(&next.to_be_bytes()), payload.clone()]).await;
+        next += 1;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let state = scorer.pod("fake").await;
+        let accounted = state["events_received"].as_u64().unwrap() + state["event_batches_missed"].as_u64().unwrap();
+        if accounted == next {
+            break state;
+        }
+        assert!(Instant::now() < deadline, "batches unaccounted for: sent {next}, state {state}");
+    };
+    let missed = state["event_batches_missed"].as_u64().unwrap();
+    assert!(missed > 0, "the publisher's queue overflowed, so batches were lost: {state}");
+    assert!(state["event_gaps"].as_u64().unwrap() >= 1);
+    // The peak since start-up (tokenizer loading included) against the resident size before.
+    let growth = memory(scorer.pid(), "VmHWM").saturating_sub(rss_before);
+    assert!(growth < BOUND, "scorer peak RSS is {growth} bytes above its size before a {flood_bytes}-byte flood");
+
+    // The index was cleared at the gap and rebuilt from the batches after it.
+    assert_eq!(state["cached_blocks"], 8, "{state}");
+    assert_eq!(state["index_stats"]["orphan_blocks"], 0);
+    let body = json!({"prompt": tokens, "max_tokens": 1});
+    let (status, d) = scorer.route("/v1/completions", "flood-probe", &body, false).await;
+    assert_eq!(status, 200, "{d}");
+    assert_eq!(d["cached_tokens"], 128);
+    eprintln!(
+        "flood: {FLOOD} batches ({flood_bytes} bytes), {missed} missed, scorer peak RSS {growth} bytes above its size before"
+    );
 }
