@@ -22,14 +22,7 @@ fn invalid<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T,
     Err(ConfigError::Invalid { field: field.into(), message: message.into() })
 }
 
-/// Which side of prefill/decode disaggregation a pod serves.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, serde::Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    Both,
-    Prefill,
-    Decode,
-}
+pub use kvgate_routing::router::Role;
 
 /// One vLLM pod.
 #[derive(Clone, Debug, Deserialize)]

@@ -10,7 +10,8 @@
 //! - [`load`]: in-flight bookkeeping (queued prefill work, decode blocks) with expiry;
 //! - [`approx`]: blocks recently routed to pods that publish no events, with a TTL;
 //! - [`policy`]: one trait, one file per policy (`kv`, `prefix`, `ttft`, `least-loaded`,
-//!   `round-robin`, `random`, `power-of-two`), built from configuration.
+//!   `round-robin`, `random`, `power-of-two`), built from configuration;
+//! - [`router`]: all of it combined into one decision per request, prefill/decode included.
 
 pub mod approx;
 pub mod events;
@@ -21,4 +22,5 @@ pub mod load;
 pub mod msgpack;
 pub mod pod_set;
 pub mod policy;
+pub mod router;
 pub mod sequence;

@@ -1,0 +1,423 @@
+//! The whole routing decision, without I/O: pods with roles and health, the precise and
+//! approximate indexes, the in-flight bookkeeping and the policies, combined as one state
+//! machine. The live scorer wraps a [`Router`] in a mutex and feeds it from sockets; the
+//! offline cluster simulator feeds it from simulated engines in virtual time — so what the
+//! benchmarks measure is the code that serves.
+//!
+//! Per request: the uncached prompt tokens on the best decode-capable pod decide whether
+//! disaggregation pays off (at least `pd_threshold_tokens`, and a prefill pod exists). If it
+//! does, the prefill policy picks a prefill pod (its overlap and queued prefill) and the
+//! decode policy a decode pod (which receives the KV, so only its load counts); otherwise
+//! the main policy picks one pod that prefills and decodes. The choice is booked at once.
+
+use crate::approx::ApproxIndex;
+use crate::events::EventBatch;
+use crate::hash::SequenceHash;
+use crate::index::{IndexConfig, KvIndex};
+use crate::load::{Booking, Lifecycle, LoadConfig, LoadTracker, UnknownRequest};
+use crate::pod_set::{PodId, PodSet};
+use crate::policy::{Candidate, Decision, Policy, PolicyConfig, ReportedLoad, RouteInput};
+use serde::{Deserialize, Serialize};
+
+/// Which side of prefill/decode disaggregation a pod serves.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    Both,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    /// Whether the pod can take a request's decode (and a direct request).
+    pub fn decodes(self) -> bool {
+        matches!(self, Role::Both | Role::Decode)
+    }
+}
+
+/// Everything a [`Router`] is built from.
+#[derive(Clone, Debug)]
+pub struct RouterConfig {
+    pub index: IndexConfig,
+    /// TTL of approximate entries (pods without KV events).
+    pub approximate_ttl_seconds: f64,
+    pub load: LoadConfig,
+    pub policy: PolicyConfig,
+    pub prefill_policy: PolicyConfig,
+    pub decode_policy: PolicyConfig,
+    /// Disaggregate when at least this many prompt tokens are uncached on the best
+    /// decode-capable pod (and prefill pods exist).
+    pub pd_threshold_tokens: u32,
+    /// Seed of the policies' random choices.
+    pub seed: u64,
+}
+
+/// One request, as the router needs it: its block chain (kvgate's own hashes) and sizes.
+#[derive(Clone, Copy, Debug)]
+pub struct RouteRequest<'a> {
+    pub request_id: &'a str,
+    pub chain: &'a [SequenceHash],
+    pub prompt_tokens: u32,
+    /// The request's `max_tokens`, when it set one.
+    pub max_output_tokens: Option<u32>,
+}
+
+/// A decision: the pod(s) chosen and the figures behind the choice.
+#[derive(Clone, Debug)]
+pub struct Routed {
+    /// The pod that decodes (and, on the direct path, prefills).
+    pub decode: Candidate,
+    /// The prefill pod, when disaggregated.
+    pub prefill: Option<Candidate>,
+    /// The candidates the deciding policy saw (decode candidates when disaggregated).
+    pub candidates: Vec<Candidate>,
+    pub decision: Decision,
+    /// Name of the deciding policy.
+    pub policy: &'static str,
+    /// Prompt tokens not cached on the best decode-capable pod.
+    pub uncached_tokens: u32,
+    /// Whether any healthy prefill pod existed (the threshold applied).
+    pub prefill_pods: bool,
+}
+
+impl Routed {
+    /// Prompt tokens cached where the prompt is computed.
+    pub fn cached_tokens(&self) -> u32 {
+        self.prefill.map_or(self.decode.cached_tokens, |p| p.cached_tokens)
+    }
+}
+
+/// No healthy pod can take the request's decode.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("no healthy pod can serve this request")]
+pub struct NoPod;
+
+struct PodState {
+    role: Role,
+    precise: bool,
+    healthy: bool,
+    reported: Option<ReportedLoad>,
+}
+
+/// The routing state machine (see the module doc).
+pub struct Router {
+    block_size: u32,
+    pd_threshold_tokens: u32,
+    pods: Vec<PodState>,
+    index: KvIndex,
+    approx: ApproxIndex,
+    load: LoadTracker,
+    policy: Box<dyn Policy>,
+    prefill_policy: Box<dyn Policy>,
+    decode_policy: Box<dyn Policy>,
+    overlap: Vec<u32>,
+    approx_overlap: Vec<u32>,
+}
+
+/// The booking id of a disaggregated request's prefill leg.
+fn prefill_booking(request_id: &str) -> String {
+    format!("{request_id}\u{0}prefill")
+}
+
+impl Router {
+    pub fn new(config: &RouterConfig) -> Self {
+        Self {
+            block_size: config.index.block_size as u32,
+            pd_threshold_tokens: config.pd_threshold_tokens,
+            pods: Vec::new(),
+            index: KvIndex::new(config.index.clone()),
+            approx: ApproxIndex::new(config.approximate_ttl_seconds, config.index.max_blocks_per_pod),
+            load: LoadTracker::new(config.load.clone()),
+            policy: config.policy.build(config.seed),
+            prefill_policy: config.prefill_policy.build(config.seed.wrapping_add(1)),
+            decode_policy: config.decode_policy.build(config.seed.wrapping_add(2)),
+            overlap: Vec::new(),
+            approx_overlap: Vec::new(),
+        }
+    }
+
+    /// Adds a pod, healthy. `precise`: its KV events will be applied; otherwise it is
+    /// indexed approximately by what is routed there.
+    pub fn add_pod(&mut self, role: Role, precise: bool) -> PodId {
+        let id = self.index.add_pod();
+        self.approx.add_pod();
+        self.load.add_pod();
+        self.pods.push(PodState { role, precise, healthy: true, reported: None });
+        id
+    }
+
+    pub fn num_pods(&self) -> usize {
+        self.pods.len()
+    }
+
+    pub fn index(&self) -> &KvIndex {
+        &self.index
+    }
+
+    pub fn load(&self) -> &LoadTracker {
+        &self.load
+    }
+
+    pub fn is_precise(&self, pod: PodId) -> bool {
+        self.pods[pod.index()].precise
+    }
+
+    pub fn is_healthy(&self, pod: PodId) -> bool {
+        self.pods[pod.index()].healthy
+    }
+
+    /// The load the pod last reported, while healthy.
+    pub fn reported_load(&self, pod: PodId) -> Option<ReportedLoad> {
+        self.pods[pod.index()].reported
+    }
+
+    /// Blocks the router believes `pod` holds (precise or approximate).
+    pub fn pod_blocks(&self, pod: PodId) -> usize {
+        if self.pods[pod.index()].precise { self.index.pod_blocks(pod) } else { self.approx.pod_blocks(pod) }
+    }
+
+    /// True when some healthy pod can take requests.
+    pub fn ready(&self) -> bool {
+        self.pods.iter().any(|p| p.healthy && p.role.decodes())
+    }
+
+    /// Chooses the pod(s) for one request at time `now` and books the choice.
+    pub fn route(&mut self, request: &RouteRequest<'_>, now: f64) -> Result<Routed, NoPod> {
+        let decoders = self.eligible(|r| r.decodes());
+        if decoders.is_empty() {
+            return Err(NoPod);
+        }
+        let prefillers = self.eligible(|r| r == Role::Prefill);
+        let input = RouteInput { prompt_tokens: request.prompt_tokens, block_size: self.block_size };
+        let direct = self.candidates(&decoders, request, now, None);
+        let best_cached = direct.iter().map(|c| c.cached_tokens).max().unwrap_or(0);
+        let uncached_tokens = request.prompt_tokens - best_cached;
+        let prefill_pods = !prefillers.is_empty();
+        let disaggregate = prefill_pods && uncached_tokens >= self.pd_threshold_tokens;
+
+        let routed = if disaggregate {
+            let prefill_candidates = self.candidates(&prefillers, request, now, None);
+            let prefill = prefill_candidates[self.prefill_policy.select(&input, &prefill_candidates).chosen];
+            // The decode pod pulls the KV: it computes no prefill, only its load counts.
+            let candidates = self.candidates(&decoders, request, now, Some(request.prompt_tokens));
+            let decision = self.decode_policy.select(&input, &candidates);
+            self.load.book(
+                &prefill_booking(request.request_id),
+                &Booking {
+                    pod: prefill.pod,
+                    prompt_tokens: request.prompt_tokens,
+                    cached_tokens: prefill.cached_tokens,
+                    chain: request.chain,
+                    max_output_tokens: Some(0),
+                },
+                now,
+            );
+            let decode = candidates[decision.chosen];
+            let policy = self.decode_policy.name();
+            Routed { decode, prefill: Some(prefill), candidates, decision, policy, uncached_tokens, prefill_pods }
+        } else {
+            let decision = self.policy.select(&input, &direct);
+            let decode = direct[decision.chosen];
+            let policy = self.policy.name();
+            Routed { decode, prefill: None, candidates: direct, decision, policy, uncached_tokens, prefill_pods }
+        };
+        self.load.book(
+            request.request_id,
+            &Booking {
+                pod: routed.decode.pod,
+                prompt_tokens: request.prompt_tokens,
+                cached_tokens: routed.decode.cached_tokens,
+                chain: request.chain,
+                max_output_tokens: request.max_output_tokens,
+            },
+            now,
+        );
+        for chosen in std::iter::once(routed.decode.pod).chain(routed.prefill.map(|p| p.pod)) {
+            if !self.pods[chosen.index()].precise {
+                self.approx.record(chosen, request.chain, now);
+            }
+        }
+        Ok(routed)
+    }
+
+    fn eligible(&self, role: impl Fn(Role) -> bool) -> Vec<PodId> {
+        (0..self.pods.len() as u32)
+            .map(PodId)
+            .filter(|p| {
+                let s = &self.pods[p.index()];
+                s.healthy && role(s.role)
+            })
+            .collect()
+    }
+
+    /// Candidates among `pods`: their cached prefix of the request (or `cached_override`
+    /// tokens, for decode pods that will receive the KV), booked load and reported load.
+    fn candidates(
+        &mut self,
+        pods: &[PodId],
+        request: &RouteRequest<'_>,
+        now: f64,
+        cached_override: Option<u32>,
+    ) -> Vec<Candidate> {
+        if cached_override.is_none() {
+            let precise: PodSet = pods.iter().copied().filter(|p| self.pods[p.index()].precise).collect();
+            let approximate: PodSet = pods.iter().copied().filter(|p| !self.pods[p.index()].precise).collect();
+            self.index.longest_prefixes(request.chain, &precise, &mut self.overlap);
+            self.approx.longest_prefixes(request.chain, &approximate, &mut self.approx_overlap);
+        }
+        pods.iter()
+            .map(|&p| {
+                let cached = cached_override.unwrap_or_else(|| {
+                    let blocks = self.overlap[p.index()].max(self.approx_overlap[p.index()]);
+                    (u64::from(blocks) * u64::from(self.block_size)).min(u64::from(request.prompt_tokens)) as u32
+                });
+                Candidate {
+                    pod: p,
+                    cached_tokens: cached,
+                    load: self.load.load(p, now),
+                    reported: self.pods[p.index()].reported,
+                }
+            })
+            .collect()
+    }
+
+    /// A lifecycle report for `request_id`. A disaggregated request's prefill booking ends
+    /// with its prefill leg (`prefill_done`), or at the latest with the first token (header
+    /// mode: the decode pod's sidecar prefills). `prefill_done` is `Lifecycle::Done` with
+    /// `prefill_leg` set.
+    pub fn report(
+        &mut self,
+        request_id: &str,
+        event: Lifecycle,
+        prefill_leg: bool,
+        now: f64,
+    ) -> Result<(), UnknownRequest> {
+        let prefill_known = self.load.report(&prefill_booking(request_id), Lifecycle::Done, now).is_ok();
+        if prefill_leg {
+            return if prefill_known { Ok(()) } else { Err(UnknownRequest(request_id.to_string())) };
+        }
+        self.load.report(request_id, event, now).map(|_| ())
+    }
+
+    /// Applies one decoded event batch of a pod.
+    pub fn apply_events(&mut self, pod: PodId, batch: &EventBatch<'_>) {
+        self.index.apply(pod, batch);
+    }
+
+    /// The pod's index can no longer be trusted: forget it, rebuild from what follows.
+    pub fn clear_index(&mut self, pod: PodId) {
+        self.index.clear_pod(pod);
+    }
+
+    /// The pod answered a scrape with its load.
+    pub fn reported(&mut self, pod: PodId, reported: ReportedLoad) {
+        let state = &mut self.pods[pod.index()];
+        state.healthy = true;
+        state.reported = Some(reported);
+    }
+
+    /// The pod is unhealthy: not chosen until it reports again; its in-flight bookings are
+    /// released (they will not report back in any useful way).
+    pub fn unhealthy(&mut self, pod: PodId) {
+        let state = &mut self.pods[pod.index()];
+        state.healthy = false;
+        state.reported = None;
+        self.load.clear_pod(pod);
+    }
+
+    /// Drops expired bookings and approximate entries; returns the bookings expired.
+    pub fn expire(&mut self, now: f64) -> usize {
+        let n = self.load.expire(now);
+        self.approx.expire(now);
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::{root_hash, sequence_hashes};
+
+    fn router(threshold: u32) -> Router {
+        Router::new(&RouterConfig {
+            index: IndexConfig { block_size: 16, max_blocks_per_pod: 1 << 20 },
+            approximate_ttl_seconds: 60.0,
+            load: LoadConfig {
+                block_size: 16,
+                default_output_tokens: 64,
+                decode_tokens_per_second: 50.0,
+                request_ttl: 600.0,
+            },
+            policy: PolicyConfig::default(),
+            prefill_policy: PolicyConfig::default(),
+            decode_policy: PolicyConfig::LeastLoaded,
+            pd_threshold_tokens: threshold,
+            seed: 7,
+        })
+    }
+
+    fn chain(seed: u32, tokens: u32) -> Vec<SequenceHash> {
+        let ids: Vec<u32> = (0..tokens).map(|i| seed * 100_000 + i).collect();
+        let mut out = Vec::new();
+        sequence_hashes(root_hash(None, None), &ids, 16, &mut out);
+        out
+    }
+
+    #[test]
+    fn routes_a_repeated_prefix_back_and_books_until_done() {
+        let mut r = router(1024);
+        let pods = [r.add_pod(Role::Both, false), r.add_pod(Role::Both, false)];
+        let c = chain(1, 512);
+        let req = |id| RouteRequest { request_id: id, chain: &c, prompt_tokens: 512, max_output_tokens: Some(8) };
+        let first = r.route(&req("a"), 0.0).unwrap();
+        assert_eq!((first.prefill, first.cached_tokens()), (None, 0));
+        assert!(!first.prefill_pods);
+        r.report("a", Lifecycle::Done, false, 1.0).unwrap();
+        let again = r.route(&req("b"), 2.0).unwrap();
+        assert_eq!(again.decode.pod, first.decode.pod, "the approximate index remembers where the prefix went");
+        assert_eq!(again.cached_tokens(), 512);
+        assert_eq!(r.load().load(again.decode.pod, 2.0).inflight_requests, 1);
+        r.report("b", Lifecycle::Done, false, 3.0).unwrap();
+        assert!(pods.iter().all(|&p| r.load().load(p, 3.0).inflight_requests == 0));
+        assert!(r.report("b", Lifecycle::Done, false, 3.0).is_err(), "a second done names no request");
+    }
+
+    #[test]
+    fn disaggregates_above_the_threshold_and_skips_unhealthy_pods() {
+        let mut r = router(256);
+        let prefill = r.add_pod(Role::Prefill, false);
+        let decode = [r.add_pod(Role::Decode, false), r.add_pod(Role::Decode, false)];
+        let long = chain(2, 512);
+        let routed = r
+            .route(&RouteRequest { request_id: "p", chain: &long, prompt_tokens: 512, max_output_tokens: None }, 0.0)
+            .unwrap();
+        assert_eq!(routed.prefill.map(|p| p.pod), Some(prefill));
+        assert!(decode.contains(&routed.decode.pod));
+        assert_eq!((routed.policy, routed.uncached_tokens), ("least-loaded", 512));
+        assert_eq!(r.load().load(prefill, 0.0).inflight_requests, 1);
+        r.report("p", Lifecycle::Done, true, 1.0).unwrap();
+        assert_eq!(r.load().load(prefill, 1.0).inflight_requests, 0, "prefill_done ends the prefill booking");
+        assert_eq!(r.load().load(routed.decode.pod, 1.0).inflight_requests, 1);
+
+        let short = chain(3, 64);
+        let direct = r
+            .route(&RouteRequest { request_id: "s", chain: &short, prompt_tokens: 64, max_output_tokens: None }, 1.0)
+            .unwrap();
+        assert!(direct.prefill.is_none() && direct.prefill_pods, "below the threshold: one decode pod");
+
+        r.unhealthy(decode[0]);
+        r.unhealthy(decode[1]);
+        assert!(!r.ready());
+        let none =
+            r.route(&RouteRequest { request_id: "x", chain: &short, prompt_tokens: 64, max_output_tokens: None }, 2.0);
+        assert_eq!(none.unwrap_err(), NoPod);
+        r.reported(decode[1], ReportedLoad::default());
+        assert_eq!(
+            r.route(&RouteRequest { request_id: "y", chain: &short, prompt_tokens: 64, max_output_tokens: None }, 3.0)
+                .unwrap()
+                .decode
+                .pod,
+            decode[1]
+        );
+    }
+}
