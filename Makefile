@@ -8,10 +8,17 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: setup build test lint fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak
+.PHONY: setup build test lint audit licenses fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak
 
 setup:
 	@bash tests/tools/setup.sh
+
+# cargo-deny: licenses, bans, sources (advisories where a database exists); license list.
+audit:
+	@bash tests/tools/audit.sh
+
+licenses:
+	@bash tests/tools/audit.sh --write
 
 build:
 	$(CARGO) build --workspace --release
@@ -30,7 +37,7 @@ fmt:
 
 # Integration and end-to-end tests start the workspace's binaries (pods, scorer, Envoy with
 # the filter module), so build them first.
-test: setup lint wasm
+test: setup lint audit wasm
 	$(CARGO) build --workspace --release --bins
 	$(CARGO) test --workspace --release
 
