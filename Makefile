@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: setup build test lint audit licenses fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak
+.PHONY: setup build test lint audit licenses bench-cluster fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak
 
 setup:
 	@bash tests/tools/setup.sh
@@ -82,3 +82,8 @@ fuzz:
 soak: setup wasm
 	$(CARGO) build --workspace --release --bins
 	./target/release/kvgate-soak --seconds $${SOAK_SECONDS:-120}
+
+# Routing quality in virtual time: every workload x every policy (and SGLang's cache_aware
+# rule) on simulated engines; results in target/bench/cluster/.
+bench-cluster:
+	$(CARGO) run --release -p kvgate-bench --bin kvgate-cluster-sim -- $(CLUSTER_ARGS)

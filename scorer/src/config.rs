@@ -22,7 +22,10 @@ fn invalid<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T,
     Err(ConfigError::Invalid { field: field.into(), message: message.into() })
 }
 
+use kvgate_routing::index::IndexConfig;
+use kvgate_routing::load::LoadConfig;
 pub use kvgate_routing::router::Role;
+use kvgate_routing::router::RouterConfig;
 
 /// One vLLM pod.
 #[derive(Clone, Debug, Deserialize)]
@@ -182,6 +185,26 @@ fn default_block_size() -> usize {
 }
 
 impl Config {
+    /// The routing state machine's settings: what the scorer routes with, and what the
+    /// cluster simulator builds its routers from (same defaults, same validation).
+    pub fn router_config(&self) -> RouterConfig {
+        RouterConfig {
+            index: IndexConfig { block_size: self.block_size, max_blocks_per_pod: self.index.max_blocks_per_pod },
+            approximate_ttl_seconds: self.index.approximate_ttl_seconds,
+            load: LoadConfig {
+                block_size: self.block_size,
+                default_output_tokens: self.load.default_output_tokens,
+                decode_tokens_per_second: self.load.decode_tokens_per_second,
+                request_ttl: self.load.request_ttl_seconds,
+            },
+            policy: self.policy.clone(),
+            prefill_policy: self.pd.prefill_policy.clone(),
+            decode_policy: self.pd.decode_policy.clone(),
+            pd_threshold_tokens: self.pd.threshold_tokens,
+            seed: self.seed,
+        }
+    }
+
     /// Reads and validates a configuration file.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.into(), source })?;

@@ -11,11 +11,11 @@ use crate::prompt::{self, Api, PromptError};
 use kvgate_route_api::{LifecycleEvent, LifecycleReport, PodExplain, RoutePath, RouteResponse};
 use kvgate_routing::events::{EventBatch, KvEvent};
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
-use kvgate_routing::index::{IndexConfig, PodIndexStats};
-use kvgate_routing::load::{Lifecycle, LoadConfig};
+use kvgate_routing::index::PodIndexStats;
+use kvgate_routing::load::Lifecycle;
 use kvgate_routing::pod_set::PodId;
 use kvgate_routing::policy::ReportedLoad;
-use kvgate_routing::router::{RouteRequest, Router, RouterConfig};
+use kvgate_routing::router::{RouteRequest, Router};
 use kvgate_tokenize::Tokenizer;
 use serde::Serialize;
 use std::sync::Mutex;
@@ -109,21 +109,7 @@ impl Scorer {
     /// fallback's token ids are not the engines', so their events could never match.
     pub fn new(config: Config, tokenizer: Tokenizer) -> Self {
         let precise_possible = tokenizer.is_exact();
-        let mut router = Router::new(&RouterConfig {
-            index: IndexConfig { block_size: config.block_size, max_blocks_per_pod: config.index.max_blocks_per_pod },
-            approximate_ttl_seconds: config.index.approximate_ttl_seconds,
-            load: LoadConfig {
-                block_size: config.block_size,
-                default_output_tokens: config.load.default_output_tokens,
-                decode_tokens_per_second: config.load.decode_tokens_per_second,
-                request_ttl: config.load.request_ttl_seconds,
-            },
-            policy: config.policy.clone(),
-            prefill_policy: config.pd.prefill_policy.clone(),
-            decode_policy: config.pd.decode_policy.clone(),
-            pd_threshold_tokens: config.pd.threshold_tokens,
-            seed: config.seed,
-        });
+        let mut router = Router::new(&config.router_config());
         let mut pods = Vec::with_capacity(config.pods.len());
         for p in &config.pods {
             let precise = precise_possible && p.kv_events.is_some();

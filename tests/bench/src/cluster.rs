@@ -1,0 +1,355 @@
+//! A cluster of simulated engines in virtual time, routed by a [`ClusterRouter`].
+//!
+//! Discrete-event simulation: the clock jumps from event to event (a turn arrives, an
+//! engine's step ends, a KV transfer completes, a load scrape). Each engine is
+//! `kvgate-sim`'s [`Engine`] — the model that serves live — stepping back to back while it
+//! has work; a step's outputs (tokens, finished requests) and its cache changes (KV events)
+//! take effect when the step ends. The router hears what the live scorer hears: the pods'
+//! KV events (encoded as vLLM msgpack and decoded again, as on the wire), first-token and
+//! done reports, and a load scrape every `scrape_interval`. Nothing reads a wall clock, so
+//! a run is a pure function of the workload, the router and the seed.
+//!
+//! Disaggregated requests run as vLLM's NIXL flow does: a one-token `do_remote_decode` leg
+//! on the prefill pod, then the request on the decode pod with `do_remote_prefill`, which
+//! pulls the prompt's KV (the engine models the transfer time) and computes one token.
+
+use crate::workload::{Session, Workload};
+use kvgate_routing::policy::ReportedLoad;
+use kvgate_sim::cache::{CacheChange, HashKeys};
+use kvgate_sim::engine::{Engine, EngineConfig, KvTransfer, NewRequest, RequestId, StepResult};
+use std::cmp::Ordering;
+use std::collections::{BinaryHeap, HashMap};
+
+/// Where one request goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Choice {
+    pub decode: usize,
+    pub prefill: Option<usize>,
+}
+
+/// A pod's role, as the simulated cluster is laid out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodRole {
+    Both,
+    Prefill,
+    Decode,
+}
+
+/// A routing algorithm under test, fed what a live router could know.
+pub trait ClusterRouter {
+    /// Chooses the pod(s) for a request (`id` is unique per request).
+    fn route(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64) -> Choice;
+    /// The request's prefill leg finished (disaggregated requests only).
+    fn prefill_done(&mut self, _id: u64, _now: f64) {}
+    fn first_token(&mut self, _id: u64, _now: f64) {}
+    fn done(&mut self, id: u64, now: f64);
+    /// A pod's cache changed (its KV events); routers without event support ignore it.
+    fn kv_events(&mut self, _pod: usize, _changes: &[CacheChange], _now: f64) {}
+    /// A pod's `/metrics`, scraped.
+    fn scraped(&mut self, _pod: usize, _load: ReportedLoad, _now: f64) {}
+}
+
+/// Cluster layout and engine sizing.
+#[derive(Clone, Debug)]
+pub struct ClusterConfig {
+    pub roles: Vec<PodRole>,
+    pub engine: EngineConfig,
+    /// Seconds between load scrapes (the scorer's `health.scrape_interval`).
+    pub scrape_interval: f64,
+}
+
+/// What happened to one request (one turn).
+#[derive(Clone, Debug, Default)]
+pub struct RequestRecord {
+    pub arrival: f64,
+    pub first_token: Option<f64>,
+    pub finished: Option<f64>,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub output_tokens: usize,
+    pub decode_pod: usize,
+    pub prefill_pod: Option<usize>,
+    /// The engine refused it (too long for a pod's cache).
+    pub rejected: bool,
+}
+
+/// A finished run.
+#[derive(Clone, Debug)]
+pub struct RunResult {
+    pub requests: Vec<RequestRecord>,
+    /// Prompt tokens each pod computed (cached and transferred ones excluded).
+    pub prefill_tokens_per_pod: Vec<u64>,
+    pub preemptions: u64,
+    /// Virtual seconds from the first arrival to the last completion.
+    pub makespan: f64,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Event {
+    Arrive { session: usize, turn: usize },
+    StepEnd { pod: usize },
+    Wake { pod: usize },
+    Scrape,
+}
+
+struct Scheduled {
+    at: f64,
+    seq: u64,
+    event: Event,
+}
+
+impl PartialEq for Scheduled {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+impl Eq for Scheduled {}
+impl PartialOrd for Scheduled {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+impl Ord for Scheduled {
+    /// Earliest first (reversed for the max-heap), then in scheduling order.
+    fn cmp(&self, other: &Self) -> Ordering {
+        other.at.total_cmp(&self.at).then(other.seq.cmp(&self.seq))
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Leg {
+    Prefill,
+    Decode,
+}
+
+struct Pod {
+    engine: Engine,
+    /// The step in progress: its result takes effect at its end.
+    step: Option<StepResult>,
+    wake_at: Option<f64>,
+    requests: HashMap<RequestId, (usize, Leg)>,
+}
+
+/// One turn in flight.
+struct Live {
+    session: usize,
+    turn: usize,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    output: Vec<u32>,
+}
+
+struct Sim<'a> {
+    workload: &'a Workload,
+    router: &'a mut dyn ClusterRouter,
+    pods: Vec<Pod>,
+    queue: BinaryHeap<Scheduled>,
+    seq: u64,
+    live: Vec<Live>,
+    records: Vec<RequestRecord>,
+    /// Per session, the tokens of its conversation so far (prefix + turns + answers).
+    history: Vec<Vec<u32>>,
+    open_sessions: usize,
+    scrape_interval: f64,
+}
+
+/// Runs `workload` on a cluster laid out as `config`, routed by `router`.
+pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn ClusterRouter) -> RunResult {
+    let pods = config
+        .roles
+        .iter()
+        .map(|_| Pod {
+            engine: Engine::new(config.engine.clone()),
+            step: None,
+            wake_at: None,
+            requests: HashMap::new(),
+        })
+        .collect();
+    let mut sim = Sim {
+        workload,
+        router,
+        pods,
+        queue: BinaryHeap::new(),
+        seq: 0,
+        live: Vec::new(),
+        records: Vec::new(),
+        history: workload.sessions.iter().map(|s: &Session| s.prefix.clone()).collect(),
+        open_sessions: workload.sessions.iter().filter(|s| !s.turns.is_empty()).count(),
+        scrape_interval: config.scrape_interval,
+    };
+    for (i, s) in workload.sessions.iter().enumerate() {
+        if !s.turns.is_empty() {
+            sim.schedule(s.start, Event::Arrive { session: i, turn: 0 });
+        }
+    }
+    sim.schedule(0.0, Event::Scrape);
+    while let Some(Scheduled { at, event, .. }) = sim.queue.pop() {
+        match event {
+            Event::Arrive { session, turn } => sim.arrive(session, turn, at),
+            Event::StepEnd { pod } => sim.step_end(pod, at),
+            Event::Wake { pod } => {
+                if sim.pods[pod].wake_at == Some(at) {
+                    sim.pods[pod].wake_at = None;
+                    sim.kick(pod, at);
+                }
+            }
+            Event::Scrape => {
+                if sim.open_sessions == 0 {
+                    continue; // everything finished: let the queue drain
+                }
+                for (i, p) in sim.pods.iter().enumerate() {
+                    let load = ReportedLoad {
+                        running: p.engine.num_running() as f64,
+                        waiting: p.engine.num_waiting() as f64,
+                        kv_cache_usage: p.engine.kv_cache_usage(),
+                    };
+                    sim.router.scraped(i, load, at);
+                }
+                sim.schedule(at + sim.scrape_interval, Event::Scrape);
+            }
+        }
+    }
+    let first = sim.records.iter().map(|r| r.arrival).fold(f64::INFINITY, f64::min);
+    let last = sim.records.iter().filter_map(|r| r.finished).fold(0.0, f64::max);
+    RunResult {
+        prefill_tokens_per_pod: sim.pods.iter().map(|p| p.engine.counters().prefill_tokens_computed).collect(),
+        preemptions: sim.pods.iter().map(|p| p.engine.counters().preemptions).sum(),
+        requests: sim.records,
+        makespan: (last - first).max(0.0),
+    }
+}
+
+impl Sim<'_> {
+    fn schedule(&mut self, at: f64, event: Event) {
+        self.seq += 1;
+        self.queue.push(Scheduled { at, seq: self.seq, event });
+    }
+
+    fn arrive(&mut self, session: usize, turn: usize, now: f64) {
+        let t = &self.workload.sessions[session].turns[turn];
+        self.history[session].extend_from_slice(&t.user);
+        let prompt = self.history[session].clone();
+        let id = self.live.len();
+        let choice = self.router.route(id as u64, &prompt, t.max_tokens, now);
+        self.records.push(RequestRecord {
+            arrival: now,
+            prompt_tokens: prompt.len(),
+            decode_pod: choice.decode,
+            prefill_pod: choice.prefill,
+            ..Default::default()
+        });
+        self.live.push(Live { session, turn, prompt, max_tokens: t.max_tokens, output: Vec::new() });
+        match choice.prefill {
+            Some(pod) => self.submit(id, pod, Leg::Prefill, KvTransfer::RemoteDecode, now),
+            None => self.submit(id, choice.decode, Leg::Decode, KvTransfer::Local, now),
+        }
+    }
+
+    fn submit(&mut self, id: usize, pod: usize, leg: Leg, kv_transfer: KvTransfer, now: f64) {
+        let live = &self.live[id];
+        let request = NewRequest {
+            prompt: live.prompt.clone(),
+            max_tokens: live.max_tokens,
+            keys: HashKeys::default(),
+            kv_transfer,
+        };
+        let p = &mut self.pods[pod];
+        p.engine.advance_to(now);
+        match p.engine.add_request(request) {
+            Ok(engine_id) => {
+                p.requests.insert(engine_id, (id, leg));
+                self.kick(pod, now);
+            }
+            Err(_) => {
+                self.records[id].rejected = true;
+                self.router.done(id as u64, now);
+                self.turn_over(id, now);
+            }
+        }
+    }
+
+    /// Starts the pod's next step if it is not stepping already.
+    fn kick(&mut self, pod: usize, now: f64) {
+        let p = &mut self.pods[pod];
+        if p.step.is_some() {
+            return;
+        }
+        p.engine.advance_to(now);
+        let early = p.engine.take_cache_changes();
+        if !early.is_empty() {
+            self.router.kv_events(pod, &early, now);
+        }
+        let p = &mut self.pods[pod];
+        match p.engine.step() {
+            Some(result) => {
+                let end = p.engine.now();
+                p.step = Some(result);
+                self.schedule(end, Event::StepEnd { pod });
+            }
+            None => {
+                if let Some(at) = p.engine.next_wakeup()
+                    && p.wake_at != Some(at)
+                {
+                    p.wake_at = Some(at);
+                    self.schedule(at.max(now), Event::Wake { pod });
+                }
+            }
+        }
+    }
+
+    fn step_end(&mut self, pod: usize, now: f64) {
+        let result = self.pods[pod].step.take().expect("a step was in progress");
+        if !result.cache_changes.is_empty() {
+            self.router.kv_events(pod, &result.cache_changes, now);
+        }
+        for out in result.outputs {
+            let Some(&(id, leg)) = self.pods[pod].requests.get(&out.id) else { continue };
+            match leg {
+                Leg::Prefill => {
+                    if let Some(f) = out.finished {
+                        self.pods[pod].requests.remove(&out.id);
+                        self.records[id].cached_tokens = f.usage.cached_tokens;
+                        self.router.prefill_done(id as u64, now);
+                        let decode = self.records[id].decode_pod;
+                        self.submit(id, decode, Leg::Decode, KvTransfer::RemotePrefill, now);
+                    }
+                }
+                Leg::Decode => {
+                    self.live[id].output.push(out.token);
+                    if self.records[id].first_token.is_none() {
+                        self.records[id].first_token = Some(now);
+                        self.router.first_token(id as u64, now);
+                    }
+                    if let Some(f) = out.finished {
+                        self.pods[pod].requests.remove(&out.id);
+                        let r = &mut self.records[id];
+                        r.finished = Some(now);
+                        r.output_tokens = f.usage.completion_tokens;
+                        if r.prefill_pod.is_none() {
+                            r.cached_tokens = f.usage.cached_tokens;
+                        }
+                        self.router.done(id as u64, now);
+                        self.turn_over(id, now);
+                    }
+                }
+            }
+        }
+        if !self.pods[pod].engine.is_idle() {
+            self.kick(pod, now);
+        }
+    }
+
+    /// A turn ended: the session's next turn follows after its think time.
+    fn turn_over(&mut self, id: usize, now: f64) {
+        let (session, turn) = (self.live[id].session, self.live[id].turn);
+        let output = std::mem::take(&mut self.live[id].output);
+        self.history[session].extend_from_slice(&output);
+        self.live[id].prompt = Vec::new();
+        let turns = &self.workload.sessions[session].turns;
+        if turn + 1 < turns.len() {
+            self.schedule(now + turns[turn + 1].think, Event::Arrive { session, turn: turn + 1 });
+        } else {
+            self.open_sessions -= 1;
+        }
+    }
+}

@@ -1,0 +1,215 @@
+//! Figures of a run (TTFT percentiles, inter-token latency, throughput, prefix-hit rate,
+//! load imbalance) and their presentation: a Markdown table and an SVG bar chart.
+
+use crate::cluster::RunResult;
+use serde::Serialize;
+
+/// The figures of one router on one workload.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    pub workload: String,
+    pub router: String,
+    pub requests: usize,
+    /// Refused by an engine (prompt larger than a pod's cache), or never finished.
+    pub failed: usize,
+    pub ttft_mean_ms: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+    pub ttft_p99_ms: f64,
+    /// Mean over requests of (finish − first token) / (output tokens − 1).
+    pub itl_mean_ms: f64,
+    /// Output tokens per virtual second, first arrival to last completion.
+    pub throughput_tokens_per_s: f64,
+    /// Prompt tokens served from cache ÷ prompt tokens.
+    pub prefix_hit_rate: f64,
+    /// Requests per decoding pod: max ÷ mean (1 = perfectly even).
+    pub imbalance: f64,
+    pub preemptions: u64,
+    pub makespan_s: f64,
+}
+
+/// `q`-quantile (0–1) of sorted `v`, nearest rank.
+pub fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+impl Summary {
+    pub fn of(workload: &str, router: &str, run: &RunResult, decode_pods: &[usize]) -> Summary {
+        let done: Vec<_> = run.requests.iter().filter(|r| r.finished.is_some() && r.first_token.is_some()).collect();
+        let mut ttft: Vec<f64> = done.iter().map(|r| r.first_token.unwrap() - r.arrival).collect();
+        ttft.sort_by(f64::total_cmp);
+        let itl: Vec<f64> = done
+            .iter()
+            .filter(|r| r.output_tokens > 1)
+            .map(|r| (r.finished.unwrap() - r.first_token.unwrap()) / (r.output_tokens - 1) as f64)
+            .collect();
+        let prompt: usize = done.iter().map(|r| r.prompt_tokens).sum();
+        let cached: usize = done.iter().map(|r| r.cached_tokens).sum();
+        let output: usize = done.iter().map(|r| r.output_tokens).sum();
+        let mut per_pod = vec![0usize; decode_pods.len()];
+        for r in &run.requests {
+            if let Some(i) = decode_pods.iter().position(|&p| p == r.decode_pod) {
+                per_pod[i] += 1;
+            }
+        }
+        let mean = per_pod.iter().sum::<usize>() as f64 / per_pod.len().max(1) as f64;
+        let mean_of = |v: &[f64]| if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 };
+        Summary {
+            workload: workload.to_string(),
+            router: router.to_string(),
+            requests: run.requests.len(),
+            failed: run.requests.len() - done.len(),
+            ttft_mean_ms: mean_of(&ttft) * 1e3,
+            ttft_p50_ms: quantile(&ttft, 0.5) * 1e3,
+            ttft_p90_ms: quantile(&ttft, 0.9) * 1e3,
+            ttft_p99_ms: quantile(&ttft, 0.99) * 1e3,
+            itl_mean_ms: mean_of(&itl) * 1e3,
+            throughput_tokens_per_s: if run.makespan > 0.0 { output as f64 / run.makespan } else { 0.0 },
+            prefix_hit_rate: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
+            imbalance: if mean > 0.0 { *per_pod.iter().max().unwrap_or(&0) as f64 / mean } else { 1.0 },
+            preemptions: run.preemptions,
+            makespan_s: run.makespan,
+        }
+    }
+}
+
+/// Milliseconds, readably: 3 significant digits below 100, whole numbers above.
+fn ms(v: f64) -> String {
+    if !v.is_finite() {
+        "–".into()
+    } else if v >= 100.0 {
+        format!("{v:.0}")
+    } else if v >= 10.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// A Markdown table of one workload's rows, best p90 TTFT in bold.
+pub fn table(rows: &[&Summary]) -> String {
+    let best = rows.iter().map(|r| r.ttft_p90_ms).fold(f64::INFINITY, f64::min);
+    let mut out = String::from(
+        "| router | TTFT mean | p50 | p90 | p99 (ms) | ITL (ms) | tokens/s | prefix hits | imbalance | failed |\n|---|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for r in rows {
+        let p90 = if r.ttft_p90_ms == best { format!("**{}**", ms(r.ttft_p90_ms)) } else { ms(r.ttft_p90_ms) };
+        out.push_str(&format!(
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.1} % | {:.2} | {} |\n",
+            r.router,
+            ms(r.ttft_mean_ms),
+            ms(r.ttft_p50_ms),
+            p90,
+            ms(r.ttft_p99_ms),
+            ms(r.itl_mean_ms),
+            r.throughput_tokens_per_s,
+            r.prefix_hit_rate * 100.0,
+            r.imbalance,
+            r.failed
+        ));
+    }
+    out
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+/// A horizontal bar chart of TTFT p50 and p90 per router (log scale, so a 100× gap and a
+/// 10 % gap both stay readable).
+pub fn svg(title: &str, rows: &[&Summary]) -> String {
+    let (label_w, plot_w, bar_h, gap) = (190.0, 520.0, 11.0, 8.0);
+    let top = 48.0;
+    let height = top + rows.len() as f64 * (2.0 * bar_h + gap) + 40.0;
+    let width = label_w + plot_w + 90.0;
+    let values = rows.iter().flat_map(|r| [r.ttft_p50_ms, r.ttft_p90_ms]).filter(|v| v.is_finite() && *v > 0.0);
+    let hi = values.clone().fold(1.0f64, f64::max).log10().ceil();
+    let lo = values.fold(f64::INFINITY, f64::min).max(0.01).log10().floor().min(hi - 1.0);
+    let x = |v: f64| label_w + (v.max(10f64.powf(lo)).log10() - lo) / (hi - lo) * plot_w;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"10\" y=\"20\" font-size=\"14\" font-weight=\"bold\">{}</text>\n\
+         <text x=\"10\" y=\"36\" fill=\"#555\">TTFT, ms (log scale): <tspan fill=\"#4a7bd0\">■ p50</tspan>  <tspan fill=\"#d0704a\">■ p90</tspan></text>\n",
+        escape(title)
+    );
+    let mut decade = lo;
+    while decade <= hi {
+        let gx = x(10f64.powf(decade));
+        s.push_str(&format!(
+            "<line x1=\"{gx:.1}\" y1=\"{top}\" x2=\"{gx:.1}\" y2=\"{:.1}\" stroke=\"#ddd\"/>\n<text x=\"{gx:.1}\" y=\"{:.1}\" text-anchor=\"middle\" fill=\"#555\">{}</text>\n",
+            height - 30.0,
+            height - 14.0,
+            10f64.powf(decade)
+        ));
+        decade += 1.0;
+    }
+    for (i, r) in rows.iter().enumerate() {
+        let y = top + i as f64 * (2.0 * bar_h + gap);
+        s.push_str(&format!(
+            "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n",
+            label_w - 8.0,
+            y + bar_h + 4.0,
+            escape(&r.router)
+        ));
+        for (j, (v, color)) in [(r.ttft_p50_ms, "#4a7bd0"), (r.ttft_p90_ms, "#d0704a")].into_iter().enumerate() {
+            if !v.is_finite() {
+                continue;
+            }
+            let by = y + j as f64 * bar_h;
+            s.push_str(&format!(
+                "<rect x=\"{label_w}\" y=\"{by:.1}\" width=\"{:.1}\" height=\"{:.1}\" fill=\"{color}\"/>\n<text x=\"{:.1}\" y=\"{:.1}\" font-size=\"10\">{}</text>\n",
+                (x(v) - label_w).max(1.0),
+                bar_h - 1.0,
+                x(v) + 4.0,
+                by + bar_h - 2.0,
+                ms(v)
+            ));
+        }
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cluster::RequestRecord;
+
+    #[test]
+    fn figures_come_from_the_records() {
+        let rec = |arrival: f64, first: f64, finished: f64, out: usize, pod: usize| RequestRecord {
+            arrival,
+            first_token: Some(first),
+            finished: Some(finished),
+            prompt_tokens: 100,
+            cached_tokens: 50,
+            output_tokens: out,
+            decode_pod: pod,
+            ..Default::default()
+        };
+        let run = RunResult {
+            requests: vec![rec(0.0, 0.1, 1.1, 11, 0), rec(1.0, 1.3, 2.3, 11, 0), rec(2.0, 2.2, 3.0, 1, 1), {
+                RequestRecord { arrival: 3.0, rejected: true, ..Default::default() }
+            }],
+            prefill_tokens_per_pod: vec![0, 0],
+            preemptions: 0,
+            makespan: 3.0,
+        };
+        let s = Summary::of("w", "r", &run, &[0, 1]);
+        assert_eq!((s.requests, s.failed), (4, 1));
+        assert!((s.ttft_p50_ms - 200.0).abs() < 1e-9 && (s.ttft_p99_ms - 300.0).abs() < 1e-9);
+        assert!((s.itl_mean_ms - 100.0).abs() < 1e-9, "{}", s.itl_mean_ms);
+        assert!((s.prefix_hit_rate - 0.5).abs() < 1e-9);
+        assert!((s.throughput_tokens_per_s - 23.0 / 3.0).abs() < 1e-9);
+        // Requests per pod: 3 on pod 0 (the rejected one included), 1 on pod 1 → 3 / 2.
+        assert!((s.imbalance - 1.5).abs() < 1e-9);
+        let svg = svg("w <1>", &[&s]);
+        assert!(svg.contains("w &lt;1&gt;") && svg.contains("<rect") && svg.ends_with("</svg>\n"));
+        assert!(table(&[&s]).contains("| r | 200 | 200 | **300** | 300 |"));
+    }
+}

@@ -1,0 +1,177 @@
+//! The routers a run can use: kvgate's own [`Router`] (any policy, the scorer's defaults)
+//! and a re-implementation of SGLang's `cache_aware` rule as a reference point.
+
+use crate::cluster::{Choice, ClusterRouter, PodRole};
+use crate::sglang::CacheAware;
+use kvgate_routing::events::decode_batch;
+use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
+use kvgate_routing::load::Lifecycle;
+use kvgate_routing::pod_set::PodId;
+use kvgate_routing::policy::ReportedLoad;
+use kvgate_routing::router::{RouteRequest, Router};
+use kvgate_scorer::config::Config;
+use kvgate_sim::cache::CacheChange;
+use kvgate_sim::events::{EventEncoder, EventFormat, HashFormat};
+
+/// kvgate's routing exactly as the scorer runs it: the configuration is parsed by the
+/// scorer's own parser (so defaults and validation are the sidecar's), the pods' KV events
+/// go through vLLM's msgpack encoding and kvgate's decoder, and every decision is booked and
+/// released by lifecycle reports.
+pub struct Kvgate {
+    router: Router,
+    encoder: EventEncoder,
+    block_size: usize,
+    chain: Vec<SequenceHash>,
+}
+
+impl Kvgate {
+    /// `policy_yaml`: the scorer config's `policy:` value, e.g. `{name: kv}`; `pd_yaml` its
+    /// `pd:` section (or empty).
+    pub fn new(roles: &[PodRole], policy_yaml: &str, pd_yaml: &str, seed: u64) -> anyhow::Result<Self> {
+        let mut yaml = format!("policy: {policy_yaml}\nseed: {seed}\n");
+        if !pd_yaml.is_empty() {
+            yaml.push_str(&format!("pd: {pd_yaml}\n"));
+        }
+        yaml.push_str("pods:\n");
+        for (i, role) in roles.iter().enumerate() {
+            let role = match role {
+                PodRole::Both => "both",
+                PodRole::Prefill => "prefill",
+                PodRole::Decode => "decode",
+            };
+            yaml.push_str(&format!("  - {{name: pod-{i}, address: '127.0.0.1:{}', role: {role}}}\n", 10_000 + i));
+        }
+        let config = Config::parse(&yaml)?;
+        let mut router = Router::new(&config.router_config());
+        for p in &config.pods {
+            router.add_pod(p.role, true);
+        }
+        let encoder = EventEncoder {
+            format: EventFormat::Map,
+            hashes: HashFormat::U64,
+            block_size: config.block_size,
+            data_parallel_rank: None,
+        };
+        Ok(Self { router, encoder, block_size: config.block_size, chain: Vec::new() })
+    }
+}
+
+impl ClusterRouter for Kvgate {
+    fn route(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64) -> Choice {
+        sequence_hashes(root_hash(None, None), prompt, self.block_size, &mut self.chain);
+        let id = id.to_string();
+        let request = RouteRequest {
+            request_id: &id,
+            chain: &self.chain,
+            prompt_tokens: prompt.len() as u32,
+            max_output_tokens: Some(max_tokens as u32),
+        };
+        let routed = self.router.route(&request, now).expect("the simulated pods are always healthy");
+        Choice { decode: routed.decode.pod.index(), prefill: routed.prefill.map(|p| p.pod.index()) }
+    }
+
+    fn prefill_done(&mut self, id: u64, now: f64) {
+        let _ = self.router.report(&id.to_string(), Lifecycle::Done, true, now);
+    }
+
+    fn first_token(&mut self, id: u64, now: f64) {
+        let _ = self.router.report(&id.to_string(), Lifecycle::FirstToken, false, now);
+    }
+
+    fn done(&mut self, id: u64, now: f64) {
+        let _ = self.router.report(&id.to_string(), Lifecycle::Done, false, now);
+    }
+
+    fn kv_events(&mut self, pod: usize, changes: &[CacheChange], now: f64) {
+        let payload = self.encoder.encode_batch(now, changes);
+        let batch = decode_batch(&payload).expect("kvgate decodes what the simulated engine publishes");
+        self.router.apply_events(PodId(pod as u32), &batch);
+    }
+
+    fn scraped(&mut self, pod: usize, load: ReportedLoad, now: f64) {
+        self.router.reported(PodId(pod as u32), load);
+        if pod == 0 {
+            self.router.expire(now);
+        }
+    }
+}
+
+/// SGLang's router with `cache_aware`: one [`CacheAware`] over all pods; in a P/D layout
+/// (SGLang's PD mode, which always disaggregates) one over the prefill pods and one over
+/// the decode pods.
+pub struct Sglang {
+    decode: Pool,
+    prefill: Option<Pool>,
+    /// Request id → the pool-local workers chosen (decode, prefill).
+    inflight: ahash::AHashMap<u64, (usize, Option<usize>)>,
+}
+
+/// A `cache_aware` instance over some of the cluster's pods.
+struct Pool {
+    policy: CacheAware,
+    pods: Vec<usize>,
+}
+
+impl Pool {
+    fn new(pods: Vec<usize>, seed: u64) -> Self {
+        Self { policy: CacheAware::new(pods.len(), seed), pods }
+    }
+}
+
+impl Sglang {
+    pub fn new(roles: &[PodRole], seed: u64) -> Self {
+        let pods =
+            |want: &[PodRole]| -> Vec<usize> { (0..roles.len()).filter(|&i| want.contains(&roles[i])).collect() };
+        let prefill = pods(&[PodRole::Prefill]);
+        Self {
+            decode: Pool::new(pods(&[PodRole::Both, PodRole::Decode]), seed),
+            prefill: (!prefill.is_empty()).then(|| Pool::new(prefill, seed + 1)),
+            inflight: Default::default(),
+        }
+    }
+}
+
+impl ClusterRouter for Sglang {
+    fn route(&mut self, id: u64, prompt: &[u32], _max_tokens: usize, now: f64) -> Choice {
+        let prefill = self.prefill.as_mut().map(|p| p.policy.route(prompt, now));
+        let decode = self.decode.policy.route(prompt, now);
+        self.inflight.insert(id, (decode, prefill));
+        Choice {
+            decode: self.decode.pods[decode],
+            prefill: prefill.zip(self.prefill.as_ref()).map(|(p, pool)| pool.pods[p]),
+        }
+    }
+
+    fn done(&mut self, id: u64, _now: f64) {
+        let Some((decode, prefill)) = self.inflight.remove(&id) else { return };
+        self.decode.policy.finished(decode);
+        if let (Some(p), Some(pool)) = (prefill, self.prefill.as_mut()) {
+            pool.policy.finished(p);
+        }
+    }
+}
+
+/// A router by name: `sglang-cache-aware`, or a kvgate policy (`kv`, `prefix`, `ttft`,
+/// `least-loaded`, `power-of-two`, `round-robin`, `random`) with the scorer's defaults;
+/// on layouts with prefill pods the policy chooses in both pools, and a suffix `@pd-always`
+/// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold.
+pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn ClusterRouter>> {
+    if name == "sglang-cache-aware" {
+        return Ok(Box::new(Sglang::new(roles, seed)));
+    }
+    let (policy, threshold) = match name.split_once('@') {
+        Some((p, "pd-always")) => (p, Some(0)),
+        Some((p, "no-pd")) => (p, Some(u32::MAX)),
+        Some((_, other)) => anyhow::bail!("unknown P/D variant {other:?} (pd-always, no-pd)"),
+        None => (name, None),
+    };
+    let mut pd = Vec::new();
+    if let Some(t) = threshold {
+        pd.push(format!("threshold_tokens: {t}"));
+    }
+    if roles.contains(&PodRole::Prefill) {
+        pd.push(format!("prefill_policy: {{name: {policy}}}, decode_policy: {{name: {policy}}}"));
+    }
+    let pd = if pd.is_empty() { String::new() } else { format!("{{{}}}", pd.join(", ")) };
+    Ok(Box::new(Kvgate::new(roles, &format!("{{name: {policy}}}"), &pd, seed)?))
+}

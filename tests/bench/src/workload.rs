@@ -1,0 +1,316 @@
+//! Workloads: seeded, parameterised sequences of sessions.
+//!
+//! Everything is a *session* of one or more turns. Turn `i`'s prompt is the session's prefix,
+//! then every earlier turn's user message and the tokens the engine generated for it, then
+//! turn `i`'s user message — so a multi-turn chat re-sends its whole history, as chat clients
+//! do, and a single-turn request is a session of one turn. The first turn arrives at the
+//! session's start; each later turn `think` seconds after the previous answer completed
+//! (closed loop: a slow cluster slows its users down, as in life).
+//!
+//! Token ids are drawn from disjoint ranges per purpose (system prompts, documents, unique
+//! text), so prompts share exactly the prefixes a workload intends and nothing by accident.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+/// One turn of a session.
+#[derive(Clone, Debug)]
+pub struct Turn {
+    pub user: Vec<u32>,
+    pub max_tokens: usize,
+    /// Seconds between the previous turn's answer and this turn (ignored for the first).
+    pub think: f64,
+}
+
+/// A user's conversation, or one request.
+#[derive(Clone, Debug)]
+pub struct Session {
+    pub start: f64,
+    pub prefix: Vec<u32>,
+    pub turns: Vec<Turn>,
+}
+
+/// A named workload and how the cluster should be set up for it.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    pub name: &'static str,
+    pub description: String,
+    pub sessions: Vec<Session>,
+    /// KV blocks per pod (smaller for the capacity-pressure case).
+    pub num_blocks: usize,
+    /// Prefill-only pods placed before the others (P/D workload), else 0.
+    pub prefill_pods: usize,
+}
+
+impl Workload {
+    pub fn requests(&self) -> usize {
+        self.sessions.iter().map(|s| s.turns.len()).sum()
+    }
+}
+
+/// Knobs shared by every workload.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Params {
+    pub seed: u64,
+    pub pods: usize,
+    /// Multiplies every workload's request count (1.0 = the documented size).
+    pub scale: f64,
+}
+
+/// Every workload's name, in report order.
+pub const NAMES: [&str; 6] = ["chat", "documents", "unique-long", "burst", "capacity", "pd-mixed"];
+
+/// Builds workload `name`.
+pub fn build(name: &str, p: &Params) -> Option<Workload> {
+    let mut g = Gen::new(p.seed, name);
+    Some(match name {
+        "chat" => chat(&mut g, p),
+        "documents" => documents(&mut g, p),
+        "unique-long" => unique_long(&mut g, p),
+        "burst" => burst(&mut g, p),
+        "capacity" => capacity(&mut g, p),
+        "pd-mixed" => pd_mixed(&mut g, p),
+        _ => return None,
+    })
+}
+
+/// Token-id source: each call to [`Gen::text`] yields ids no other call yields.
+struct Gen {
+    rng: StdRng,
+    next_id: u32,
+}
+
+impl Gen {
+    fn new(seed: u64, name: &str) -> Self {
+        let salt = name.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+        Self { rng: StdRng::seed_from_u64(seed ^ salt), next_id: 1000 }
+    }
+
+    /// `n` fresh token ids (a text nobody else has written).
+    fn text(&mut self, n: usize) -> Vec<u32> {
+        let start = self.next_id;
+        self.next_id += n as u32;
+        // Shuffle within the block of fresh ids so texts do not look like counters.
+        let mut ids: Vec<u32> = (start..start + n as u32).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, self.rng.random_range(0..=i));
+        }
+        ids
+    }
+
+    /// A fresh text of `lo..=hi` tokens.
+    fn text_between(&mut self, lo: usize, hi: usize) -> Vec<u32> {
+        let n = self.between(lo, hi);
+        self.text(n)
+    }
+
+    fn between(&mut self, lo: usize, hi: usize) -> usize {
+        self.rng.random_range(lo..=hi)
+    }
+
+    /// Exponential with the given mean (Poisson inter-arrival times).
+    fn exp(&mut self, mean: f64) -> f64 {
+        -mean * (1.0 - self.rng.random::<f64>()).ln()
+    }
+
+    /// Index in `0..n` with probability ∝ 1/(i+1)^s (a few popular items, a long tail).
+    fn zipf(&mut self, n: usize, s: f64) -> usize {
+        let weights: Vec<f64> = (0..n).map(|i| 1.0 / ((i + 1) as f64).powf(s)).collect();
+        let mut x = self.rng.random::<f64>() * weights.iter().sum::<f64>();
+        for (i, w) in weights.iter().enumerate() {
+            if x < *w {
+                return i;
+            }
+            x -= w;
+        }
+        n - 1
+    }
+}
+
+fn scaled(p: &Params, n: usize) -> usize {
+    ((n as f64 * p.scale).round() as usize).max(1)
+}
+
+/// Multi-turn chat: users share a few long system prompts; each turn re-sends the
+/// conversation so far. Users start as a Poisson stream and think between turns.
+fn chat(g: &mut Gen, p: &Params) -> Workload {
+    let systems: Vec<Vec<u32>> = (0..8).map(|_| g.text(1500)).collect();
+    let users = scaled(p, 40 * p.pods);
+    let rate = 2.0 * p.pods as f64; // users starting per second
+    let mut t = 0.0;
+    let sessions = (0..users)
+        .map(|_| {
+            t += g.exp(1.0 / rate);
+            let system = systems[g.zipf(systems.len(), 1.0)].clone();
+            let turns = (0..g.between(3, 6))
+                .map(|_| Turn { user: g.text_between(50, 250), max_tokens: g.between(80, 250), think: g.exp(3.0) })
+                .collect();
+            Session { start: t, prefix: system, turns }
+        })
+        .collect();
+    Workload {
+        name: "chat",
+        description: format!(
+            "{users} users over 8 shared 1,500-token system prompts (Zipf), 3–6 turns each, 50–250-token messages, 80–250 output tokens, {rate} users/s, 3 s mean think time"
+        ),
+        sessions,
+        num_blocks: 26_000,
+        prefill_pods: 0,
+    }
+}
+
+/// Groups of questions about long shared documents (RAG, code review, …).
+fn documents(g: &mut Gen, p: &Params) -> Workload {
+    let docs: Vec<Vec<u32>> = (0..4 * p.pods).map(|_| g.text_between(3000, 6000)).collect();
+    let n = scaled(p, 150 * p.pods);
+    let rate = 6.0 * p.pods as f64;
+    let mut t = 0.0;
+    let sessions = (0..n)
+        .map(|_| {
+            t += g.exp(1.0 / rate);
+            let doc = docs[g.zipf(docs.len(), 0.8)].clone();
+            let turn = Turn { user: g.text_between(20, 80), max_tokens: g.between(50, 150), think: 0.0 };
+            Session { start: t, prefix: doc, turns: vec![turn] }
+        })
+        .collect();
+    Workload {
+        name: "documents",
+        description: format!(
+            "{n} questions (20–80 tokens) over {} shared documents of 3,000–6,000 tokens (Zipf 0.8), 50–150 output tokens, Poisson {rate}/s",
+            docs.len()
+        ),
+        sessions,
+        num_blocks: 26_000,
+        prefill_pods: 0,
+    }
+}
+
+/// Long unique prompts after one short common prefix: longest-prefix routing sees the same
+/// small overlap everywhere it has been and piles requests on one pod.
+fn unique_long(g: &mut Gen, p: &Params) -> Workload {
+    let common = g.text(160);
+    let n = scaled(p, 60 * p.pods);
+    let rate = 2.5 * p.pods as f64;
+    let mut t = 0.0;
+    let sessions = (0..n)
+        .map(|_| {
+            t += g.exp(1.0 / rate);
+            let turn = Turn { user: g.text_between(2000, 6000), max_tokens: g.between(50, 150), think: 0.0 };
+            Session { start: t, prefix: common.clone(), turns: vec![turn] }
+        })
+        .collect();
+    Workload {
+        name: "unique-long",
+        description: format!(
+            "{n} unique 2,000–6,000-token prompts after a common 160-token prefix, 50–150 output tokens, Poisson {rate}/s"
+        ),
+        sessions,
+        num_blocks: 26_000,
+        prefill_pods: 0,
+    }
+}
+
+/// A burst: 1,000 requests at the same instant, over 20 shared prefixes.
+fn burst(g: &mut Gen, p: &Params) -> Workload {
+    let prefixes: Vec<Vec<u32>> = (0..20).map(|_| g.text(2000)).collect();
+    let n = scaled(p, 1000);
+    let sessions = (0..n)
+        .map(|i| {
+            let turn = Turn { user: g.text_between(50, 200), max_tokens: 100, think: 0.0 };
+            Session { start: 0.0, prefix: prefixes[i % prefixes.len()].clone(), turns: vec![turn] }
+        })
+        .collect();
+    Workload {
+        name: "burst",
+        description: format!(
+            "{n} requests at t = 0 over 20 shared 2,000-token prefixes, 50–200 unique tokens, 100 output tokens"
+        ),
+        sessions,
+        num_blocks: 26_000,
+        prefill_pods: 0,
+    }
+}
+
+/// KV-capacity pressure (llm-d's benchmark setting): the prefixes in use need more KV than
+/// one pod holds but fit in the cluster's, so only a router that partitions them keeps
+/// them cached.
+fn capacity(g: &mut Gen, p: &Params) -> Workload {
+    let num_blocks = 3_000; // 48k tokens per pod
+    // Working set ≈ 75 % of the cluster's KV, ≈ 6× one pod's.
+    let groups = (p.pods * num_blocks * 16 * 3 / 4) / 6000;
+    let prefixes: Vec<Vec<u32>> = (0..groups).map(|_| g.text(6000)).collect();
+    let n = scaled(p, 150 * p.pods);
+    let rate = 5.0 * p.pods as f64;
+    let mut t = 0.0;
+    let sessions = (0..n)
+        .map(|_| {
+            t += g.exp(1.0 / rate);
+            let turn = Turn { user: g.text_between(30, 100), max_tokens: g.between(50, 100), think: 0.0 };
+            Session { start: t, prefix: prefixes[g.between(0, groups - 1)].clone(), turns: vec![turn] }
+        })
+        .collect();
+    Workload {
+        name: "capacity",
+        description: format!(
+            "{n} requests over {groups} 6,000-token prefixes (uniform) on pods of {num_blocks} blocks (48k tokens): working set ≈ 6× one pod's cache, ≈ ¾ of the cluster's; Poisson {rate}/s"
+        ),
+        sessions,
+        num_blocks,
+        prefill_pods: 0,
+    }
+}
+
+/// Mixed input lengths for prefill/decode disaggregation: mostly short prompts, some very
+/// long ones, on a quarter prefill pods and three quarters decode pods.
+fn pd_mixed(g: &mut Gen, p: &Params) -> Workload {
+    let n = scaled(p, 80 * p.pods);
+    let rate = 4.0 * p.pods as f64;
+    let mut t = 0.0;
+    let sessions = (0..n)
+        .map(|_| {
+            t += g.exp(1.0 / rate);
+            let len = if g.rng.random::<f64>() < 0.25 { g.between(6000, 10000) } else { g.between(100, 600) };
+            let turn = Turn { user: g.text(len), max_tokens: g.between(100, 300), think: 0.0 };
+            Session { start: t, prefix: Vec::new(), turns: vec![turn] }
+        })
+        .collect();
+    Workload {
+        name: "pd-mixed",
+        description: format!(
+            "{n} unique prompts, 75 % of 100–600 tokens and 25 % of 6,000–10,000, 100–300 output tokens, Poisson {rate}/s; {} prefill pods + {} decode pods",
+            (p.pods / 4).max(1),
+            p.pods - (p.pods / 4).max(1)
+        ),
+        sessions,
+        num_blocks: 26_000,
+        prefill_pods: (p.pods / 4).max(1),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn workloads_are_deterministic_and_share_only_intended_prefixes() {
+        let p = Params { seed: 3, pods: 8, scale: 0.1 };
+        for name in NAMES {
+            let a = build(name, &p).unwrap();
+            let b = build(name, &p).unwrap();
+            assert_eq!(a.requests(), b.requests(), "{name}");
+            assert_eq!(a.sessions[0].turns[0].user, b.sessions[0].turns[0].user, "{name}: seeded");
+            assert!(a.requests() > 0);
+        }
+        let docs = build("documents", &p).unwrap();
+        let users: Vec<&Vec<u32>> = docs.sessions.iter().map(|s| &s.turns[0].user).collect();
+        for (i, u) in users.iter().enumerate() {
+            assert!(!users[i + 1..].iter().any(|v| v[0] == u[0]), "questions are unique");
+        }
+        assert!(build("nope", &p).is_none());
+        assert_ne!(
+            build("chat", &Params { seed: 4, ..p }).unwrap().sessions[0].turns[0].user,
+            build("chat", &p).unwrap().sessions[0].turns[0].user
+        );
+    }
+}
