@@ -44,11 +44,28 @@ pub fn parse(text: &str) -> Option<ReportedLoad> {
             "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
                 load.kv_cache_usage = load.kv_cache_usage.max(value)
             }
+            // An info metric: the figure is a label. The smallest engine's (data parallel).
+            "vllm:cache_config_info" => {
+                if let Some(blocks) = label(name_labels, "num_gpu_blocks").and_then(|v| v.parse::<f64>().ok()) {
+                    load.num_gpu_blocks =
+                        if load.num_gpu_blocks > 0.0 { load.num_gpu_blocks.min(blocks) } else { blocks };
+                }
+                continue;
+            }
             _ => continue,
         }
         seen = true;
     }
     seen.then_some(load)
+}
+
+/// The value of label `key` in `name{k="v",...}`.
+fn label<'a>(name_labels: &'a str, key: &str) -> Option<&'a str> {
+    let labels = name_labels.split_once('{')?.1.strip_suffix('}')?;
+    labels.split(',').find_map(|kv| {
+        let (k, v) = kv.split_once('=')?;
+        (k.trim() == key).then(|| v.trim().trim_matches('"'))
+    })
 }
 
 #[cfg(test)]
@@ -63,8 +80,12 @@ mod tests {
             vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 7.0\n\
             vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"m\"} 0.25\n\
             vllm:kv_cache_usage_perc{engine=\"1\",model_name=\"m\"} 0.5\n\
-            vllm:prefix_cache_hits_total{engine=\"0\"} 99.0\n";
-        assert_eq!(parse(text), Some(ReportedLoad { running: 5.0, waiting: 7.0, kv_cache_usage: 0.5 }));
+            vllm:prefix_cache_hits_total{engine=\"0\"} 99.0\n\
+            vllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"26000\"} 1.0\n";
+        assert_eq!(
+            parse(text),
+            Some(ReportedLoad { running: 5.0, waiting: 7.0, kv_cache_usage: 0.5, num_gpu_blocks: 26000.0 })
+        );
         assert_eq!(parse("vllm:gpu_cache_usage_perc 0.9\n").unwrap().kv_cache_usage, 0.9, "pre-0.11 name");
         assert_eq!(parse("<html>not metrics</html>"), None);
     }

@@ -105,7 +105,8 @@ fn main() {
         candidates.clear();
         candidates.extend(pods.iter().map(|&pod| Candidate {
             pod,
-            cached_tokens: overlap[pod.index()] * BS as u32,
+            cached_tokens: (overlap[pod.index()] as usize).max(load.inflight_prefix(pod, &chain)) as u32 * BS as u32,
+            pod_blocks: index.pod_blocks(pod) as u64,
             load: load.load(pod, 0.0),
             reported: None,
         }));

@@ -58,6 +58,9 @@ pub struct PodLoad {
     pub queued_prefill_work: f64,
     /// Predicted KV blocks held by in-flight requests (decaying output part included).
     pub decode_blocks: f64,
+    /// Blocks each decode step reads, summed over in-flight sequences: a prefix shared by
+    /// ten sequences is held once but read ten times (decode step time grows with it).
+    pub decode_read_blocks: f64,
 }
 
 #[derive(Debug)]
@@ -151,6 +154,17 @@ impl LoadTracker {
         );
     }
 
+    /// Leading blocks of `chain` that requests in flight on `pod` hold: blocks being
+    /// computed there now, which a request routed there next will find cached (its own
+    /// prefill is queued behind theirs) before any KV event has announced them.
+    pub fn inflight_prefix(&self, pod: PodId, chain: &[SequenceHash]) -> usize {
+        let blocks = &self.pods[pod.index()].shared_blocks;
+        if blocks.is_empty() {
+            return 0;
+        }
+        chain.iter().take_while(|h| blocks.contains_key(*h)).count()
+    }
+
     /// Applies a lifecycle report.
     pub fn report(&mut self, request_id: &str, event: Lifecycle, now: f64) -> Result<PodId, UnknownRequest> {
         let Some(req) = self.requests.get_mut(request_id) else {
@@ -230,22 +244,20 @@ impl LoadTracker {
     pub fn load(&self, pod: PodId, now: f64) -> PodLoad {
         let state = &self.pods[pod.index()];
         let bs = self.config.block_size as f64;
-        let output_blocks: f64 = state
-            .inflight
-            .iter()
-            .filter_map(|id| self.requests.get(id))
-            .map(|r| {
-                let generated =
-                    r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * self.config.decode_tokens_per_second);
-                let remaining = (f64::from(r.output_tokens) - generated).max(0.0);
-                remaining / bs
-            })
-            .sum();
+        let (mut output_blocks, mut read_blocks) = (0.0, 0.0);
+        for r in state.inflight.iter().filter_map(|id| self.requests.get(id)) {
+            let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * self.config.decode_tokens_per_second);
+            let remaining = (f64::from(r.output_tokens) - generated).max(0.0);
+            output_blocks += remaining / bs;
+            read_blocks += (r.prompt_blocks.len() + usize::from(r.partial_block)) as f64
+                + generated.min(f64::from(r.output_tokens)) / bs;
+        }
         PodLoad {
             inflight_requests: state.inflight.len() as u32,
             queued_prefill_tokens: state.queued_prefill_tokens,
             queued_prefill_work: state.queued_prefill_work.max(0.0),
             decode_blocks: (state.shared_blocks.len() as u64 + state.private_blocks) as f64 + output_blocks,
+            decode_read_blocks: read_blocks,
         }
     }
 

@@ -193,11 +193,22 @@ impl Router {
         let best_cached = direct.iter().map(|c| c.cached_tokens).max().unwrap_or(0);
         let uncached_tokens = request.prompt_tokens - best_cached;
         let prefill_pods = !prefillers.is_empty();
-        let disaggregate = prefill_pods && uncached_tokens >= self.pd_threshold_tokens;
-
-        let routed = if disaggregate {
+        let mut prefill_choice = None;
+        if prefill_pods && uncached_tokens >= self.pd_threshold_tokens {
             let prefill_candidates = self.candidates(&prefillers, request, now, None);
             let prefill = prefill_candidates[self.prefill_policy.select(&input, &prefill_candidates).chosen];
+            // Disaggregation pays when the prefill pod starts this prompt no later than the
+            // least-busy decode-capable pod could compute it itself; an overloaded prefill
+            // pool sends long prompts direct instead of queueing them (threshold 0: always).
+            let backlog =
+                |c: &Candidate| c.load.queued_prefill_tokens + u64::from(request.prompt_tokens - c.cached_tokens);
+            let local = direct.iter().map(backlog).min().unwrap_or(u64::MAX);
+            if self.pd_threshold_tokens == 0 || backlog(&prefill) <= local {
+                prefill_choice = Some(prefill);
+            }
+        }
+
+        let routed = if let Some(prefill) = prefill_choice {
             // The decode pod pulls the KV: it computes no prefill, only its load counts.
             let candidates = self.candidates(&decoders, request, now, Some(request.prompt_tokens));
             let decision = self.decode_policy.select(&input, &candidates);
@@ -250,8 +261,9 @@ impl Router {
             .collect()
     }
 
-    /// Candidates among `pods`: their cached prefix of the request (or `cached_override`
-    /// tokens, for decode pods that will receive the KV), booked load and reported load.
+    /// Candidates among `pods`: their cached prefix of the request — indexed, or being
+    /// computed by requests in flight there — (or `cached_override` tokens, for decode pods
+    /// that will receive the KV), booked load and reported load.
     fn candidates(
         &mut self,
         pods: &[PodId],
@@ -268,12 +280,14 @@ impl Router {
         pods.iter()
             .map(|&p| {
                 let cached = cached_override.unwrap_or_else(|| {
-                    let blocks = self.overlap[p.index()].max(self.approx_overlap[p.index()]);
+                    let indexed = self.overlap[p.index()].max(self.approx_overlap[p.index()]);
+                    let blocks = indexed.max(self.load.inflight_prefix(p, request.chain) as u32);
                     (u64::from(blocks) * u64::from(self.block_size)).min(u64::from(request.prompt_tokens)) as u32
                 });
                 Candidate {
                     pod: p,
                     cached_tokens: cached,
+                    pod_blocks: self.pod_blocks(p) as u64,
                     load: self.load.load(p, now),
                     reported: self.pods[p.index()].reported,
                 }

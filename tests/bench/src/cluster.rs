@@ -202,6 +202,7 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
                         running: p.engine.num_running() as f64,
                         waiting: p.engine.num_waiting() as f64,
                         kv_cache_usage: p.engine.kv_cache_usage(),
+                        num_gpu_blocks: p.engine.config().num_blocks as f64,
                     };
                     sim.router.scraped(i, load, at);
                 }

@@ -173,5 +173,9 @@ pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn
         pd.push(format!("prefill_policy: {{name: {policy}}}, decode_policy: {{name: {policy}}}"));
     }
     let pd = if pd.is_empty() { String::new() } else { format!("{{{}}}", pd.join(", ")) };
-    Ok(Box::new(Kvgate::new(roles, &format!("{{name: {policy}}}"), &pd, seed)?))
+    // A policy written as YAML (`{name: kv, decode_weight: 0.2}`) is used as written.
+    let policy_yaml = if policy.starts_with('{') { policy.to_string() } else { format!("{{name: {policy}}}") };
+    let policy_name = policy_yaml.trim_matches(['{', '}']).to_string();
+    let pd = pd.replace(&format!("{{name: {policy}}}"), &format!("{{{policy_name}}}"));
+    Ok(Box::new(Kvgate::new(roles, &policy_yaml, &pd, seed)?))
 }

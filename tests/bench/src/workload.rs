@@ -56,6 +56,8 @@ pub struct Params {
     pub pods: usize,
     /// Multiplies every workload's request count (1.0 = the documented size).
     pub scale: f64,
+    /// Multiplies every workload's arrival rate (1.0 = the documented rate).
+    pub load: f64,
 }
 
 /// Every workload's name, in report order.
@@ -136,8 +138,8 @@ fn scaled(p: &Params, n: usize) -> usize {
 /// conversation so far. Users start as a Poisson stream and think between turns.
 fn chat(g: &mut Gen, p: &Params) -> Workload {
     let systems: Vec<Vec<u32>> = (0..8).map(|_| g.text(1500)).collect();
-    let users = scaled(p, 40 * p.pods);
-    let rate = 2.0 * p.pods as f64; // users starting per second
+    let users = scaled(p, 60 * p.pods);
+    let rate = 4.0 * p.pods as f64 * p.load; // users starting per second
     let mut t = 0.0;
     let sessions = (0..users)
         .map(|_| {
@@ -163,8 +165,8 @@ fn chat(g: &mut Gen, p: &Params) -> Workload {
 /// Groups of questions about long shared documents (RAG, code review, …).
 fn documents(g: &mut Gen, p: &Params) -> Workload {
     let docs: Vec<Vec<u32>> = (0..4 * p.pods).map(|_| g.text_between(3000, 6000)).collect();
-    let n = scaled(p, 150 * p.pods);
-    let rate = 6.0 * p.pods as f64;
+    let n = scaled(p, 300 * p.pods);
+    let rate = 12.0 * p.pods as f64 * p.load;
     let mut t = 0.0;
     let sessions = (0..n)
         .map(|_| {
@@ -190,8 +192,8 @@ fn documents(g: &mut Gen, p: &Params) -> Workload {
 /// small overlap everywhere it has been and piles requests on one pod.
 fn unique_long(g: &mut Gen, p: &Params) -> Workload {
     let common = g.text(160);
-    let n = scaled(p, 60 * p.pods);
-    let rate = 2.5 * p.pods as f64;
+    let n = scaled(p, 100 * p.pods);
+    let rate = 5.0 * p.pods as f64 * p.load;
     let mut t = 0.0;
     let sessions = (0..n)
         .map(|_| {
@@ -240,8 +242,8 @@ fn capacity(g: &mut Gen, p: &Params) -> Workload {
     // Working set ≈ 75 % of the cluster's KV, ≈ 6× one pod's.
     let groups = (p.pods * num_blocks * 16 * 3 / 4) / 6000;
     let prefixes: Vec<Vec<u32>> = (0..groups).map(|_| g.text(6000)).collect();
-    let n = scaled(p, 150 * p.pods);
-    let rate = 5.0 * p.pods as f64;
+    let n = scaled(p, 300 * p.pods);
+    let rate = 10.0 * p.pods as f64 * p.load;
     let mut t = 0.0;
     let sessions = (0..n)
         .map(|_| {
@@ -264,8 +266,8 @@ fn capacity(g: &mut Gen, p: &Params) -> Workload {
 /// Mixed input lengths for prefill/decode disaggregation: mostly short prompts, some very
 /// long ones, on a quarter prefill pods and three quarters decode pods.
 fn pd_mixed(g: &mut Gen, p: &Params) -> Workload {
-    let n = scaled(p, 80 * p.pods);
-    let rate = 4.0 * p.pods as f64;
+    let n = scaled(p, 160 * p.pods);
+    let rate = 8.0 * p.pods as f64 * p.load;
     let mut t = 0.0;
     let sessions = (0..n)
         .map(|_| {
@@ -294,7 +296,7 @@ mod tests {
 
     #[test]
     fn workloads_are_deterministic_and_share_only_intended_prefixes() {
-        let p = Params { seed: 3, pods: 8, scale: 0.1 };
+        let p = Params { seed: 3, pods: 8, scale: 0.1, load: 1.0 };
         for name in NAMES {
             let a = build(name, &p).unwrap();
             let b = build(name, &p).unwrap();

@@ -2,9 +2,17 @@
 //! work its cache saves, the prefill work already queued there, and its decode load.
 //!
 //! ```text
-//! cost(pod) = prefill_weight · (queued prefill + this request's uncached prefill) / block_size
-//!           + decode_weight  · decode blocks
+//! cost(pod) = prefill_weight     · (queued prefill + this request's uncached prefill
+//!                                   + miss_weight · fullness · its uncached tokens) / block_size
+//!           + decode_weight      · decode blocks held
+//!           + decode_read_weight · decode blocks read per step
 //! ```
+//!
+//! `miss_weight` charges a cache miss for the prefixes its new blocks evict, in proportion
+//! to how full the pod's cache is (later requests recompute what was evicted); `decode_read_weight` charges the per-sequence
+//! context each decode step reads (a prefix shared by ten sequences is held once but read
+//! ten times), which sets the pod's step time. Defaults come from the cluster simulator
+//! (`make bench-cluster`): see the README's benchmark section for what each term buys.
 //!
 //! Prefill is measured in *linear-equivalent tokens*: with the trapezoid estimate, uncached
 //! tokens `n` after `c` cached cost `n + work / attention_horizon_tokens`, where
@@ -40,8 +48,16 @@ pub enum PrefillEstimate {
 pub struct KvPolicyConfig {
     pub prefill_weight: f64,
     pub decode_weight: f64,
+    /// Weight of the blocks decode steps read (per sequence: shared prefixes count once per
+    /// sequence reading them), which sets decode step time.
+    pub decode_read_weight: f64,
     /// Fraction of the cached tokens credited (1 = all, 0 = cache ignored).
     pub prefix_weight: f64,
+    /// Extra cost per uncached prompt token, as a fraction of computing it, on a full
+    /// cache: the blocks a miss stores evict other prefixes, which later requests recompute.
+    /// Scaled by how full the pod's cache is (indexed blocks ÷ `num_gpu_blocks` from its
+    /// metrics; taken as full when unknown).
+    pub miss_weight: f64,
     pub prefill_estimate: PrefillEstimate,
     /// Context length at which attention work equals linear work (trapezoid estimate).
     pub attention_horizon_tokens: f64,
@@ -58,7 +74,9 @@ impl Default for KvPolicyConfig {
         Self {
             prefill_weight: 1.0,
             decode_weight: 0.1,
+            decode_read_weight: 0.02,
             prefix_weight: 1.0,
+            miss_weight: 3.0,
             prefill_estimate: PrefillEstimate::Trapezoid,
             attention_horizon_tokens: 30_000.0,
             temperature: 0.0,
@@ -98,7 +116,11 @@ impl KvPolicy {
         let prompt = u64::from(input.prompt_tokens);
         let credited = (f64::from(c.cached_tokens) * self.config.prefix_weight) as u64;
         let uncached = u64::from(uncached_tokens(input, &Candidate { cached_tokens: credited as u32, ..*c }));
-        let own = self.prefill_tokens(prompt, prompt - uncached);
+        let fullness = match c.reported {
+            Some(r) if r.num_gpu_blocks > 0.0 => (c.pod_blocks as f64 / r.num_gpu_blocks).min(1.0),
+            _ => 1.0,
+        };
+        let own = self.prefill_tokens(prompt, prompt - uncached) + self.config.miss_weight * fullness * uncached as f64;
         let queued = match self.config.prefill_estimate {
             PrefillEstimate::Linear => c.load.queued_prefill_tokens as f64,
             PrefillEstimate::Trapezoid => {
@@ -107,6 +129,7 @@ impl KvPolicy {
         };
         self.config.prefill_weight * (queued + own) / f64::from(input.block_size.max(1))
             + self.config.decode_weight * c.load.decode_blocks
+            + self.config.decode_read_weight * c.load.decode_read_blocks
     }
 }
 
@@ -150,6 +173,7 @@ mod tests {
     use super::super::ReportedLoad;
     use super::super::test_support::{INPUT, candidate, histogram};
     use super::*;
+    use crate::pod_set::PodId;
     use rand::SeedableRng;
 
     fn policy(config: KvPolicyConfig) -> KvPolicy {
@@ -176,12 +200,37 @@ mod tests {
 
     #[test]
     fn trapezoid_charges_long_contexts_more_than_linear() {
-        let tz = policy(KvPolicyConfig::default());
-        let lin = policy(KvPolicyConfig { prefill_estimate: PrefillEstimate::Linear, ..Default::default() });
+        let tz = policy(KvPolicyConfig { miss_weight: 0.0, ..Default::default() });
+        let lin = policy(KvPolicyConfig {
+            prefill_estimate: PrefillEstimate::Linear,
+            miss_weight: 0.0,
+            ..Default::default()
+        });
         let long = RouteInput { prompt_tokens: 32_000, block_size: 16 };
         let c = candidate(0, 0, 0, 0);
         assert!(tz.cost(&long, &c) > 1.4 * lin.cost(&long, &c));
         assert_eq!(lin.cost(&long, &c), 2000.0);
+    }
+
+    #[test]
+    fn a_miss_costs_more_on_a_full_cache() {
+        let mut p = policy(KvPolicyConfig::default());
+        let with_capacity = |pod_blocks: u64| {
+            let mut c = candidate(0, 0, 0, 0);
+            c.pod_blocks = pod_blocks;
+            c.reported = Some(ReportedLoad { num_gpu_blocks: 1000.0, ..Default::default() });
+            c
+        };
+        let (empty, full) = (with_capacity(0), with_capacity(1000));
+        let no_miss_charge = policy(KvPolicyConfig { miss_weight: 0.0, ..Default::default() });
+        assert_eq!(p.cost(&INPUT, &empty), no_miss_charge.cost(&INPUT, &empty), "an empty cache evicts nothing");
+        assert!(p.cost(&INPUT, &full) > 3.5 * p.cost(&INPUT, &empty), "miss_weight 3 on a full cache");
+        // Unknown capacity counts as full; a cached prefix avoids the charge either way.
+        assert_eq!(p.cost(&INPUT, &candidate(0, 0, 0, 0)), p.cost(&INPUT, &full));
+        let mut cached_on_full = full;
+        cached_on_full.pod = PodId(1);
+        cached_on_full.cached_tokens = 992;
+        assert_eq!(p.select(&INPUT, &[empty, cached_on_full]).chosen, 1);
     }
 
     #[test]

@@ -33,6 +33,8 @@ pub struct ReportedLoad {
     pub waiting: f64,
     /// 0–1.
     pub kv_cache_usage: f64,
+    /// KV blocks the engine has (`vllm:cache_config_info{num_gpu_blocks}`), 0 if unknown.
+    pub num_gpu_blocks: f64,
 }
 
 /// One eligible pod and the figures a policy may weigh.
@@ -41,6 +43,8 @@ pub struct Candidate {
     pub pod: PodId,
     /// Prompt tokens this pod holds in its prefix cache (leading full blocks).
     pub cached_tokens: u32,
+    /// Blocks the router believes the pod holds in all (how full its cache is).
+    pub pod_blocks: u64,
     /// kvgate's own bookkeeping of what it sent there.
     pub load: PodLoad,
     pub reported: Option<ReportedLoad>,
@@ -132,11 +136,13 @@ pub(crate) mod test_support {
         Candidate {
             pod: PodId(pod),
             cached_tokens,
+            pod_blocks: 0,
             load: PodLoad {
                 inflight_requests: inflight,
                 queued_prefill_tokens,
                 queued_prefill_work: queued_prefill_tokens as f64 * 100.0,
                 decode_blocks: f64::from(inflight) * 10.0,
+                decode_read_blocks: f64::from(inflight) * 20.0,
             },
             reported: None,
         }

@@ -26,11 +26,12 @@ struct Args {
     /// Comma-separated workloads, or `all`: chat, documents, unique-long, burst, capacity, pd-mixed.
     #[arg(long, default_value = "all")]
     workloads: String,
-    /// Comma-separated routers, or `all`: kv, prefix, ttft, least-loaded, power-of-two,
+    /// Routers (space-separated), or `all`: kv, prefix, ttft, least-loaded, power-of-two,
     /// round-robin, random, sglang-cache-aware (P/D variants kv@pd-always, kv@no-pd are
-    /// added on pd-mixed).
-    #[arg(long, default_value = "all")]
-    routers: String,
+    /// added on pd-mixed); a kvgate policy may be given as the scorer's YAML, e.g.
+    /// "{name: kv, decode_weight: 0.2}".
+    #[arg(long, num_args = 1.., default_values_t = ["all".to_string()])]
+    routers: Vec<String>,
     /// Pods in the cluster (8–64 is the intended range).
     #[arg(long, default_value_t = 8)]
     pods: usize,
@@ -40,6 +41,9 @@ struct Args {
     /// Multiplies each workload's request count.
     #[arg(long, default_value_t = 1.0)]
     scale: f64,
+    /// Multiplies each workload's arrival rate.
+    #[arg(long, default_value_t = 1.0)]
+    load: f64,
     /// Where results go.
     #[arg(long, default_value = "target/bench/cluster")]
     out: PathBuf,
@@ -65,15 +69,17 @@ fn layout(w: &Workload, pods: usize) -> Vec<PodRole> {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.pods >= 2, "--pods must be at least 2");
-    let params = Params { seed: args.seed, pods: args.pods, scale: args.scale };
+    let params = Params { seed: args.seed, pods: args.pods, scale: args.scale, load: args.load };
     let mut jobs: Vec<(std::sync::Arc<Workload>, String)> = Vec::new();
     for name in list(&args.workloads, &NAMES) {
         let w = std::sync::Arc::new(
             workload::build(name, &params).with_context(|| format!("unknown workload {name:?} (known: {NAMES:?})"))?,
         );
         println!("{:<12} {:>6} requests  {}", w.name, w.requests(), w.description);
-        let mut names: Vec<String> = list(&args.routers, &ROUTERS).iter().map(|s| s.to_string()).collect();
-        if w.prefill_pods > 0 && args.routers == "all" {
+        let all = args.routers == ["all"];
+        let mut names: Vec<String> =
+            if all { ROUTERS.iter().map(|s| s.to_string()).collect() } else { args.routers.clone() };
+        if w.prefill_pods > 0 && all {
             names.extend(PD_VARIANTS.iter().map(|s| s.to_string()));
         }
         for r in names {
