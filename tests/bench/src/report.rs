@@ -119,14 +119,20 @@ fn escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
-/// A horizontal bar chart of TTFT p50 and p90 per router (log scale, so a 100× gap and a
-/// 10 % gap both stay readable).
+/// [`svg_bars`] of the summaries' TTFT p50 and p90.
 pub fn svg(title: &str, rows: &[&Summary]) -> String {
+    let bars: Vec<(String, f64, f64)> = rows.iter().map(|r| (r.router.clone(), r.ttft_p50_ms, r.ttft_p90_ms)).collect();
+    svg_bars(title, &bars)
+}
+
+/// A horizontal bar chart of (label, TTFT p50 ms, TTFT p90 ms) rows (log scale, so a 100×
+/// gap and a 10 % gap both stay readable).
+pub fn svg_bars(title: &str, rows: &[(String, f64, f64)]) -> String {
     let (label_w, plot_w, bar_h, gap) = (190.0, 520.0, 11.0, 8.0);
     let top = 48.0;
     let height = top + rows.len() as f64 * (2.0 * bar_h + gap) + 40.0;
     let width = label_w + plot_w + 90.0;
-    let values = rows.iter().flat_map(|r| [r.ttft_p50_ms, r.ttft_p90_ms]).filter(|v| v.is_finite() && *v > 0.0);
+    let values = rows.iter().flat_map(|r| [r.1, r.2]).filter(|v| v.is_finite() && *v > 0.0);
     let hi = values.clone().fold(1.0f64, f64::max).log10().ceil();
     let lo = values.fold(f64::INFINITY, f64::min).max(0.01).log10().floor().min(hi - 1.0);
     let x = |v: f64| label_w + (v.max(10f64.powf(lo)).log10() - lo) / (hi - lo) * plot_w;
@@ -154,9 +160,9 @@ pub fn svg(title: &str, rows: &[&Summary]) -> String {
             "<text x=\"{:.1}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>\n",
             label_w - 8.0,
             y + bar_h + 4.0,
-            escape(&r.router)
+            escape(&r.0)
         ));
-        for (j, (v, color)) in [(r.ttft_p50_ms, "#4a7bd0"), (r.ttft_p90_ms, "#d0704a")].into_iter().enumerate() {
+        for (j, (v, color)) in [(r.1, "#4a7bd0"), (r.2, "#d0704a")].into_iter().enumerate() {
             if !v.is_finite() {
                 continue;
             }

@@ -552,6 +552,10 @@ impl EnvoyProcess {
         panic!("envoy did not become ready: {why}");
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// A counter or gauge from Envoy's admin `/stats` (0 if absent).
     pub async fn stat(&self, name: &str) -> u64 {
         let text = reqwest::get(format!("{}/stats?filter=^{name}$", self.admin))

@@ -3,7 +3,7 @@
 
 use anyhow::Context;
 use clap::Parser;
-use kvgate_bench::cluster::{ClusterConfig, PodRole, run};
+use kvgate_bench::cluster::{ClusterConfig, PodRole, RunResult, run};
 use kvgate_bench::report::{Summary, svg, table};
 use kvgate_bench::routers;
 use kvgate_bench::workload::{self, NAMES, Params, Workload};
@@ -38,6 +38,10 @@ struct Args {
     /// Seed of workloads and policies: the same seed gives the same figures.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Seeds per run (`seed`, `seed`+1, …): their requests are pooled before figures are
+    /// taken, so one lucky draw does not decide a ranking.
+    #[arg(long, default_value_t = 3)]
+    seeds: u64,
     /// Multiplies each workload's request count.
     #[arg(long, default_value_t = 1.0)]
     scale: f64,
@@ -70,11 +74,11 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.pods >= 2, "--pods must be at least 2");
     let params = Params { seed: args.seed, pods: args.pods, scale: args.scale, load: args.load };
-    let mut jobs: Vec<(std::sync::Arc<Workload>, String)> = Vec::new();
+    anyhow::ensure!(args.seeds >= 1, "--seeds must be at least 1");
+    let mut jobs: Vec<(&'static str, String)> = Vec::new();
     for name in list(&args.workloads, &NAMES) {
-        let w = std::sync::Arc::new(
-            workload::build(name, &params).with_context(|| format!("unknown workload {name:?} (known: {NAMES:?})"))?,
-        );
+        let w =
+            workload::build(name, &params).with_context(|| format!("unknown workload {name:?} (known: {NAMES:?})"))?;
         println!("{:<12} {:>6} requests  {}", w.name, w.requests(), w.description);
         let all = args.routers == ["all"];
         let mut names: Vec<String> =
@@ -84,7 +88,7 @@ fn main() -> anyhow::Result<()> {
         }
         for r in names {
             routers::build(&r, &layout(&w, args.pods), args.seed)?; // fail early on a bad name
-            jobs.push((w.clone(), r));
+            jobs.push((w.name, r));
         }
     }
     let started = Instant::now();
@@ -95,28 +99,46 @@ fn main() -> anyhow::Result<()> {
         for _ in 0..args.threads.max(1) {
             scope.spawn(|| {
                 loop {
-                    let Some((i, (w, name))) = queue.lock().unwrap().pop() else { break };
-                    let roles = layout(&w, args.pods);
-                    let config = ClusterConfig {
-                        roles: roles.clone(),
-                        engine: EngineConfig {
-                            num_blocks: w.num_blocks,
-                            hash_seed: Some("0".into()),
-                            ..EngineConfig::default()
-                        },
-                        scrape_interval: 1.0,
-                    };
-                    let mut router = routers::build(&name, &roles, args.seed).expect("checked above");
+                    let Some((i, (workload_name, name))) = queue.lock().unwrap().pop() else { break };
                     let t0 = Instant::now();
-                    let result = run(&w, &config, router.as_mut());
+                    let mut pooled: Option<RunResult> = None;
+                    let mut roles = Vec::new();
+                    for seed in args.seed..args.seed + args.seeds {
+                        let w = workload::build(workload_name, &Params { seed, ..params }).expect("built before");
+                        roles = layout(&w, args.pods);
+                        let config = ClusterConfig {
+                            roles: roles.clone(),
+                            engine: EngineConfig {
+                                num_blocks: w.num_blocks,
+                                hash_seed: Some("0".into()),
+                                ..EngineConfig::default()
+                            },
+                            scrape_interval: 1.0,
+                        };
+                        let mut router = routers::build(&name, &roles, seed).expect("checked above");
+                        let result = run(&w, &config, router.as_mut());
+                        pooled = Some(match pooled {
+                            None => result,
+                            Some(mut p) => {
+                                p.requests.extend(result.requests);
+                                for (a, b) in p.prefill_tokens_per_pod.iter_mut().zip(result.prefill_tokens_per_pod) {
+                                    *a += b;
+                                }
+                                p.preemptions += result.preemptions;
+                                p.makespan += result.makespan;
+                                p
+                            }
+                        });
+                    }
+                    let result = pooled.expect("at least one seed");
                     let decode_pods: Vec<usize> = (0..roles.len()).filter(|&p| roles[p] != PodRole::Prefill).collect();
-                    let summary = Summary::of(w.name, &name, &result, &decode_pods);
+                    let summary = Summary::of(workload_name, &name, &result, &decode_pods);
                     let mut done = results.lock().unwrap();
                     done.push((i, summary.clone()));
                     println!(
                         "[{:>3}/{total}] {:<12} {:<20} p90 TTFT {:>9.1} ms  hits {:>5.1} %  ({:.1} s wall, {:.0} s simulated)",
                         done.len(),
-                        w.name,
+                        workload_name,
                         name,
                         summary.ttft_p90_ms,
                         summary.prefix_hit_rate * 100.0,
@@ -133,10 +155,12 @@ fn main() -> anyhow::Result<()> {
 
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let mut markdown = format!(
-        "Cluster simulator: {} pods, seed {}, scale {} ({} runs in {:.1} s wall).\n",
+        "Cluster simulator: {} pods, seeds {}–{} pooled, scale {}, load {} ({} runs in {:.1} s wall).\n",
         args.pods,
         args.seed,
+        args.seed + args.seeds - 1,
         args.scale,
+        args.load,
         total,
         started.elapsed().as_secs_f64()
     );

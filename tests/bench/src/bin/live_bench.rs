@@ -1,0 +1,591 @@
+//! `kvgate-live-bench`: the routers a user would pick, side by side on the same simulated
+//! pods (live `kvgate-sim` processes, fast time scale) and one identical workload, in turn:
+//! Envoy + kvgate, `vllm-router --policy kv_aware` (fed the pods' KV events),
+//! `sglang-router --policy cache_aware`, and Envoy round robin. Each router gets fresh pods
+//! (cold caches). Then the overhead: each router in front of one near-instant pod at a
+//! fixed concurrency, short and long prompts, against a direct connection.
+//!
+//! Writes `results.json`, `results.md` and `ttft.svg` under `--out`.
+
+use anyhow::Context;
+use clap::Parser;
+use kvgate_bench::report::svg_bars;
+use kvgate_e2e::{Measured, percentile, send};
+use kvgate_test_harness::{EnvoyProcess, ScorerProcess, Sim, free_port, qwen3_tokenizer, text, venv_bin};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use serde_json::json;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+
+const MODEL: &str = "Qwen/Qwen3-8B";
+
+#[derive(Parser, Debug)]
+#[command(about = "Envoy + kvgate, vllm-router, sglang-router and Envoy round robin on the same simulated pods")]
+struct Args {
+    /// Simulated pods behind each router.
+    #[arg(long, default_value_t = 4)]
+    pods: usize,
+    /// Wall seconds per simulated second (0.5: twice as fast as an H100 serving an 8B model).
+    #[arg(long, default_value_t = 0.5)]
+    time_scale: f64,
+    /// KV blocks per pod (16 tokens each): 24k tokens, less than the workload's working set.
+    #[arg(long, default_value_t = 1500)]
+    num_blocks: usize,
+    /// Requests in flight at once.
+    #[arg(long, default_value_t = 24)]
+    concurrency: usize,
+    /// Multi-turn chat sessions (6 turns each) over 6 shared system prompts.
+    #[arg(long, default_value_t = 48)]
+    sessions: usize,
+    /// Questions over 8 shared documents.
+    #[arg(long, default_value_t = 240)]
+    questions: usize,
+    /// Requests per router and prompt size in the overhead part.
+    #[arg(long, default_value_t = 400)]
+    overhead_requests: usize,
+    /// Runs per router (interleaved across routers); the run with the median TTFT p90 is
+    /// reported, with every run's p90 beside it.
+    #[arg(long, default_value_t = 3)]
+    repeat: usize,
+    /// The kvgate scorer's `policy:` (YAML), e.g. "{name: kv, miss_weight: 1}".
+    #[arg(long, default_value = "{name: kv}")]
+    kvgate_policy: String,
+    /// Routers to run (all by default): kvgate, vllm-router, sglang-router, envoy-round-robin.
+    #[arg(long, value_delimiter = ',')]
+    routers: Vec<String>,
+    /// Seed of the workload's order.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Where results go.
+    #[arg(long, default_value = "target/bench/live")]
+    out: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+enum Kind {
+    Kvgate,
+    VllmRouter,
+    SglangRouter,
+    EnvoyRoundRobin,
+}
+
+impl Kind {
+    const ALL: [Kind; 4] = [Kind::Kvgate, Kind::VllmRouter, Kind::SglangRouter, Kind::EnvoyRoundRobin];
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Kvgate => "kvgate",
+            Kind::VllmRouter => "vllm-router",
+            Kind::SglangRouter => "sglang-router",
+            Kind::EnvoyRoundRobin => "envoy-round-robin",
+        }
+    }
+
+    fn label(self) -> &'static str {
+        match self {
+            Kind::Kvgate => "Envoy + kvgate (kv)",
+            Kind::VllmRouter => "vllm-router kv_aware",
+            Kind::SglangRouter => "sglang-router cache_aware",
+            Kind::EnvoyRoundRobin => "Envoy round robin",
+        }
+    }
+}
+
+/// A child process killed on drop.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A running router: where to send requests, and the processes whose CPU time it costs.
+struct Gateway {
+    url: String,
+    pids: Vec<u32>,
+    _scorer: Option<ScorerProcess>,
+    _envoy: Option<EnvoyProcess>,
+    _peer: Option<Proc>,
+    _config: Option<tempfile_path::TempPath>,
+}
+
+mod tempfile_path {
+    /// A file removed on drop.
+    pub struct TempPath(pub std::path::PathBuf);
+    impl Drop for TempPath {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+}
+
+async fn wait_healthy(url: &str, limit: Duration) -> anyhow::Result<()> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Ok(r) = reqwest::get(url).await
+            && r.status().is_success()
+        {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "{url} did not answer within {limit:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn scorer_config(pods: &[Sim], policy: &str) -> String {
+    let mut config = format!("tokenizer: {}\npolicy: {policy}\npods:\n", qwen3_tokenizer().display());
+    for p in pods {
+        config.push_str(&format!(
+            "  - {{name: {}, address: '127.0.0.1:{}', kv_events: '{}', metrics: '{}/metrics'}}\n",
+            p.pod_id, p.port, p.events, p.url
+        ));
+    }
+    config
+}
+
+async fn start(kind: Kind, pods: &[Sim], policy: &str) -> anyhow::Result<Gateway> {
+    let none = Gateway { url: String::new(), pids: vec![], _scorer: None, _envoy: None, _peer: None, _config: None };
+    Ok(match kind {
+        Kind::Kvgate => {
+            let scorer = ScorerProcess::start(&scorer_config(pods, policy)).await;
+            let envoy = EnvoyProcess::start(&scorer, &[]).await;
+            Gateway {
+                url: envoy.url.clone(),
+                pids: vec![envoy.pid(), scorer.pid()],
+                _scorer: Some(scorer),
+                _envoy: Some(envoy),
+                ..none
+            }
+        }
+        Kind::EnvoyRoundRobin => {
+            // The bootstrap is rendered from a scorer configuration; no scorer runs.
+            let path = std::env::temp_dir().join(format!("kvgate-live-rr-{}.yaml", free_port()));
+            std::fs::write(&path, scorer_config(pods, policy))?;
+            let envoy = EnvoyProcess::start_for(&path, &["--baseline-round-robin"]).await;
+            Gateway {
+                url: envoy.url.clone(),
+                pids: vec![envoy.pid()],
+                _envoy: Some(envoy),
+                _config: Some(tempfile_path::TempPath(path)),
+                ..none
+            }
+        }
+        Kind::VllmRouter => {
+            let port = free_port();
+            let mut cmd = Command::new(venv_bin("vllm-router"));
+            cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                .args(["--prometheus-host", "127.0.0.1", "--prometheus-port", &free_port().to_string()])
+                .args(["--policy", "kv_aware", "--kv-event-model", MODEL, "--kv-event-block-size", "16"])
+                .args(["--log-level", "warning", "--worker-startup-timeout-secs", "30"])
+                .arg("--worker-urls")
+                .args(pods.iter().map(|p| p.url.clone()));
+            for p in pods {
+                cmd.args(["--kv-event-source", &format!("{}={}", p.url, p.events)]);
+            }
+            let child = Proc(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().context("start vllm-router")?);
+            let url = format!("http://127.0.0.1:{port}");
+            wait_healthy(&format!("{url}/health"), Duration::from_secs(60)).await?;
+            tokio::time::sleep(Duration::from_secs(1)).await; // its SUB sockets subscribe
+            Gateway { url, pids: vec![child.0.id()], _peer: Some(child), ..none }
+        }
+        Kind::SglangRouter => {
+            let port = free_port();
+            let mut cmd = Command::new(venv_bin("python"));
+            cmd.args(["-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", &port.to_string()])
+                .args(["--prometheus-host", "127.0.0.1", "--prometheus-port", &free_port().to_string()])
+                .args(["--policy", "cache_aware", "--log-level", "warn"])
+                .arg("--worker-urls")
+                .args(pods.iter().map(|p| p.url.clone()));
+            let child = Proc(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().context("start sglang-router")?);
+            let url = format!("http://127.0.0.1:{port}");
+            wait_healthy(&format!("{url}/health"), Duration::from_secs(60)).await?;
+            Gateway { url, pids: vec![child.0.id()], _peer: Some(child), ..none }
+        }
+    })
+}
+
+/// The routers `--routers` names (all by default).
+fn kinds(args: &Args) -> anyhow::Result<Vec<Kind>> {
+    if args.routers.is_empty() {
+        return Ok(Kind::ALL.to_vec());
+    }
+    args.routers
+        .iter()
+        .map(|n| {
+            Kind::ALL.into_iter().find(|k| k.name() == n).with_context(|| {
+                format!("unknown router {n:?} (kvgate, vllm-router, sglang-router, envoy-round-robin)")
+            })
+        })
+        .collect()
+}
+
+/// User + system CPU seconds of `pid` and its waited-for children, from `/proc`.
+fn cpu_seconds(pid: u32, ticks_per_second: f64) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0.0 };
+    // Fields after the parenthesised command name; utime is field 14 overall.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else { return 0.0 };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    (11..=14).filter_map(|i| fields.get(i)?.parse::<f64>().ok()).sum::<f64>() / ticks_per_second
+}
+
+fn clock_ticks() -> f64 {
+    Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(100.0)
+}
+
+/// One request of the workload: a chat session's turns run in order, each re-sending the
+/// conversation so far; document questions stand alone.
+#[derive(Clone)]
+enum Job {
+    Session { system: String, turns: Vec<String> },
+    Question { document: String, question: String },
+}
+
+fn jobs(args: &Args) -> Vec<Job> {
+    let mut rng = StdRng::seed_from_u64(args.seed);
+    let systems: Vec<String> = (0..6)
+        .map(|i| format!("You are assistant {i} of the support desk. {}", text(&format!("rule{i}x"), 330)))
+        .collect();
+    let documents: Vec<String> =
+        (0..8).map(|i| format!("Document {i}. {}", text(&format!("clause{i}y"), 650))).collect();
+    let mut jobs: Vec<Job> = (0..args.sessions)
+        .map(|s| Job::Session {
+            system: systems[s % systems.len()].clone(),
+            turns: (0..6).map(|t| format!("User {s}, question {t}: {}", text(&format!("q{s}t{t}"), 25))).collect(),
+        })
+        .collect();
+    for q in 0..args.questions {
+        let d = rng.random_range(0..documents.len());
+        jobs.push(Job::Question {
+            document: documents[d].clone(),
+            question: format!("Question {q} about it: {}", text(&format!("ask{q}"), 15)),
+        });
+    }
+    jobs.shuffle(&mut rng);
+    jobs
+}
+
+/// Client-side figures of one router's run.
+#[derive(Clone, Debug, Serialize)]
+struct LiveResult {
+    router: Kind,
+    label: &'static str,
+    requests: usize,
+    errors: usize,
+    ttft_p50_ms: f64,
+    ttft_p90_ms: f64,
+    latency_p50_ms: f64,
+    latency_p90_ms: f64,
+    requests_per_s: f64,
+    output_tokens_per_s: f64,
+    prefix_hit_rate: f64,
+    router_cpu_s: f64,
+    wall_s: f64,
+    /// Requests each pod answered (`x-kvgate-pod`), in pod order.
+    requests_per_pod: Vec<usize>,
+    /// TTFT p90 of every run of this router (this result is the median one).
+    ttft_p90_runs_ms: Vec<f64>,
+}
+
+const MAX_TOKENS: u64 = 24;
+
+async fn run_workload(url: &str, jobs: &[Job], concurrency: usize) -> (Vec<Measured>, Duration) {
+    let client = reqwest::Client::new();
+    let gate = Arc::new(Semaphore::new(concurrency));
+    let total: usize = jobs.iter().map(|j| if let Job::Session { turns, .. } = j { turns.len() } else { 1 }).sum();
+    let done = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for job in jobs.iter().cloned() {
+        let (client, url, gate, done) = (client.clone(), format!("{url}/v1/completions"), gate.clone(), done.clone());
+        tasks.push(tokio::spawn(async move {
+            let progress = |done: &AtomicUsize| {
+                let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+                if n.is_multiple_of((total / 4).max(1)) {
+                    print!(" {n}/{total}");
+                    let _ = std::io::stdout().flush();
+                }
+            };
+            let mut out = Vec::new();
+            match job {
+                Job::Session { system, turns } => {
+                    let mut history = system;
+                    for turn in turns {
+                        history.push_str(&format!("\nUser: {turn}\nAssistant:"));
+                        let body = json!({"model": MODEL, "prompt": history, "max_tokens": MAX_TOKENS, "stream": true,
+                                          "stream_options": {"include_usage": true}});
+                        let _permit = gate.acquire().await.expect("semaphore");
+                        let m = send(&client, &url, &body).await;
+                        history.push_str(&m.text);
+                        out.push(m);
+                        progress(&done);
+                    }
+                }
+                Job::Question { document, question } => {
+                    let body = json!({"model": MODEL, "prompt": format!("{document}\n{question}\nAnswer:"),
+                                      "max_tokens": MAX_TOKENS, "stream": true, "stream_options": {"include_usage": true}});
+                    let _permit = gate.acquire().await.expect("semaphore");
+                    out.push(send(&client, &url, &body).await);
+                    progress(&done);
+                }
+            }
+            out
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.expect("workload task"));
+    }
+    println!();
+    (all, started.elapsed())
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Every router's median run, and the failed requests over all runs.
+async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, usize)> {
+    let jobs = jobs(args);
+    let tokenizer = qwen3_tokenizer();
+    let tok = tokenizer.to_str().context("tokenizer path")?.to_string();
+    let kinds = kinds(args)?;
+    let mut runs: Vec<Vec<LiveResult>> = vec![Vec::new(); kinds.len()];
+    for (rep, (k, &kind)) in (0..args.repeat.max(1)).flat_map(|r| kinds.iter().enumerate().map(move |k| (r, k))) {
+        println!(
+            "  run {}/{}, {}: starting {} fresh pods and the router",
+            rep + 1,
+            args.repeat.max(1),
+            kind.label(),
+            args.pods
+        );
+        let mut pods = Vec::new();
+        for i in 0..args.pods {
+            let extra = [
+                "--tokenizer",
+                tok.as_str(),
+                "--model",
+                MODEL,
+                "--time-scale",
+                &args.time_scale.to_string(),
+                "--num-blocks",
+                &args.num_blocks.to_string(),
+            ];
+            pods.push(Sim::start(&format!("pod-{i}"), &extra).await);
+        }
+        let gateway = start(kind, &pods, &args.kvgate_policy).await?;
+        let cpu_before: f64 = gateway.pids.iter().map(|&p| cpu_seconds(p, ticks)).sum();
+        print!("    requests done:");
+        let (mut measured, wall) = run_workload(&gateway.url, &jobs, args.concurrency).await;
+        let cpu = gateway.pids.iter().map(|&p| cpu_seconds(p, ticks)).sum::<f64>() - cpu_before;
+        let ok: Vec<&mut Measured> = measured.iter_mut().filter(|m| m.status == 200).collect();
+        let mut ttft: Vec<Duration> = ok.iter().map(|m| m.ttft).collect();
+        let mut total: Vec<Duration> = ok.iter().map(|m| m.total).collect();
+        let (prompt, cached) = ok.iter().fold((0, 0), |(p, c), m| (p + m.prompt_tokens, c + m.cached_tokens));
+        let r = LiveResult {
+            router: kind,
+            label: kind.label(),
+            requests: measured.len(),
+            errors: measured.iter().filter(|m| m.status != 200).count(),
+            ttft_p50_ms: ms(percentile(&mut ttft, 0.5)),
+            ttft_p90_ms: ms(percentile(&mut ttft, 0.9)),
+            latency_p50_ms: ms(percentile(&mut total, 0.5)),
+            latency_p90_ms: ms(percentile(&mut total, 0.9)),
+            requests_per_s: measured.len() as f64 / wall.as_secs_f64(),
+            output_tokens_per_s: (ttft.len() as u64 * MAX_TOKENS) as f64 / wall.as_secs_f64(),
+            prefix_hit_rate: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
+            router_cpu_s: cpu,
+            wall_s: wall.as_secs_f64(),
+            requests_per_pod: pods
+                .iter()
+                .map(|p| measured.iter().filter(|m| m.pod.as_deref() == Some(p.pod_id.as_str())).count())
+                .collect(),
+            ttft_p90_runs_ms: Vec::new(),
+        };
+        println!(
+            "    TTFT p50 {:.1} ms, p90 {:.1} ms; hits {:.1} %; {} errors; router CPU {:.2} s; per pod {:?}",
+            r.ttft_p50_ms,
+            r.ttft_p90_ms,
+            r.prefix_hit_rate * 100.0,
+            r.errors,
+            r.router_cpu_s,
+            r.requests_per_pod
+        );
+        runs[k].push(r);
+    }
+    let errors = runs.iter().flatten().map(|r| r.errors).sum();
+    let medians = runs
+        .into_iter()
+        .map(|mut rs| {
+            rs.sort_by(|a, b| a.ttft_p90_ms.total_cmp(&b.ttft_p90_ms));
+            let all: Vec<f64> = rs.iter().map(|r| r.ttft_p90_ms).collect();
+            let mut median = rs.swap_remove(all.len() / 2);
+            median.ttft_p90_runs_ms = all;
+            median
+        })
+        .collect();
+    Ok((medians, errors))
+}
+
+/// What a router adds in front of a near-instant pod at fixed concurrency.
+#[derive(Clone, Debug, Serialize)]
+struct OverheadResult {
+    path: String,
+    prompt: &'static str,
+    latency_p50_ms: f64,
+    latency_p90_ms: f64,
+    added_p50_ms: f64,
+    requests_per_s: f64,
+    errors: usize,
+}
+
+async fn overhead(args: &Args) -> anyhow::Result<Vec<OverheadResult>> {
+    let tokenizer = qwen3_tokenizer();
+    let tok = tokenizer.to_str().context("tokenizer path")?;
+    let pod = Sim::start("instant", &["--tokenizer", tok, "--model", MODEL, "--time-scale", "0.0001"]).await;
+    let pods = std::slice::from_ref(&pod);
+    let mut gateways = vec![("direct to the pod".to_string(), None)];
+    for kind in kinds(args)? {
+        gateways.push((kind.label().to_string(), Some(start(kind, pods, &args.kvgate_policy).await?)));
+    }
+    let client = reqwest::Client::new();
+    let mut out = Vec::new();
+    for (prompt, words) in [("short (≈30 tokens)", 10), ("long (≈8k tokens)", 2700)] {
+        let body = json!({"model": MODEL, "prompt": text("overhead", words), "max_tokens": 1});
+        let mut direct_p50 = 0.0;
+        for (name, gateway) in &gateways {
+            let url = format!("{}/v1/completions", gateway.as_ref().map_or(pod.url.as_str(), |g| g.url.as_str()));
+            for _ in 0..10 {
+                send(&client, &url, &body).await; // warm-up
+            }
+            let gate = Arc::new(Semaphore::new(args.concurrency));
+            let started = Instant::now();
+            let tasks: Vec<_> = (0..args.overhead_requests)
+                .map(|_| {
+                    let (client, url, body, gate) = (client.clone(), url.clone(), body.clone(), gate.clone());
+                    tokio::spawn(async move {
+                        let _permit = gate.acquire().await.expect("semaphore");
+                        send(&client, &url, &body).await
+                    })
+                })
+                .collect();
+            let mut latencies = Vec::new();
+            let mut errors = 0;
+            for t in tasks {
+                let m = t.await.expect("request task");
+                errors += usize::from(m.status != 200);
+                latencies.push(m.total);
+            }
+            let wall = started.elapsed();
+            let p50 = ms(percentile(&mut latencies, 0.5));
+            if gateway.is_none() {
+                direct_p50 = p50;
+            }
+            let r = OverheadResult {
+                path: name.clone(),
+                prompt,
+                latency_p50_ms: p50,
+                latency_p90_ms: ms(percentile(&mut latencies, 0.9)),
+                added_p50_ms: p50 - direct_p50,
+                requests_per_s: args.overhead_requests as f64 / wall.as_secs_f64(),
+                errors,
+            };
+            println!(
+                "  {prompt:<20} {name:<26} p50 {:>7.2} ms (+{:.2})  {:>7.0} req/s  {} errors",
+                r.latency_p50_ms, r.added_p50_ms, r.requests_per_s, r.errors
+            );
+            out.push(r);
+        }
+    }
+    Ok(out)
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    anyhow::ensure!(args.pods >= 2 && args.concurrency >= 1, "--pods must be ≥ 2 and --concurrency ≥ 1");
+    kvgate_test_harness::quiet_children();
+    let ticks = clock_ticks();
+    let started = Instant::now();
+    let requests = args.sessions * 6 + args.questions;
+    println!(
+        "Routing quality, live: {requests} requests ({} chat sessions × 6 turns over 6 system prompts, {} questions over 8 documents), {} in flight, {} pods of {} blocks at time scale {}",
+        args.sessions, args.questions, args.concurrency, args.pods, args.num_blocks, args.time_scale
+    );
+    let (quality, quality_errors) = quality(&args, ticks).await?;
+    println!(
+        "Overhead: one near-instant pod, {} requests per path and prompt at concurrency {}",
+        args.overhead_requests, args.concurrency
+    );
+    let overhead = overhead(&args).await?;
+
+    let mut md = format!(
+        "Live side by side: {requests} requests, {} in flight, {} simulated pods ({} KV blocks, time scale {}) per router; {:.0} s wall in all.\n\n\
+         The run with the median TTFT p90 of {} runs per router (interleaved) is shown; `p90 of each run` gives the spread.\n\n\
+         | router | TTFT p50 | TTFT p90 | p90 of each run | latency p50 | latency p90 | req/s | output tok/s | prefix hits | requests per pod | errors | router CPU (s) |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        args.concurrency,
+        args.pods,
+        args.num_blocks,
+        args.time_scale,
+        started.elapsed().as_secs_f64(),
+        args.repeat.max(1)
+    );
+    for r in &quality {
+        md.push_str(&format!(
+            "| {} | {:.1} ms | {:.1} ms | {} | {:.1} ms | {:.1} ms | {:.1} | {:.0} | {:.1} % | {:?} | {} | {:.2} |\n",
+            r.label,
+            r.ttft_p50_ms,
+            r.ttft_p90_ms,
+            r.ttft_p90_runs_ms.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / "),
+            r.latency_p50_ms,
+            r.latency_p90_ms,
+            r.requests_per_s,
+            r.output_tokens_per_s,
+            r.prefix_hit_rate * 100.0,
+            r.requests_per_pod,
+            r.errors,
+            r.router_cpu_s
+        ));
+    }
+    md.push_str(&format!(
+        "\nOverhead (one near-instant pod, {} requests per path and prompt, {} in flight, non-streaming, one output token):\n\n\
+         | prompt | path | latency p50 | p90 | added p50 | req/s | errors |\n|---|---|---|---|---|---|---|\n",
+        args.overhead_requests, args.concurrency
+    ));
+    for r in &overhead {
+        md.push_str(&format!(
+            "| {} | {} | {:.2} ms | {:.2} ms | {:+.2} ms | {:.0} | {} |\n",
+            r.prompt, r.path, r.latency_p50_ms, r.latency_p90_ms, r.added_p50_ms, r.requests_per_s, r.errors
+        ));
+    }
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let bars: Vec<(String, f64, f64)> =
+        quality.iter().map(|r| (r.label.to_string(), r.ttft_p50_ms, r.ttft_p90_ms)).collect();
+    std::fs::write(
+        args.out.join("ttft.svg"),
+        svg_bars(&format!("live: {requests} requests, {} pods", args.pods), &bars),
+    )?;
+    let json = json!({"quality": quality, "overhead": overhead});
+    std::fs::write(args.out.join("results.json"), serde_json::to_string_pretty(&json)?)?;
+    std::fs::write(args.out.join("results.md"), &md)?;
+    println!("\n{md}\nwrote {}/results.{{json,md}} and ttft.svg", args.out.display());
+    let errors = quality_errors + overhead.iter().map(|r| r.errors).sum::<usize>();
+    anyhow::ensure!(errors == 0, "{errors} requests failed");
+    Ok(())
+}
