@@ -63,6 +63,11 @@ pub struct KvPolicyConfig {
     pub attention_horizon_tokens: f64,
     /// 0 = always the cheapest pod; > 0 = softmax sampling over normalised costs.
     pub temperature: f64,
+    /// Imbalance guard, as SGLang's: when the busiest eligible pod has more than this many
+    /// requests in flight above the idlest one (and `balance_rel_threshold` times as many),
+    /// misses are not charged for evictions, so load wins over stickiness. `None` = off.
+    pub balance_abs_threshold: Option<u32>,
+    pub balance_rel_threshold: f64,
     /// Drop pods reporting at least this many waiting requests.
     pub max_waiting: Option<f64>,
     /// Drop pods reporting at least this KV-cache usage (0–1).
@@ -80,6 +85,8 @@ impl Default for KvPolicyConfig {
             prefill_estimate: PrefillEstimate::Trapezoid,
             attention_horizon_tokens: 30_000.0,
             temperature: 0.0,
+            balance_abs_threshold: Some(32),
+            balance_rel_threshold: 1.5,
             max_waiting: None,
             max_kv_usage: None,
         }
@@ -113,6 +120,18 @@ impl KvPolicy {
 
     /// Cost of sending the request to `c`.
     pub fn cost(&self, input: &RouteInput, c: &Candidate) -> f64 {
+        self.cost_with(input, c, self.config.miss_weight)
+    }
+
+    /// Whether in-flight requests are spread unevenly enough to turn the miss charge off.
+    fn imbalanced(&self, candidates: &[Candidate]) -> bool {
+        let Some(abs) = self.config.balance_abs_threshold else { return false };
+        let inflight = candidates.iter().map(|c| c.load.inflight_requests);
+        let (min, max) = (inflight.clone().min().unwrap_or(0), inflight.max().unwrap_or(0));
+        max - min > abs && f64::from(max) > self.config.balance_rel_threshold * f64::from(min)
+    }
+
+    fn cost_with(&self, input: &RouteInput, c: &Candidate, miss_weight: f64) -> f64 {
         let prompt = u64::from(input.prompt_tokens);
         let credited = (f64::from(c.cached_tokens) * self.config.prefix_weight) as u64;
         let uncached = u64::from(uncached_tokens(input, &Candidate { cached_tokens: credited as u32, ..*c }));
@@ -120,7 +139,7 @@ impl KvPolicy {
             Some(r) if r.num_gpu_blocks > 0.0 => (c.pod_blocks as f64 / r.num_gpu_blocks).min(1.0),
             _ => 1.0,
         };
-        let own = self.prefill_tokens(prompt, prompt - uncached) + self.config.miss_weight * fullness * uncached as f64;
+        let own = self.prefill_tokens(prompt, prompt - uncached) + miss_weight * fullness * uncached as f64;
         let queued = match self.config.prefill_estimate {
             PrefillEstimate::Linear => c.load.queued_prefill_tokens as f64,
             PrefillEstimate::Trapezoid => {
@@ -140,8 +159,11 @@ impl Policy for KvPolicy {
 
     fn select(&mut self, input: &RouteInput, candidates: &[Candidate]) -> Decision {
         let all_busy = candidates.iter().all(|c| self.busy(c));
-        let costs: Vec<Option<f64>> =
-            candidates.iter().map(|c| (all_busy || !self.busy(c)).then(|| self.cost(input, c))).collect();
+        let miss_weight = if self.imbalanced(candidates) { 0.0 } else { self.config.miss_weight };
+        let costs: Vec<Option<f64>> = candidates
+            .iter()
+            .map(|c| (all_busy || !self.busy(c)).then(|| self.cost_with(input, c, miss_weight)))
+            .collect();
         let chosen = if self.config.temperature > 0.0 {
             softmax_sample(&costs, self.config.temperature, &mut self.rng)
         } else {
@@ -231,6 +253,20 @@ mod tests {
         cached_on_full.pod = PodId(1);
         cached_on_full.cached_tokens = 992;
         assert_eq!(p.select(&INPUT, &[empty, cached_on_full]).chosen, 1);
+    }
+
+    #[test]
+    fn a_pile_up_turns_the_miss_charge_off() {
+        let mut p = policy(KvPolicyConfig::default());
+        // Pod 0 holds the prefix; pod 1 does not (both caches full, capacity unknown).
+        let mut hot = candidate(0, 992, 30, 2000);
+        let cold = candidate(1, 0, 2, 0);
+        assert_eq!(p.select(&INPUT, &[hot, cold]).chosen, 0, "28 more in flight is not a pile-up (abs 32)");
+        hot.load.inflight_requests = 60;
+        let d = p.select(&INPUT, &[hot, cold]);
+        assert_eq!(d.chosen, 1, "imbalanced: misses cost only their prefill, and pod 0's queue is longer");
+        let sticky = policy(KvPolicyConfig { balance_abs_threshold: None, ..Default::default() });
+        assert!(sticky.cost(&INPUT, &hot) < sticky.cost(&INPUT, &cold), "without the guard the miss charge keeps it");
     }
 
     #[test]
