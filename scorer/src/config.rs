@@ -136,6 +136,43 @@ impl Default for PdSection {
     }
 }
 
+/// Where pods come from besides the static `pods:` list.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoverySection {
+    pub dns: Option<DnsDiscovery>,
+}
+
+/// Pods as the A/AAAA records of one name — a Kubernetes headless Service (what an Envoy
+/// `STRICT_DNS` cluster resolves too), re-resolved periodically.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DnsDiscovery {
+    /// e.g. `vllm.inference.svc.cluster.local`.
+    pub name: String,
+    /// The pods' HTTP port (vLLM's `--port`).
+    pub port: u16,
+    /// The pods' KV-event port (`tcp://<ip>:<port>`), if they publish events.
+    pub kv_events_port: Option<u16>,
+    /// Their replay port, if any.
+    pub kv_events_replay_port: Option<u16>,
+    /// Path of the metrics page on `port`; `null` turns scraping off.
+    #[serde(default = "default_metrics_path")]
+    pub metrics_path: Option<String>,
+    #[serde(default = "default_role")]
+    pub role: Role,
+    #[serde(default = "default_dns_interval")]
+    pub interval_seconds: f64,
+}
+
+fn default_metrics_path() -> Option<String> {
+    Some("/metrics".into())
+}
+
+fn default_dns_interval() -> f64 {
+    5.0
+}
+
 /// The whole file.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -168,6 +205,10 @@ pub struct Config {
     pub pd: PdSection,
     #[serde(default)]
     pub admin: AdminSection,
+    #[serde(default)]
+    pub discovery: DiscoverySection,
+    /// Static pods (may be empty when discovery finds them).
+    #[serde(default)]
     pub pods: Vec<PodConfig>,
 }
 
@@ -250,8 +291,23 @@ impl Config {
         if self.block_size == 0 {
             return invalid("block_size", "must be positive");
         }
-        if self.pods.is_empty() {
-            return invalid("pods", "at least one pod is needed");
+        if let Some(dns) = &self.discovery.dns {
+            if dns.name.trim().is_empty() {
+                return invalid("discovery.dns.name", "must be a DNS name");
+            }
+            if dns.port == 0 {
+                return invalid("discovery.dns.port", "must be a port number");
+            }
+            if !positive(dns.interval_seconds) {
+                return invalid("discovery.dns.interval_seconds", "must be a positive number of seconds");
+            }
+            if let Some(path) = &dns.metrics_path
+                && !path.starts_with('/')
+            {
+                return invalid("discovery.dns.metrics_path", format!("{path:?} must start with /"));
+            }
+        } else if self.pods.is_empty() {
+            return invalid("pods", "at least one pod is needed (or configure discovery)");
         }
         let (mut names, mut addresses) = (HashSet::new(), HashSet::new());
         for (i, pod) in self.pods.iter().enumerate() {
@@ -361,7 +417,7 @@ pods:
             ("pods:\n  - name: a\n    address: 1.2.3.4:5\n    kv_event: tcp://x:1\n", "kv_event"),
             ("blok_size: 4\npods: []\n", "blok_size"),
             ("block_size: 0\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "block_size"),
-            ("pods: []\n", "pods"),
+            ("pods: []\n", "or configure discovery"),
             ("pods:\n  - {name: a, address: 'localhost'}\n", "pods[0].address"),
             ("pods:\n  - {name: a, address: '1.2.3.4:5'}\n  - {name: a, address: '1.2.3.4:6'}\n", "pods[1].name"),
             ("pods:\n  - {name: a, address: '1.2.3.4:5', kv_events: 'http://x'}\n", "pods[0].kv_events"),
@@ -373,6 +429,12 @@ pods:
             ),
             ("policy: {name: fastest}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "fastest"),
             ("health: {unhealthy_after: 0}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "health"),
+            ("discovery:\n  dns: {name: '', port: 8000}\n", "discovery.dns.name"),
+            ("discovery:\n  dns: {name: vllm, port: 0}\n", "discovery.dns.port"),
+            ("discovery:\n  dns: {name: vllm, port: 8000, interval_seconds: 0}\n", "discovery.dns.interval_seconds"),
+            ("discovery:\n  dns: {name: vllm, port: 8000, metrics_path: metrics}\n", "discovery.dns.metrics_path"),
+            ("discovery:\n  dns: {name: vllm, port: 8000, kv_event_port: 1}\n", "kv_event_port"),
+            ("discovery:\n  consul: {}\n", "consul"),
         ];
         for (yaml, needle) in cases {
             let err = Config::parse(yaml).expect_err(yaml).to_string();

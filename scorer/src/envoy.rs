@@ -47,8 +47,25 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
                 serde_json::to_string(&pod.role).unwrap_or_default().trim_matches('"'),
             )
         })
-        .collect();
+        .collect::<String>()
+        + &config.discovery.dns.as_ref().map_or(String::new(), |dns| {
+            // Envoy resolves the same name the scorer discovers pods by; every A/AAAA record
+            // becomes a host `ip:port`, which is what the scorer answers.
+            format!(
+                "        - endpoint:\n            address:\n              socket_address: {{ address: {}, port_value: {} }}\n",
+                dns.name, dns.port
+            )
+        });
+    // STATIC, or a strict-DNS cluster (every address a host) refreshed as often as the
+    // scorer re-resolves.
+    let discovery = config.discovery.dns.as_ref().map_or("    type: STATIC".to_string(), |dns| {
+        format!(
+            "    cluster_type:\n      name: envoy.clusters.dns\n      typed_config:\n        \"@type\": type.googleapis.com/envoy.extensions.clusters.dns.v3.DnsCluster\n        dns_lookup_family: ALL\n        dns_refresh_rate: {}s",
+            dns.interval_seconds
+        )
+    });
     let replacements = [
+        ("${PODS_DISCOVERY}", discovery),
         ("${ADMIN_IP}", options.admin.ip().to_string()),
         ("${ADMIN_PORT}", options.admin.port().to_string()),
         ("${LISTEN_IP}", options.listen.ip().to_string()),
@@ -113,5 +130,18 @@ mod tests {
         assert!(out.contains("filters.http.wasm.v3.Wasm"));
         let baseline = render(&config, &EnvoyOptions { baseline: true, ..options() });
         assert!(!baseline.contains("filters.http.wasm") && baseline.contains("envoy.filters.http.router"));
+        assert!(out.contains("type: STATIC") && !out.contains("dns_lookup_family"));
+    }
+
+    #[test]
+    fn dns_discovery_makes_the_pods_cluster_resolve_the_same_name() {
+        let config = Config::parse(
+            "discovery:\n  dns: {name: vllm.inference.svc.cluster.local, port: 8000, interval_seconds: 2}\npods: []\n",
+        )
+        .unwrap();
+        let out = render(&config, &options());
+        assert!(!out.contains("${"), "{out}");
+        assert!(out.contains("name: envoy.clusters.dns\n") && out.contains("dns_refresh_rate: 2s\n"), "{out}");
+        assert!(out.contains("socket_address: { address: vllm.inference.svc.cluster.local, port_value: 8000 }"));
     }
 }

@@ -3,6 +3,7 @@
 //! `kvgate-routing`; see `README.md` beside this crate for the design.
 
 pub mod config;
+pub mod discovery;
 pub mod envoy;
 pub mod http;
 pub mod metrics;

@@ -4,9 +4,11 @@
 use anyhow::Context;
 use axum::serve::ListenerExt;
 use clap::Parser;
+use kvgate_routing::pod_set::PodId;
 use kvgate_scorer::config::Config;
+use kvgate_scorer::discovery::{self, PodEndpoints};
+use kvgate_scorer::http;
 use kvgate_scorer::scorer::Scorer;
-use kvgate_scorer::{http, scrape, subscriber};
 use kvgate_tokenize::Tokenizer;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -53,20 +55,18 @@ async fn main() -> anyhow::Result<()> {
     let admin_listen = config.admin.listen;
     let scorer = Arc::new(Scorer::new(config, tokenizer));
 
-    for (pod, pod_config) in scorer.pods.iter().zip(&scorer.config.pods) {
-        if pod.precise
-            && let Some(endpoint) = &pod_config.kv_events
-        {
-            tokio::spawn(subscriber::run(
-                scorer.clone(),
-                pod.id,
-                endpoint.clone(),
-                pod_config.kv_events_replay.clone(),
-            ));
-        }
-        if let Some(url) = &pod_config.metrics {
-            tokio::spawn(scrape::run(scorer.clone(), pod.id, url.clone()));
-        }
+    // Static pods have ids 0.. in configuration order; their tasks run for good.
+    for (i, p) in scorer.config.pods.iter().enumerate() {
+        let endpoints = PodEndpoints {
+            kv_events: p.kv_events.clone(),
+            kv_events_replay: p.kv_events_replay.clone(),
+            metrics: p.metrics.clone(),
+        };
+        discovery::spawn_pod_tasks(&scorer, PodId(i as u32), &endpoints);
+    }
+    if let Some(dns) = scorer.config.discovery.dns.clone() {
+        tracing::info!(name = %dns.name, port = dns.port, "discovering pods by DNS every {} s", dns.interval_seconds);
+        tokio::spawn(discovery::run_dns(scorer.clone(), dns));
     }
     let expiring = scorer.clone();
     tokio::spawn(async move {
@@ -96,7 +96,7 @@ async fn main() -> anyhow::Result<()> {
                 tracing::warn!("TCP_NODELAY: {e}");
             }
         });
-    tracing::info!(%listen, pods = scorer.pods.len(), policy = ?scorer.config.policy, "kvgate-scorer ready");
+    tracing::info!(%listen, pods = scorer.num_pods(), policy = ?scorer.config.policy, "kvgate-scorer ready");
     axum::serve(listener, http::router(scorer)).with_graceful_shutdown(shutdown_signal()).await?;
     tracing::info!("kvgate-scorer stopped");
     Ok(())

@@ -2,8 +2,8 @@
 //! anything from a request.
 
 use prometheus::{
-    CounterVec, Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
-    TextEncoder,
+    CounterVec, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts,
+    Registry, TextEncoder,
 };
 
 pub struct Metrics {
@@ -17,6 +17,8 @@ pub struct Metrics {
     pub cached_tokens: IntCounter,
     pub kv_events: IntCounterVec,
     pub kv_event_gaps: IntCounterVec,
+    pub discovered_pods: Gauge,
+    pub discovery_errors: IntCounter,
     pub kv_event_batches_missed: IntCounterVec,
     pub kv_event_batches_stale: IntCounterVec,
     pub kv_event_decode_errors: IntCounterVec,
@@ -77,6 +79,8 @@ impl Metrics {
             reg!(IntCounterVec::new(Opts::new("kv_events_total", "KV events applied, by type."), &["pod", "type"]));
         let kv_event_gaps =
             reg!(IntCounterVec::new(Opts::new("kv_event_gaps_total", "Sequence gaps in a pod's events."), &["pod"]));
+        let discovered_pods = reg!(Gauge::new("discovered_pods", "Pods discovery currently sees."));
+        let discovery_errors = reg!(IntCounter::new("discovery_errors_total", "Failed discovery lookups (pods kept)."));
         let kv_event_batches_missed = reg!(IntCounterVec::new(
             Opts::new("kv_event_batches_missed_total", "Batches skipped by sequence gaps (before replay)."),
             &["pod"]
@@ -128,6 +132,8 @@ impl Metrics {
             cached_tokens,
             kv_events,
             kv_event_gaps,
+            discovered_pods,
+            discovery_errors,
             kv_event_batches_missed,
             kv_event_batches_stale,
             kv_event_decode_errors,

@@ -36,7 +36,8 @@ impl From<PromptError> for RouteError {
     }
 }
 
-/// Static facts about a pod.
+/// What the scorer knows of a pod besides routing state (configured or discovered).
+#[derive(Clone, Debug)]
 pub struct Pod {
     pub id: PodId,
     pub name: String,
@@ -59,13 +60,14 @@ struct PodHealth {
 
 struct Core {
     router: Router,
+    /// Indexed by `PodId`; discovered pods are appended, and keep their id when removed.
+    pods: Vec<Pod>,
     health: Vec<PodHealth>,
 }
 
 /// Everything the HTTP handlers and background tasks share.
 pub struct Scorer {
     pub config: Config,
-    pub pods: Vec<Pod>,
     pub metrics: Metrics,
     tokenizer: Tokenizer,
     core: Mutex<Core>,
@@ -108,21 +110,60 @@ impl Scorer {
     /// Builds the scorer. Without a real tokenizer every pod is indexed approximately: the
     /// fallback's token ids are not the engines', so their events could never match.
     pub fn new(config: Config, tokenizer: Tokenizer) -> Self {
-        let precise_possible = tokenizer.is_exact();
-        let mut router = Router::new(&config.router_config());
-        let mut pods = Vec::with_capacity(config.pods.len());
-        for p in &config.pods {
-            let precise = precise_possible && p.kv_events.is_some();
-            let id = router.add_pod(p.role, precise);
-            pods.push(Pod { id, name: p.name.clone(), address: p.address.clone(), role: p.role, precise });
+        let core = Core { router: Router::new(&config.router_config()), pods: Vec::new(), health: Vec::new() };
+        let scorer =
+            Self { config, metrics: Metrics::new(), tokenizer, core: Mutex::new(core), started: Instant::now() };
+        for p in &scorer.config.pods {
+            scorer.add_pod(&p.name, &p.address, p.role, p.kv_events.is_some());
         }
-        let metrics = Metrics::new();
-        for p in &pods {
-            metrics.pod_healthy.with_label_values(&[&p.name]).set(1.0);
-        }
-        // Pods start healthy; scraping demotes them after consecutive failures.
-        let core = Core { router, health: vec![PodHealth::default(); pods.len()] };
-        Self { config, pods, metrics, tokenizer, core: Mutex::new(core), started: Instant::now() }
+        scorer
+    }
+
+    /// Adds a pod (healthy: scraping demotes it after consecutive failures) and returns its
+    /// id. `has_events`: it publishes KV events, so it is indexed precisely when the
+    /// tokenizer is exact (the fallback's token ids could never match an engine's).
+    pub fn add_pod(&self, name: &str, address: &str, role: Role, has_events: bool) -> PodId {
+        let precise = has_events && self.tokenizer.is_exact();
+        let mut core = self.lock();
+        let id = core.router.add_pod(role, precise);
+        core.pods.push(Pod { id, name: name.to_string(), address: address.to_string(), role, precise });
+        core.health.push(PodHealth::default());
+        drop(core);
+        self.metrics.pod_healthy.with_label_values(&[name]).set(1.0);
+        id
+    }
+
+    /// Discovery lost the pod: it is not chosen and its index and bookings are dropped.
+    pub fn remove_pod(&self, pod: PodId) {
+        let mut core = self.lock();
+        core.router.remove_pod(pod);
+        core.health[pod.index()] = PodHealth::default();
+        let name = core.pods[pod.index()].name.clone();
+        drop(core);
+        self.metrics.pod_healthy.with_label_values(&[&name]).set(0.0);
+    }
+
+    /// A removed pod is back at the same address.
+    pub fn restore_pod(&self, pod: PodId) {
+        let mut core = self.lock();
+        core.router.restore_pod(pod);
+        let name = core.pods[pod.index()].name.clone();
+        drop(core);
+        self.metrics.pod_healthy.with_label_values(&[&name]).set(1.0);
+    }
+
+    /// The pod with id `pod`.
+    pub fn pod(&self, pod: PodId) -> Pod {
+        self.lock().pods[pod.index()].clone()
+    }
+
+    /// Pods known so far (removed ones included).
+    pub fn num_pods(&self) -> usize {
+        self.lock().pods.len()
+    }
+
+    fn pod_name(&self, pod: PodId) -> String {
+        self.lock().pods[pod.index()].name.clone()
     }
 
     /// Seconds since start: the clock of bookings and TTLs.
@@ -154,7 +195,18 @@ impl Scorer {
         let request =
             RouteRequest { request_id, chain: &chain, prompt_tokens, max_output_tokens: info.max_output_tokens };
         let now = self.now();
-        let routed = self.lock().router.route(&request, now).map_err(|_| RouteError::NoPod)?;
+        let (routed, pods) = {
+            let mut core = self.lock();
+            let routed = core.router.route(&request, now).map_err(|_| RouteError::NoPod)?;
+            let pod = |id: PodId| core.pods[id.index()].clone();
+            let pods: Vec<Pod> = if explain {
+                routed.candidates.iter().map(|c| pod(c.pod)).collect()
+            } else {
+                std::iter::once(routed.decode.pod).chain(routed.prefill.map(|p| p.pod)).map(pod).collect()
+            };
+            (routed, pods)
+        };
+        let find = |id: PodId| pods.iter().find(|p| p.id == id).expect("chosen pods were collected");
         let (decode, prefill, policy) = (routed.decode, routed.prefill, routed.policy);
         let explain = explain.then(|| {
             routed
@@ -163,7 +215,7 @@ impl Scorer {
                 .zip(&routed.decision.costs)
                 .enumerate()
                 .map(|(i, (c, cost))| {
-                    let p = &self.pods[c.pod.index()];
+                    let p = find(c.pod);
                     PodExplain {
                         pod: p.name.clone(),
                         address: p.address.clone(),
@@ -178,7 +230,7 @@ impl Scorer {
                 })
                 .collect()
         });
-        let pod = &self.pods[decode.pod.index()];
+        let pod = find(decode.pod);
         let route_path = if prefill.is_some() { RoutePath::Pd } else { RoutePath::Direct };
         self.metrics.decisions.with_label_values(&[policy, &pod.name]).inc();
         self.metrics.decisions_by_path.with_label_values(&[if prefill.is_some() { "pd" } else { "direct" }]).inc();
@@ -190,7 +242,7 @@ impl Scorer {
             .prefix_hit_ratio
             .with_label_values(&[policy])
             .inc_by(f64::from(cached_tokens) / f64::from(prompt_tokens.max(1)));
-        let prefill_pod = prefill.map(|p| &self.pods[p.pod.index()]);
+        let prefill_pod = prefill.map(|p| find(p.pod));
         Ok(RouteResponse {
             decode: pod.address.clone(),
             prefill: prefill_pod.map(|p| p.address.clone()),
@@ -228,7 +280,6 @@ impl Scorer {
 
     /// Applies one decoded event batch of a pod.
     pub fn apply_events(&self, pod: PodId, batch: &EventBatch<'_>) {
-        let name = &self.pods[pod.index()].name;
         let (mut stored, mut removed, mut cleared) = (0u64, 0u64, 0u64);
         for e in &batch.events {
             match e {
@@ -238,14 +289,15 @@ impl Scorer {
                 KvEvent::Unknown(_) => {}
             }
         }
-        {
+        let name = {
             let mut core = self.lock();
             core.router.apply_events(pod, batch);
             core.health[pod.index()].events_received += 1;
-        }
+            core.pods[pod.index()].name.clone()
+        };
         for (kind, n) in [("block_stored", stored), ("block_removed", removed), ("all_blocks_cleared", cleared)] {
             if n > 0 {
-                self.metrics.kv_events.with_label_values(&[name, kind]).inc_by(n);
+                self.metrics.kv_events.with_label_values(&[name.as_str(), kind]).inc_by(n);
             }
         }
     }
@@ -253,7 +305,7 @@ impl Scorer {
     /// A message from the pod's event socket could not be decoded.
     pub fn event_decode_error(&self, pod: PodId) {
         self.lock().health[pod.index()].decode_errors += 1;
-        self.metrics.kv_event_decode_errors.with_label_values(&[&self.pods[pod.index()].name]).inc();
+        self.metrics.kv_event_decode_errors.with_label_values(&[&self.pod_name(pod)]).inc();
     }
 
     /// `missed` batches were lost before the one just received.
@@ -264,7 +316,7 @@ impl Scorer {
             health.event_gaps += 1;
             health.batches_missed += missed;
         }
-        let name = &self.pods[pod.index()].name;
+        let name = &self.pod_name(pod);
         self.metrics.kv_event_gaps.with_label_values(&[name]).inc();
         self.metrics.kv_event_batches_missed.with_label_values(&[name]).inc_by(missed);
     }
@@ -272,7 +324,7 @@ impl Scorer {
     /// A duplicate or late batch was dropped.
     pub fn event_stale(&self, pod: PodId) {
         self.lock().health[pod.index()].batches_stale += 1;
-        self.metrics.kv_event_batches_stale.with_label_values(&[&self.pods[pod.index()].name]).inc();
+        self.metrics.kv_event_batches_stale.with_label_values(&[&self.pod_name(pod)]).inc();
     }
 
     /// The pod's index can no longer be trusted (lost events not replayed, engine restart):
@@ -283,9 +335,12 @@ impl Scorer {
 
     /// Result of one scrape of a pod's `/metrics`.
     pub fn scraped(&self, pod: PodId, result: Option<ReportedLoad>) {
-        let name = &self.pods[pod.index()].name;
         let mut core = self.lock();
         let core = &mut *core;
+        if !core.router.is_present(pod) {
+            return; // removed by discovery while this scrape was in flight
+        }
+        let name = &core.pods[pod.index()].name;
         let was_healthy = core.router.is_healthy(pod);
         let health = &mut core.health[pod.index()];
         match result {
@@ -325,9 +380,10 @@ impl Scorer {
     pub fn pods_view(&self) -> Vec<PodView> {
         let now = self.now();
         let core = self.lock();
-        let views: Vec<PodView> = self
+        let views: Vec<PodView> = core
             .pods
             .iter()
+            .filter(|p| core.router.is_present(p.id))
             .map(|p| {
                 let h = core.health[p.id.index()];
                 let load = core.router.load().load(p.id, now);

@@ -27,7 +27,7 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Runs until the process stops, reconnecting after errors.
 pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Option<String>) {
-    let name = scorer.pods[pod.index()].name.clone();
+    let name = scorer.pod(pod).name;
     let mut backoff = Duration::from_millis(100);
     loop {
         // Once connected, the socket reconnects and resubscribes by itself when the publisher
@@ -82,12 +82,12 @@ async fn handle(scorer: &Scorer, pod: PodId, tracker: &mut SequenceTracker, repl
             return;
         }
         Sequencing::Restart => {
-            tracing::info!(pod = %scorer.pods[pod.index()].name, "kv events: sequence restarted at 0 (engine restart): index rebuilt");
+            tracing::info!(pod = %scorer.pod(pod).name, "kv events: sequence restarted at 0 (engine restart): index rebuilt");
             scorer.resync(pod);
         }
         Sequencing::Gap { missing_from, seq } => {
             scorer.event_gap(pod, seq - missing_from);
-            let name = &scorer.pods[pod.index()].name;
+            let name = &scorer.pod(pod).name;
             let recovered = match replay {
                 Some(endpoint) => match fetch_replay(endpoint, missing_from).await {
                     Ok(batches) => apply_replayed(scorer, pod, missing_from, seq, batches),
@@ -117,7 +117,7 @@ fn apply(scorer: &Scorer, pod: PodId, payload: &[u8]) {
     match decode_batch(payload) {
         Ok(batch) => scorer.apply_events(pod, &batch),
         Err(e) => {
-            tracing::debug!(pod = %scorer.pods[pod.index()].name, "kv events: undecodable batch dropped: {e}");
+            tracing::debug!(pod = %scorer.pod(pod).name, "kv events: undecodable batch dropped: {e}");
             scorer.event_decode_error(pod);
         }
     }

@@ -95,6 +95,8 @@ pub struct NoPod;
 struct PodState {
     role: Role,
     precise: bool,
+    /// False once discovery removed the pod (its id is kept for when it comes back).
+    present: bool,
     healthy: bool,
     reported: Option<ReportedLoad>,
 }
@@ -142,8 +144,31 @@ impl Router {
         let id = self.index.add_pod();
         self.approx.add_pod();
         self.load.add_pod();
-        self.pods.push(PodState { role, precise, healthy: true, reported: None });
+        self.pods.push(PodState { role, precise, present: true, healthy: true, reported: None });
         id
+    }
+
+    /// Discovery lost the pod: never chosen, and everything known about it forgotten
+    /// (index entries, bookings, reported load), until [`Router::restore_pod`].
+    pub fn remove_pod(&mut self, pod: PodId) {
+        let state = &mut self.pods[pod.index()];
+        state.present = false;
+        state.healthy = false;
+        state.reported = None;
+        self.index.clear_pod(pod);
+        self.approx.clear_pod(pod);
+        self.load.clear_pod(pod);
+    }
+
+    /// A removed pod is back (same address): healthy, with an empty index.
+    pub fn restore_pod(&mut self, pod: PodId) {
+        let state = &mut self.pods[pod.index()];
+        state.present = true;
+        state.healthy = true;
+    }
+
+    pub fn is_present(&self, pod: PodId) -> bool {
+        self.pods[pod.index()].present
     }
 
     pub fn num_pods(&self) -> usize {
@@ -163,7 +188,8 @@ impl Router {
     }
 
     pub fn is_healthy(&self, pod: PodId) -> bool {
-        self.pods[pod.index()].healthy
+        let state = &self.pods[pod.index()];
+        state.present && state.healthy
     }
 
     /// The load the pod last reported, while healthy.
@@ -178,7 +204,7 @@ impl Router {
 
     /// True when some healthy pod can take requests.
     pub fn ready(&self) -> bool {
-        self.pods.iter().any(|p| p.healthy && p.role.decodes())
+        self.pods.iter().any(|p| p.present && p.healthy && p.role.decodes())
     }
 
     /// Chooses the pod(s) for one request at time `now` and books the choice.
@@ -256,7 +282,7 @@ impl Router {
             .map(PodId)
             .filter(|p| {
                 let s = &self.pods[p.index()];
-                s.healthy && role(s.role)
+                s.present && s.healthy && role(s.role)
             })
             .collect()
     }
@@ -326,6 +352,9 @@ impl Router {
     /// The pod answered a scrape with its load.
     pub fn reported(&mut self, pod: PodId, reported: ReportedLoad) {
         let state = &mut self.pods[pod.index()];
+        if !state.present {
+            return;
+        }
         state.healthy = true;
         state.reported = Some(reported);
     }
@@ -426,6 +455,9 @@ mod tests {
             r.route(&RouteRequest { request_id: "x", chain: &short, prompt_tokens: 64, max_output_tokens: None }, 2.0);
         assert_eq!(none.unwrap_err(), NoPod);
         r.reported(decode[1], ReportedLoad::default());
+        r.remove_pod(decode[0]);
+        r.reported(decode[0], ReportedLoad::default());
+        assert!(!r.is_healthy(decode[0]), "a removed pod stays out whatever it reports");
         assert_eq!(
             r.route(&RouteRequest { request_id: "y", chain: &short, prompt_tokens: 64, max_output_tokens: None }, 3.0)
                 .unwrap()
