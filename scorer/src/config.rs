@@ -140,7 +140,9 @@ impl Default for PdSection {
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DiscoverySection {
-    pub dns: Option<DnsDiscovery>,
+    /// One entry per name, e.g. a prefill and a decode Service with their roles.
+    #[serde(default)]
+    pub dns: Vec<DnsDiscovery>,
 }
 
 /// Pods as the A/AAAA records of one name — a Kubernetes headless Service (what an Envoy
@@ -291,22 +293,28 @@ impl Config {
         if self.block_size == 0 {
             return invalid("block_size", "must be positive");
         }
-        if let Some(dns) = &self.discovery.dns {
+        let mut dns_names = HashSet::new();
+        for (i, dns) in self.discovery.dns.iter().enumerate() {
+            let field = |f: &str| format!("discovery.dns[{i}].{f}");
             if dns.name.trim().is_empty() {
-                return invalid("discovery.dns.name", "must be a DNS name");
+                return invalid(field("name"), "must be a DNS name");
+            }
+            if !dns_names.insert((dns.name.as_str(), dns.port)) {
+                return invalid(field("name"), format!("{}:{} is discovered twice", dns.name, dns.port));
             }
             if dns.port == 0 {
-                return invalid("discovery.dns.port", "must be a port number");
+                return invalid(field("port"), "must be a port number");
             }
             if !positive(dns.interval_seconds) {
-                return invalid("discovery.dns.interval_seconds", "must be a positive number of seconds");
+                return invalid(field("interval_seconds"), "must be a positive number of seconds");
             }
             if let Some(path) = &dns.metrics_path
                 && !path.starts_with('/')
             {
-                return invalid("discovery.dns.metrics_path", format!("{path:?} must start with /"));
+                return invalid(field("metrics_path"), format!("{path:?} must start with /"));
             }
-        } else if self.pods.is_empty() {
+        }
+        if self.pods.is_empty() && self.discovery.dns.is_empty() {
             return invalid("pods", "at least one pod is needed (or configure discovery)");
         }
         let (mut names, mut addresses) = (HashSet::new(), HashSet::new());
@@ -429,11 +437,18 @@ pods:
             ),
             ("policy: {name: fastest}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "fastest"),
             ("health: {unhealthy_after: 0}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "health"),
-            ("discovery:\n  dns: {name: '', port: 8000}\n", "discovery.dns.name"),
-            ("discovery:\n  dns: {name: vllm, port: 0}\n", "discovery.dns.port"),
-            ("discovery:\n  dns: {name: vllm, port: 8000, interval_seconds: 0}\n", "discovery.dns.interval_seconds"),
-            ("discovery:\n  dns: {name: vllm, port: 8000, metrics_path: metrics}\n", "discovery.dns.metrics_path"),
-            ("discovery:\n  dns: {name: vllm, port: 8000, kv_event_port: 1}\n", "kv_event_port"),
+            ("discovery:\n  dns: [{name: '', port: 8000}]\n", "discovery.dns[0].name"),
+            ("discovery:\n  dns: [{name: vllm, port: 0}]\n", "discovery.dns[0].port"),
+            (
+                "discovery:\n  dns: [{name: vllm, port: 8000, interval_seconds: 0}]\n",
+                "discovery.dns[0].interval_seconds",
+            ),
+            ("discovery:\n  dns: [{name: vllm, port: 8000, metrics_path: metrics}]\n", "discovery.dns[0].metrics_path"),
+            ("discovery:\n  dns: [{name: vllm, port: 8000, kv_event_port: 1}]\n", "kv_event_port"),
+            (
+                "discovery:\n  dns: [{name: v, port: 8000}, {name: v, port: 8000, role: decode}]\n",
+                "discovery.dns[1].name",
+            ),
             ("discovery:\n  consul: {}\n", "consul"),
         ];
         for (yaml, needle) in cases {

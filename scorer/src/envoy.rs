@@ -48,20 +48,25 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
             )
         })
         .collect::<String>()
-        + &config.discovery.dns.as_ref().map_or(String::new(), |dns| {
-            // Envoy resolves the same name the scorer discovers pods by; every A/AAAA record
-            // becomes a host `ip:port`, which is what the scorer answers.
-            format!(
-                "        - endpoint:\n            address:\n              socket_address: {{ address: {}, port_value: {} }}\n",
-                dns.name, dns.port
-            )
-        });
+        + &config
+            .discovery
+            .dns
+            .iter()
+            .map(|dns| {
+                // Envoy resolves the names the scorer discovers pods by; every A/AAAA record
+                // becomes a host `ip:port`, which is what the scorer answers.
+                format!(
+                    "        - endpoint:\n            address:\n              socket_address: {{ address: {}, port_value: {} }}\n",
+                    dns.name, dns.port
+                )
+            })
+            .collect::<String>();
     // STATIC, or a strict-DNS cluster (every address a host) refreshed as often as the
     // scorer re-resolves.
-    let discovery = config.discovery.dns.as_ref().map_or("    type: STATIC".to_string(), |dns| {
+    let refresh = config.discovery.dns.iter().map(|d| d.interval_seconds).reduce(f64::min);
+    let discovery = refresh.map_or("    type: STATIC".to_string(), |seconds| {
         format!(
-            "    cluster_type:\n      name: envoy.clusters.dns\n      typed_config:\n        \"@type\": type.googleapis.com/envoy.extensions.clusters.dns.v3.DnsCluster\n        dns_lookup_family: ALL\n        dns_refresh_rate: {}s",
-            dns.interval_seconds
+            "    cluster_type:\n      name: envoy.clusters.dns\n      typed_config:\n        \"@type\": type.googleapis.com/envoy.extensions.clusters.dns.v3.DnsCluster\n        dns_lookup_family: ALL\n        dns_refresh_rate: {seconds}s"
         )
     });
     let replacements = [
@@ -136,12 +141,15 @@ mod tests {
     #[test]
     fn dns_discovery_makes_the_pods_cluster_resolve_the_same_name() {
         let config = Config::parse(
-            "discovery:\n  dns: {name: vllm.inference.svc.cluster.local, port: 8000, interval_seconds: 2}\npods: []\n",
+            "discovery:\n  dns:\n    - {name: vllm.inference.svc.cluster.local, port: 8000, interval_seconds: 2}\n    - {name: vllm-prefill.inference.svc.cluster.local, port: 8000, role: prefill}\npods: []\n",
         )
         .unwrap();
         let out = render(&config, &options());
         assert!(!out.contains("${"), "{out}");
         assert!(out.contains("name: envoy.clusters.dns\n") && out.contains("dns_refresh_rate: 2s\n"), "{out}");
         assert!(out.contains("socket_address: { address: vllm.inference.svc.cluster.local, port_value: 8000 }"));
+        assert!(
+            out.contains("socket_address: { address: vllm-prefill.inference.svc.cluster.local, port_value: 8000 }")
+        );
     }
 }

@@ -64,8 +64,8 @@ async fn main() -> anyhow::Result<()> {
         };
         discovery::spawn_pod_tasks(&scorer, PodId(i as u32), &endpoints);
     }
-    if let Some(dns) = scorer.config.discovery.dns.clone() {
-        tracing::info!(name = %dns.name, port = dns.port, "discovering pods by DNS every {} s", dns.interval_seconds);
+    for dns in scorer.config.discovery.dns.clone() {
+        tracing::info!(name = %dns.name, port = dns.port, role = ?dns.role, "discovering pods by DNS every {} s", dns.interval_seconds);
         tokio::spawn(discovery::run_dns(scorer.clone(), dns));
     }
     let expiring = scorer.clone();

@@ -199,11 +199,11 @@ impl Scorer {
             let mut core = self.lock();
             let routed = core.router.route(&request, now).map_err(|_| RouteError::NoPod)?;
             let pod = |id: PodId| core.pods[id.index()].clone();
-            let pods: Vec<Pod> = if explain {
-                routed.candidates.iter().map(|c| pod(c.pod)).collect()
-            } else {
-                std::iter::once(routed.decode.pod).chain(routed.prefill.map(|p| p.pod)).map(pod).collect()
-            };
+            // The chosen pod(s), and every candidate when explaining (when disaggregated the
+            // candidates are the decode pods, so the prefill pod is collected on its own).
+            let explained = routed.candidates.iter().filter(|_| explain).map(|c| c.pod);
+            let chosen = std::iter::once(routed.decode.pod).chain(routed.prefill.map(|p| p.pod));
+            let pods: Vec<Pod> = chosen.chain(explained).map(pod).collect();
             (routed, pods)
         };
         let find = |id: PodId| pods.iter().find(|p| p.id == id).expect("chosen pods were collected");

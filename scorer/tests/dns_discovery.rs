@@ -21,7 +21,7 @@ async fn pods_behind_a_name_are_found_indexed_and_routed_to_through_envoy() {
     let events_port: u16 = pod.events.rsplit(':').next().unwrap().parse().unwrap();
     let config = format!(
         "tokenizer: {}\nhealth: {{scrape_interval_ms: 100, scrape_timeout_ms: 200, unhealthy_after: 2}}\n\
-         discovery:\n  dns: {{name: localhost, port: {}, kv_events_port: {events_port}, interval_seconds: 0.2}}\n",
+         discovery:\n  dns:\n    - {{name: localhost, port: {}, kv_events_port: {events_port}, interval_seconds: 0.2}}\n",
         tok.display(),
         pod.port
     );
@@ -64,7 +64,7 @@ fn dns(port: u16) -> DnsDiscovery {
 
 #[tokio::test]
 async fn pods_that_disappear_are_forgotten_and_come_back_with_their_id() {
-    let config = Config::parse("discovery:\n  dns: {name: vllm.test, port: 8000}\n").unwrap();
+    let config = Config::parse("discovery:\n  dns: [{name: vllm.test, port: 8000}]\n").unwrap();
     let scorer = Arc::new(Scorer::new(config, Tokenizer::fallback()));
     let mut pods = DnsPods::new(dns(8000));
     let ip = |s: &str| s.parse::<IpAddr>().unwrap();
