@@ -1,8 +1,8 @@
 //! Benchmarks of kvgate's routing core, printed as a table (`make bench-scorer`).
 //!
 //! 1. Decision latency: an 8k-token pre-tokenized prompt over 64 pods with ≈ 1M indexed
-//!    (block, pod) entries — hashing the prompt's blocks, matching them in the index, reading
-//!    every pod's load, the `kv` policy, booking and releasing the request.
+//!    (block, pod) entries — hashing the prompt's blocks and `Router::route`, the scorer's
+//!    whole decision (index and in-flight prefixes, every pod's load, the `kv` policy, booking).
 //! 2. Event ingestion: decoding vLLM-encoded batches and applying them, one core.
 //! 3. Memory per indexed (block, pod) entry, from the index's table capacities.
 //! 4. Tokenization with the real Qwen3 tokenizer (completions and chat, template included).
@@ -10,9 +10,10 @@
 use kvgate_routing::events::decode_batch;
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::index::{IndexConfig, KvIndex};
-use kvgate_routing::load::{Booking, LoadConfig, LoadTracker};
-use kvgate_routing::pod_set::{PodId, PodSet};
-use kvgate_routing::policy::{Candidate, PolicyConfig, RouteInput};
+use kvgate_routing::load::{Lifecycle, LoadConfig};
+use kvgate_routing::pod_set::PodId;
+use kvgate_routing::policy::PolicyConfig;
+use kvgate_routing::router::{Role, RouteRequest, Router, RouterConfig};
 use kvgate_sim::cache::{CacheChange, EngineBlockHash, HashKeys};
 use kvgate_sim::events::{EventEncoder, EventFormat, HashFormat};
 use std::time::{Duration, Instant};
@@ -33,7 +34,7 @@ fn sequence(s: u32) -> Vec<u32> {
 }
 
 /// Stores `tokens` on `pod` as one BlockStored event (engine hashes unique per pod and block).
-fn store(encoder: &EventEncoder, index: &mut KvIndex, pod: PodId, tokens: &[u32], salt: u64) {
+fn store(encoder: &EventEncoder, router: &mut Router, pod: PodId, tokens: &[u32], salt: u64) {
     let n = tokens.len() / BS;
     let hashes: Vec<EngineBlockHash> = (0..n as u64).map(|b| engine_hash(salt * 1_000_000 + b)).collect();
     let change = CacheChange::Stored {
@@ -44,7 +45,7 @@ fn store(encoder: &EventEncoder, index: &mut KvIndex, pod: PodId, tokens: &[u32]
         first_index: 0,
     };
     let payload = encoder.encode_batch(0.0, &[change]);
-    index.apply(pod, &decode_batch(&payload).expect("valid"));
+    router.apply_events(pod, &decode_batch(&payload).expect("valid"));
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -62,76 +63,62 @@ fn main() {
     println!("| benchmark | result | target |");
     println!("|---|---|---|");
 
-    // --- build a 64-pod index with ≈ 1M entries -----------------------------------------------
-    let mut index = KvIndex::new(IndexConfig { block_size: BS, max_blocks_per_pod: 1 << 22 });
-    let pods: Vec<PodId> = (0..PODS).map(|_| index.add_pod()).collect();
+    // --- build a 64-pod index with ≈ 1M entries, inside the Router the scorer uses -----------
+    let mut router = Router::new(&RouterConfig {
+        index: IndexConfig { block_size: BS, max_blocks_per_pod: 1 << 22 },
+        approximate_ttl_seconds: 120.0,
+        load: LoadConfig {
+            block_size: BS,
+            default_output_tokens: 256,
+            decode_tokens_per_second: 50.0,
+            request_ttl: 600.0,
+        },
+        policy: PolicyConfig::default(),
+        prefill_policy: PolicyConfig::default(),
+        decode_policy: PolicyConfig::default(),
+        pd_threshold_tokens: 1024,
+        seed: 1,
+    });
+    let pods: Vec<PodId> = (0..PODS).map(|_| router.add_pod(Role::Both, true)).collect();
     let mut salt = 0;
     for (p, &pod) in pods.iter().enumerate() {
         // 64 sequences of 256 blocks per pod: 16,384 blocks, 1,048,576 entries in all.
         for k in 0..64u32 {
             salt += 1;
-            store(&encoder, &mut index, pod, &sequence(p as u32 * 64 + k), salt);
+            store(&encoder, &mut router, pod, &sequence(p as u32 * 64 + k), salt);
         }
     }
-    let entries = index.entries();
-    let bytes = index.memory_bytes();
+    let entries = router.index().entries();
+    let bytes = router.index().memory_bytes();
     let per_entry = bytes as f64 / entries as f64;
 
     // --- decision latency ----------------------------------------------------------------------
     // An 8192-token prompt whose first 4096 tokens are sequence 0 (held by pod 0 and, via the
-    // shared 1024-token group prefix, partially by 1/16 of the others).
+    // shared 1024-token group prefix, partially by 1/16 of the others): hashing its blocks and
+    // `Router::route` (index and in-flight prefixes, 64 pods' load, the `kv` policy, booking).
     let mut prompt = sequence(0);
     prompt.extend((0..4096u32).map(|i| 900_000 + i));
-    let mut load = LoadTracker::new(LoadConfig {
-        block_size: BS,
-        default_output_tokens: 256,
-        decode_tokens_per_second: 50.0,
-        request_ttl: 600.0,
-    });
-    for _ in 0..PODS {
-        load.add_pod();
-    }
-    let mut policy = PolicyConfig::default().build(1);
-    let eligible: PodSet = pods.iter().copied().collect();
     let mut chain: Vec<SequenceHash> = Vec::with_capacity(prompt.len() / BS);
-    let mut overlap = Vec::with_capacity(PODS);
-    let mut candidates: Vec<Candidate> = Vec::with_capacity(PODS);
     let mut samples = Vec::with_capacity(20_000);
     let mut chosen_cached = 0;
     for i in 0..20_000u64 {
+        let id = i.to_string();
         let t = Instant::now();
         sequence_hashes(root_hash(None, None), &prompt, BS, &mut chain);
-        index.longest_prefixes(&chain, &eligible, &mut overlap);
-        candidates.clear();
-        candidates.extend(pods.iter().map(|&pod| Candidate {
-            pod,
-            cached_tokens: (overlap[pod.index()] as usize).max(load.inflight_prefix(pod, &chain)) as u32 * BS as u32,
-            pod_blocks: index.pod_blocks(pod) as u64,
-            load: load.load(pod, 0.0),
-            reported: None,
-        }));
-        let decision =
-            policy.select(&RouteInput { prompt_tokens: prompt.len() as u32, block_size: BS as u32 }, &candidates);
-        let c = candidates[decision.chosen];
-        let id = i.to_string();
-        load.book(
-            &id,
-            &Booking {
-                pod: c.pod,
-                prompt_tokens: prompt.len() as u32,
-                cached_tokens: c.cached_tokens,
-                chain: &chain,
-                max_output_tokens: Some(128),
-            },
-            0.0,
-        );
+        let request = RouteRequest {
+            request_id: &id,
+            chain: &chain,
+            prompt_tokens: prompt.len() as u32,
+            max_output_tokens: Some(128),
+        };
+        let routed = router.route(&request, 0.0).expect("healthy pods");
         samples.push(t.elapsed());
         if i == 0 {
-            chosen_cached = c.cached_tokens;
+            chosen_cached = routed.cached_tokens();
         }
         // Keep a realistic handful in flight.
         if i >= 32 {
-            let _ = load.report(&(i - 32).to_string(), kvgate_routing::load::Lifecycle::Done, 0.0);
+            let _ = router.report(&(i - 32).to_string(), Lifecycle::Done, false, 0.0);
         }
     }
     assert_eq!(chosen_cached, 4096, "on an idle fleet the pod holding the prefix wins");
