@@ -143,6 +143,38 @@ pub struct DiscoverySection {
     /// One entry per name, e.g. a prefill and a decode Service with their roles.
     #[serde(default)]
     pub dns: Vec<DnsDiscovery>,
+    /// One entry per namespace and label selector.
+    #[serde(default)]
+    pub kubernetes: Vec<KubernetesDiscovery>,
+}
+
+/// Pods from the Kubernetes API: those matching `label_selector` in `namespace` that are
+/// Running, Ready and have an IP, watched (list + watch, relisting when the watch expires).
+/// Needs get/list/watch on pods in that namespace.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KubernetesDiscovery {
+    pub namespace: String,
+    /// e.g. `app.kubernetes.io/name=vllm` (an InferencePool's selector, written as a label
+    /// selector).
+    pub label_selector: String,
+    /// The pods' HTTP port; a pod's annotation `kvgate.io/port` overrides it.
+    pub port: u16,
+    /// KV-event port (annotation `kvgate.io/kv-events-port` overrides it).
+    pub kv_events_port: Option<u16>,
+    /// Replay port (annotation `kvgate.io/kv-events-replay-port` overrides it).
+    pub kv_events_replay_port: Option<u16>,
+    #[serde(default = "default_metrics_path")]
+    pub metrics_path: Option<String>,
+    /// The label carrying a pod's role (`prefill`, `decode`, `both`; absent = both).
+    #[serde(default = "default_role_label")]
+    pub role_label: String,
+    /// The API server; by default the in-cluster service account (or `KUBECONFIG`).
+    pub api_server: Option<String>,
+}
+
+fn default_role_label() -> String {
+    "llm-d.ai/role".into()
 }
 
 /// Pods as the A/AAAA records of one name — a Kubernetes headless Service (what an Envoy
@@ -314,7 +346,29 @@ impl Config {
                 return invalid(field("metrics_path"), format!("{path:?} must start with /"));
             }
         }
-        if self.pods.is_empty() && self.discovery.dns.is_empty() {
+        for (i, k) in self.discovery.kubernetes.iter().enumerate() {
+            let field = |f: &str| format!("discovery.kubernetes[{i}].{f}");
+            if k.namespace.trim().is_empty() {
+                return invalid(field("namespace"), "must name a namespace");
+            }
+            if k.label_selector.trim().is_empty() {
+                return invalid(field("label_selector"), "must select the model's pods (e.g. app=vllm)");
+            }
+            if k.port == 0 {
+                return invalid(field("port"), "must be a port number");
+            }
+            if let Some(url) = &k.api_server
+                && !(url.starts_with("https://") || url.starts_with("http://"))
+            {
+                return invalid(field("api_server"), format!("{url:?} must be an http(s) URL"));
+            }
+            if let Some(path) = &k.metrics_path
+                && !path.starts_with('/')
+            {
+                return invalid(field("metrics_path"), format!("{path:?} must start with /"));
+            }
+        }
+        if self.pods.is_empty() && self.discovery.dns.is_empty() && self.discovery.kubernetes.is_empty() {
             return invalid("pods", "at least one pod is needed (or configure discovery)");
         }
         let (mut names, mut addresses) = (HashSet::new(), HashSet::new());
@@ -450,6 +504,18 @@ pods:
                 "discovery.dns[1].name",
             ),
             ("discovery:\n  consul: {}\n", "consul"),
+            (
+                "discovery:\n  kubernetes: [{namespace: '', label_selector: app=vllm, port: 8000}]\n",
+                "discovery.kubernetes[0].namespace",
+            ),
+            (
+                "discovery:\n  kubernetes: [{namespace: ns, label_selector: ' ', port: 8000}]\n",
+                "discovery.kubernetes[0].label_selector",
+            ),
+            (
+                "discovery:\n  kubernetes: [{namespace: ns, label_selector: a=b, port: 8000, api_server: x}]\n",
+                "api_server",
+            ),
         ];
         for (yaml, needle) in cases {
             let err = Config::parse(yaml).expect_err(yaml).to_string();

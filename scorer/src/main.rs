@@ -64,9 +64,13 @@ async fn main() -> anyhow::Result<()> {
         };
         discovery::spawn_pod_tasks(&scorer, PodId(i as u32), &endpoints);
     }
+    for k in scorer.config.discovery.kubernetes.clone() {
+        tracing::info!(namespace = %k.namespace, selector = %k.label_selector, "discovering pods through the Kubernetes API");
+        tokio::spawn(discovery::kubernetes::run(scorer.clone(), k));
+    }
     for dns in scorer.config.discovery.dns.clone() {
         tracing::info!(name = %dns.name, port = dns.port, role = ?dns.role, "discovering pods by DNS every {} s", dns.interval_seconds);
-        tokio::spawn(discovery::run_dns(scorer.clone(), dns));
+        tokio::spawn(discovery::dns::run(scorer.clone(), dns));
     }
     let expiring = scorer.clone();
     tokio::spawn(async move {

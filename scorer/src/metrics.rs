@@ -2,8 +2,8 @@
 //! anything from a request.
 
 use prometheus::{
-    CounterVec, Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts,
-    Registry, TextEncoder,
+    CounterVec, Encoder, GaugeVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    TextEncoder,
 };
 
 pub struct Metrics {
@@ -17,8 +17,8 @@ pub struct Metrics {
     pub cached_tokens: IntCounter,
     pub kv_events: IntCounterVec,
     pub kv_event_gaps: IntCounterVec,
-    pub discovered_pods: Gauge,
-    pub discovery_errors: IntCounter,
+    pub discovered_pods: GaugeVec,
+    pub discovery_errors: IntCounterVec,
     pub kv_event_batches_missed: IntCounterVec,
     pub kv_event_batches_stale: IntCounterVec,
     pub kv_event_decode_errors: IntCounterVec,
@@ -79,8 +79,12 @@ impl Metrics {
             reg!(IntCounterVec::new(Opts::new("kv_events_total", "KV events applied, by type."), &["pod", "type"]));
         let kv_event_gaps =
             reg!(IntCounterVec::new(Opts::new("kv_event_gaps_total", "Sequence gaps in a pod's events."), &["pod"]));
-        let discovered_pods = reg!(Gauge::new("discovered_pods", "Pods discovery currently sees."));
-        let discovery_errors = reg!(IntCounter::new("discovery_errors_total", "Failed discovery lookups (pods kept)."));
+        let discovered_pods =
+            reg!(GaugeVec::new(Opts::new("discovered_pods", "Pods a discovery source currently sees."), &["source"]));
+        let discovery_errors = reg!(IntCounterVec::new(
+            Opts::new("discovery_errors_total", "Failed discovery lookups or watches (pods kept)."),
+            &["source"]
+        ));
         let kv_event_batches_missed = reg!(IntCounterVec::new(
             Opts::new("kv_event_batches_missed_total", "Batches skipped by sequence gaps (before replay)."),
             &["pod"]

@@ -4,7 +4,7 @@
 
 use kvgate_routing::pod_set::PodId;
 use kvgate_scorer::config::{Config, DnsDiscovery, Role};
-use kvgate_scorer::discovery::DnsPods;
+use kvgate_scorer::discovery::dns::DnsPods;
 use kvgate_scorer::scorer::Scorer;
 use kvgate_test_harness::{EnvoyProcess, ScorerProcess, Sim, qwen3_tokenizer, text};
 use kvgate_tokenize::Tokenizer;

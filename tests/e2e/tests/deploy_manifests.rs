@@ -50,8 +50,9 @@ fn hadolint(files: &[PathBuf]) -> Result<String, String> {
     run(cmd)
 }
 
-const MANIFESTS: [&str; 7] = [
+const MANIFESTS: [&str; 8] = [
     "base/namespace.yaml",
+    "base/rbac.yaml",
     "base/vllm.yaml",
     "base/vllm-pd.yaml",
     "envoy/gateway.yaml",
@@ -75,6 +76,8 @@ fn kubernetes_manifests_pass_the_kubernetes_schemas() {
         "poddisruptionbudget/kvgate-gateway",
         "service/vllm-lb",
         "serviceaccount/kvgate-gateway",
+        "role/kvgate-scorer-pods",
+        "rolebinding/kvgate-scorer-pods",
     ];
     for kind in core {
         assert!(report.contains(&format!("passed for resource {kind}")), "{kind} not validated:\n{report}");

@@ -1,0 +1,236 @@
+//! Kubernetes discovery against an API server stand-in that speaks the real list + watch
+//! protocol (`GET /api/v1/namespaces/{ns}/pods`, a `PodList` with a resourceVersion, then
+//! `?watch=true` streaming one JSON event per line, `ERROR` 410 Gone when a resourceVersion
+//! is too old) with pod objects shaped like the API server's. The scorer's discovery task
+//! runs against it through the real `kube` client and watcher.
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::{Query, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use kvgate_scorer::config::Config;
+use kvgate_scorer::discovery::kubernetes;
+use kvgate_scorer::scorer::Scorer;
+use kvgate_tokenize::Tokenizer;
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+#[derive(Default)]
+struct ApiState {
+    pods: BTreeMap<String, Value>,
+    resource_version: u64,
+    watchers: Vec<mpsc::UnboundedSender<String>>,
+    /// The next watch gets `ERROR` 410 Gone (its resourceVersion is "too old").
+    expire_next_watch: bool,
+    lists: u32,
+    selectors: Vec<String>,
+}
+
+type Shared = Arc<Mutex<ApiState>>;
+
+async fn pods(State(state): State<Shared>, Query(q): Query<HashMap<String, String>>) -> Response {
+    let mut s = state.lock().unwrap();
+    s.selectors.push(q.get("labelSelector").cloned().unwrap_or_default());
+    if q.get("watch").map(String::as_str) == Some("true") || q.get("watch").map(String::as_str) == Some("1") {
+        let (tx, rx) = mpsc::unbounded_channel::<String>();
+        if std::mem::take(&mut s.expire_next_watch) {
+            let gone = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {},
+                "status": "Failure", "message": "too old resource version: 1 (42)", "reason": "Expired", "code": 410}});
+            tx.send(format!("{gone}\n")).unwrap();
+            drop(tx);
+        } else {
+            s.watchers.push(tx);
+        }
+        let stream = futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|line| (Ok::<_, std::convert::Infallible>(line), rx))
+        });
+        return ([("content-type", "application/json")], Body::from_stream(stream)).into_response();
+    }
+    s.lists += 1;
+    let list = json!({"apiVersion": "v1", "kind": "PodList",
+        "metadata": {"resourceVersion": s.resource_version.to_string()},
+        "items": s.pods.values().cloned().collect::<Vec<_>>()});
+    axum::Json(list).into_response()
+}
+
+struct ApiServer {
+    url: String,
+    state: Shared,
+}
+
+impl ApiServer {
+    async fn start() -> ApiServer {
+        let state: Shared = Arc::default();
+        let app = Router::new().route("/api/v1/namespaces/inference/pods", get(pods)).with_state(state.clone());
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        ApiServer { url, state }
+    }
+
+    /// Creates or replaces a pod; watchers see ADDED or MODIFIED unless `silently`.
+    fn put(&self, mut pod: Value, silently: bool) {
+        let mut s = self.state.lock().unwrap();
+        s.resource_version += 1;
+        pod["metadata"]["resourceVersion"] = json!(s.resource_version.to_string());
+        let name = pod["metadata"]["name"].as_str().unwrap().to_string();
+        let kind = if s.pods.contains_key(&name) { "MODIFIED" } else { "ADDED" };
+        s.pods.insert(name, pod.clone());
+        if !silently {
+            let line = format!("{}\n", json!({"type": kind, "object": pod}));
+            s.watchers.retain(|w| w.send(line.clone()).is_ok());
+        }
+    }
+
+    fn delete(&self, name: &str, silently: bool) {
+        let mut s = self.state.lock().unwrap();
+        s.resource_version += 1;
+        let mut pod = s.pods.remove(name).expect("pod exists");
+        pod["metadata"]["resourceVersion"] = json!(s.resource_version.to_string());
+        if !silently {
+            let line = format!("{}\n", json!({"type": "DELETED", "object": pod}));
+            s.watchers.retain(|w| w.send(line.clone()).is_ok());
+        }
+    }
+
+    /// Ends every watch; the next one is answered 410 Gone, so the client must relist.
+    fn expire_watches(&self) {
+        let mut s = self.state.lock().unwrap();
+        s.watchers.clear();
+        s.expire_next_watch = true;
+    }
+}
+
+/// A pod object as the API server returns it.
+fn pod(name: &str, ip: Option<&str>, phase: &str, ready: bool, role: Option<&str>, annotations: Value) -> Value {
+    let mut labels = json!({"app.kubernetes.io/name": "vllm", "pod-template-hash": "7d9f8c6b5"});
+    if let Some(role) = role {
+        labels["llm-d.ai/role"] = json!(role);
+    }
+    let condition = |t: &str, ok: bool| {
+        json!({"type": t, "status": if ok { "True" } else { "False" },
+        "lastProbeTime": null, "lastTransitionTime": "2026-11-22T06:00:00Z"})
+    };
+    let mut status = json!({"phase": phase, "hostIP": "10.0.0.1", "hostIPs": [{"ip": "10.0.0.1"}],
+        "qosClass": "Burstable", "startTime": "2026-11-22T05:59:00Z",
+        "conditions": [condition("PodReadyToStartContainers", true), condition("Initialized", true),
+                       condition("Ready", ready), condition("ContainersReady", ready), condition("PodScheduled", true)]});
+    if let Some(ip) = ip {
+        status["podIP"] = json!(ip);
+        status["podIPs"] = json!([{"ip": ip}]);
+    }
+    json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": "inference", "uid": format!("uid-{name}"),
+            "generateName": "vllm-7d9f8c6b5-", "creationTimestamp": "2026-11-22T05:59:00Z",
+            "labels": labels, "annotations": annotations,
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "vllm-7d9f8c6b5",
+                "uid": "rs-uid", "controller": true, "blockOwnerDeletion": true}]},
+        "spec": {"nodeName": "node-1", "restartPolicy": "Always", "containers": [{"name": "vllm",
+            "image": "vllm/vllm-openai:v0.33.0", "ports": [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]}]},
+        "status": status})
+}
+
+/// Polls until the scorer's present pods (address, role) are `want`.
+async fn wait_pods(scorer: &Scorer, want: &[(&str, &str)]) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let now: Vec<(String, String)> = scorer
+            .pods_view()
+            .into_iter()
+            .map(|p| (p.name, serde_json::to_value(p.role).unwrap().as_str().unwrap().to_string()))
+            .collect();
+        let expected: Vec<(String, String)> = want.iter().map(|(a, r)| (a.to_string(), r.to_string())).collect();
+        if now == expected {
+            return;
+        }
+        assert!(Instant::now() < deadline, "pods {now:?}, expected {expected:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn pods_follow_the_api_server_through_readiness_deletion_and_a_watch_restart() {
+    let api = ApiServer::start().await;
+    let none = json!({});
+    api.put(pod("vllm-a", Some("10.1.0.1"), "Running", true, Some("prefill"), none.clone()), true);
+    api.put(pod("vllm-b", Some("10.1.0.2"), "Running", true, None, none.clone()), true);
+    api.put(pod("vllm-c", None, "Pending", false, Some("decode"), none.clone()), true);
+
+    let yaml = format!(
+        "discovery:\n  kubernetes:\n  - {{namespace: inference, label_selector: app.kubernetes.io/name=vllm, port: 8000, metrics_path: null, api_server: '{}'}}\n",
+        api.url
+    );
+    let config = Config::parse(&yaml).unwrap();
+    let k8s = config.discovery.kubernetes[0].clone();
+    let scorer = Arc::new(Scorer::new(config, Tokenizer::fallback()));
+    tokio::spawn(kubernetes::run(scorer.clone(), k8s));
+
+    // The initial list: Running + Ready pods with an IP; the role from the label (absent = both).
+    wait_pods(&scorer, &[("10.1.0.1:8000", "prefill"), ("10.1.0.2:8000", "both")]).await;
+    assert!(api.state.lock().unwrap().selectors.iter().all(|s| s == "app.kubernetes.io/name=vllm"));
+
+    // Watch events: b turns not-ready, c becomes ready with its port in an annotation, a is
+    // deleted, d is added.
+    api.put(pod("vllm-b", Some("10.1.0.2"), "Running", false, None, none.clone()), false);
+    wait_pods(&scorer, &[("10.1.0.1:8000", "prefill")]).await;
+    let port = json!({"kvgate.io/port": "9000"});
+    api.put(pod("vllm-c", Some("10.1.0.3"), "Running", true, Some("decode"), port), false);
+    wait_pods(&scorer, &[("10.1.0.1:8000", "prefill"), ("10.1.0.3:9000", "decode")]).await;
+    api.delete("vllm-a", false);
+    api.put(pod("vllm-d", Some("10.1.0.4"), "Running", true, Some("both"), none.clone()), false);
+    wait_pods(&scorer, &[("10.1.0.3:9000", "decode"), ("10.1.0.4:8000", "both")]).await;
+
+    // The watch ends and its resourceVersion has expired (410 Gone): while no watch ran, c was
+    // deleted and b became ready again. The relist must show both.
+    let lists_before = api.state.lock().unwrap().lists;
+    api.expire_watches();
+    api.delete("vllm-c", true);
+    api.put(pod("vllm-b", Some("10.1.0.2"), "Running", true, None, none.clone()), true);
+    wait_pods(&scorer, &[("10.1.0.2:8000", "both"), ("10.1.0.4:8000", "both")]).await;
+    assert!(api.state.lock().unwrap().lists > lists_before, "the client relisted after 410 Gone");
+
+    // Routing only ever answers present pods.
+    let body = serde_json::to_vec(&json!({"prompt": "hello", "max_tokens": 4})).unwrap();
+    for i in 0..20 {
+        let routed = scorer.route(&format!("r{i}"), "/v1/completions", &body, false).unwrap();
+        assert!(["10.1.0.2:8000", "10.1.0.4:8000"].contains(&routed.decode.as_str()), "{}", routed.decode);
+    }
+}
+
+#[test]
+fn pods_that_cannot_serve_are_not_discovered() {
+    let config = Config::parse(
+        "discovery:\n  kubernetes:\n  - {namespace: inference, label_selector: app=vllm, port: 8000, kv_events_port: 5557}\n",
+    )
+    .unwrap();
+    let k = &config.discovery.kubernetes[0];
+    let parse = |v: Value| serde_json::from_value::<k8s_openapi::api::core::v1::Pod>(v).unwrap();
+    let none = json!({});
+    let found =
+        kubernetes::discovered(&parse(pod("p", Some("10.1.0.9"), "Running", true, None, none.clone())), k).unwrap();
+    assert_eq!(found.0.to_string(), "10.1.0.9:8000");
+    assert_eq!(found.1.endpoints.kv_events.as_deref(), Some("tcp://10.1.0.9:5557"));
+    assert_eq!(found.1.endpoints.metrics.as_deref(), Some("http://10.1.0.9:8000/metrics"));
+    assert!(
+        kubernetes::discovered(&parse(pod("p", Some("10.1.0.9"), "Running", false, None, none.clone())), k).is_none()
+    );
+    assert!(
+        kubernetes::discovered(&parse(pod("p", Some("10.1.0.9"), "Pending", true, None, none.clone())), k).is_none()
+    );
+    assert!(kubernetes::discovered(&parse(pod("p", None, "Running", true, None, none.clone())), k).is_none());
+    assert!(
+        kubernetes::discovered(&parse(pod("p", Some("10.1.0.9"), "Running", true, Some("router"), none.clone())), k)
+            .is_none()
+    );
+    let mut terminating = pod("p", Some("10.1.0.9"), "Running", true, None, none.clone());
+    terminating["metadata"]["deletionTimestamp"] = json!("2026-11-22T07:00:00Z");
+    assert!(kubernetes::discovered(&parse(terminating), k).is_none());
+    let annotated = json!({"kvgate.io/kv-events-port": "6000", "kvgate.io/port": "not a port"});
+    let found = kubernetes::discovered(&parse(pod("p", Some("fd00::9"), "Running", true, None, annotated)), k).unwrap();
+    assert_eq!(found.0.to_string(), "[fd00::9]:8000", "a malformed annotation is ignored");
+    assert_eq!(found.1.endpoints.kv_events.as_deref(), Some("tcp://[fd00::9]:6000"));
+}
