@@ -1,6 +1,6 @@
 //! DNS discovery: the pods are the A/AAAA records of a name — a Kubernetes headless Service,
-//! which lists only Ready pods — re-resolved every `interval_seconds`, the way Envoy's
-//! strict-DNS cluster resolves the same name.
+//! which lists only Ready pods — re-resolved every `interval_seconds` with the system
+//! resolver (`getaddrinfo`), the way Envoy's strict-DNS cluster resolves the same name.
 
 use super::{DiscoveredPod, PodEndpoints, Registry};
 use crate::config::DnsDiscovery;
@@ -9,24 +9,6 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
-
-/// Turns the name into the pods' IP addresses: the system resolver in production, anything
-/// in tests.
-pub trait Resolve: Send {
-    fn resolve(&mut self) -> impl std::future::Future<Output = std::io::Result<BTreeSet<IpAddr>>> + Send;
-}
-
-/// The system resolver (`getaddrinfo`, as Envoy's DNS clusters use by default).
-pub struct SystemResolver {
-    name: String,
-    port: u16,
-}
-
-impl Resolve for SystemResolver {
-    async fn resolve(&mut self) -> std::io::Result<BTreeSet<IpAddr>> {
-        Ok(tokio::net::lookup_host((self.name.as_str(), self.port)).await?.map(|a| a.ip()).collect())
-    }
-}
 
 /// The pods behind one name.
 pub struct DnsPods {
@@ -60,18 +42,14 @@ impl DnsPods {
 
 /// Resolves `config.name` every `interval_seconds` until the process stops.
 pub async fn run(scorer: Arc<Scorer>, config: DnsDiscovery) {
-    let resolver = SystemResolver { name: config.name.clone(), port: config.port };
-    run_with(scorer, config, resolver).await
-}
-
-/// The discovery loop with any resolver.
-pub async fn run_with(scorer: Arc<Scorer>, config: DnsDiscovery, mut resolver: impl Resolve) {
     let interval = Duration::from_secs_f64(config.interval_seconds);
     let source = format!("dns:{}", config.name);
+    let (name, port) = (config.name.clone(), config.port);
     let mut pods = DnsPods::new(config);
     loop {
-        match resolver.resolve().await {
-            Ok(ips) => {
+        match tokio::net::lookup_host((name.as_str(), port)).await {
+            Ok(addresses) => {
+                let ips: BTreeSet<IpAddr> = addresses.map(|a| a.ip()).collect();
                 pods.update(&scorer, &ips);
                 scorer.metrics.discovered_pods.with_label_values(&[&source]).set(pods.present().len() as f64);
             }

@@ -130,6 +130,29 @@ impl Gen {
     }
 }
 
+/// `n` sessions starting as a Poisson stream of `rate` per second, each made by `session`
+/// (its prefix and turns).
+fn poisson(
+    g: &mut Gen,
+    n: usize,
+    rate: f64,
+    mut session: impl FnMut(&mut Gen) -> (Vec<u32>, Vec<Turn>),
+) -> Vec<Session> {
+    let mut t = 0.0;
+    (0..n)
+        .map(|_| {
+            t += g.exp(1.0 / rate);
+            let (prefix, turns) = session(g);
+            Session { start: t, prefix, turns }
+        })
+        .collect()
+}
+
+/// One turn without think time.
+fn turn(user: Vec<u32>, max_tokens: usize) -> Vec<Turn> {
+    vec![Turn { user, max_tokens, think: 0.0 }]
+}
+
 fn scaled(p: &Params, n: usize) -> usize {
     ((n as f64 * p.scale).round() as usize).max(1)
 }
@@ -140,17 +163,13 @@ fn chat(g: &mut Gen, p: &Params) -> Workload {
     let systems: Vec<Vec<u32>> = (0..8).map(|_| g.text(1500)).collect();
     let users = scaled(p, 60 * p.pods);
     let rate = 4.0 * p.pods as f64 * p.load; // users starting per second
-    let mut t = 0.0;
-    let sessions = (0..users)
-        .map(|_| {
-            t += g.exp(1.0 / rate);
-            let system = systems[g.zipf(systems.len(), 1.0)].clone();
-            let turns = (0..g.between(3, 6))
-                .map(|_| Turn { user: g.text_between(50, 250), max_tokens: g.between(80, 250), think: g.exp(3.0) })
-                .collect();
-            Session { start: t, prefix: system, turns }
-        })
-        .collect();
+    let sessions = poisson(g, users, rate, |g| {
+        let system = systems[g.zipf(systems.len(), 1.0)].clone();
+        let turns = (0..g.between(3, 6))
+            .map(|_| Turn { user: g.text_between(50, 250), max_tokens: g.between(80, 250), think: g.exp(3.0) })
+            .collect();
+        (system, turns)
+    });
     Workload {
         name: "chat",
         description: format!(
@@ -167,15 +186,10 @@ fn documents(g: &mut Gen, p: &Params) -> Workload {
     let docs: Vec<Vec<u32>> = (0..4 * p.pods).map(|_| g.text_between(3000, 6000)).collect();
     let n = scaled(p, 300 * p.pods);
     let rate = 12.0 * p.pods as f64 * p.load;
-    let mut t = 0.0;
-    let sessions = (0..n)
-        .map(|_| {
-            t += g.exp(1.0 / rate);
-            let doc = docs[g.zipf(docs.len(), 0.8)].clone();
-            let turn = Turn { user: g.text_between(20, 80), max_tokens: g.between(50, 150), think: 0.0 };
-            Session { start: t, prefix: doc, turns: vec![turn] }
-        })
-        .collect();
+    let sessions = poisson(g, n, rate, |g| {
+        let doc = docs[g.zipf(docs.len(), 0.8)].clone();
+        (doc, turn(g.text_between(20, 80), g.between(50, 150)))
+    });
     Workload {
         name: "documents",
         description: format!(
@@ -194,14 +208,7 @@ fn unique_long(g: &mut Gen, p: &Params) -> Workload {
     let common = g.text(160);
     let n = scaled(p, 100 * p.pods);
     let rate = 5.0 * p.pods as f64 * p.load;
-    let mut t = 0.0;
-    let sessions = (0..n)
-        .map(|_| {
-            t += g.exp(1.0 / rate);
-            let turn = Turn { user: g.text_between(2000, 6000), max_tokens: g.between(50, 150), think: 0.0 };
-            Session { start: t, prefix: common.clone(), turns: vec![turn] }
-        })
-        .collect();
+    let sessions = poisson(g, n, rate, |g| (common.clone(), turn(g.text_between(2000, 6000), g.between(50, 150))));
     Workload {
         name: "unique-long",
         description: format!(
@@ -218,9 +225,10 @@ fn burst(g: &mut Gen, p: &Params) -> Workload {
     let prefixes: Vec<Vec<u32>> = (0..20).map(|_| g.text(2000)).collect();
     let n = scaled(p, 1000);
     let sessions = (0..n)
-        .map(|i| {
-            let turn = Turn { user: g.text_between(50, 200), max_tokens: 100, think: 0.0 };
-            Session { start: 0.0, prefix: prefixes[i % prefixes.len()].clone(), turns: vec![turn] }
+        .map(|i| Session {
+            start: 0.0,
+            prefix: prefixes[i % prefixes.len()].clone(),
+            turns: turn(g.text_between(50, 200), 100),
         })
         .collect();
     Workload {
@@ -244,14 +252,10 @@ fn capacity(g: &mut Gen, p: &Params) -> Workload {
     let prefixes: Vec<Vec<u32>> = (0..groups).map(|_| g.text(6000)).collect();
     let n = scaled(p, 300 * p.pods);
     let rate = 10.0 * p.pods as f64 * p.load;
-    let mut t = 0.0;
-    let sessions = (0..n)
-        .map(|_| {
-            t += g.exp(1.0 / rate);
-            let turn = Turn { user: g.text_between(30, 100), max_tokens: g.between(50, 100), think: 0.0 };
-            Session { start: t, prefix: prefixes[g.between(0, groups - 1)].clone(), turns: vec![turn] }
-        })
-        .collect();
+    let sessions = poisson(g, n, rate, |g| {
+        let turns = turn(g.text_between(30, 100), g.between(50, 100));
+        (prefixes[g.between(0, groups - 1)].clone(), turns)
+    });
     Workload {
         name: "capacity",
         description: format!(
@@ -268,15 +272,10 @@ fn capacity(g: &mut Gen, p: &Params) -> Workload {
 fn pd_mixed(g: &mut Gen, p: &Params) -> Workload {
     let n = scaled(p, 160 * p.pods);
     let rate = 8.0 * p.pods as f64 * p.load;
-    let mut t = 0.0;
-    let sessions = (0..n)
-        .map(|_| {
-            t += g.exp(1.0 / rate);
-            let len = if g.rng.random::<f64>() < 0.25 { g.between(6000, 10000) } else { g.between(100, 600) };
-            let turn = Turn { user: g.text(len), max_tokens: g.between(100, 300), think: 0.0 };
-            Session { start: t, prefix: Vec::new(), turns: vec![turn] }
-        })
-        .collect();
+    let sessions = poisson(g, n, rate, |g| {
+        let len = if g.rng.random::<f64>() < 0.25 { g.between(6000, 10000) } else { g.between(100, 600) };
+        (Vec::new(), turn(g.text(len), g.between(100, 300)))
+    });
     Workload {
         name: "pd-mixed",
         description: format!(

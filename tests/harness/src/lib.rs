@@ -129,6 +129,23 @@ pub fn free_port() -> u16 {
 /// How long a pod may take to answer `/health` after its start.
 const SIM_START_LIMIT: Duration = Duration::from_secs(20);
 
+/// `vllm-router --policy kv_aware` (the project venv's, PyPI) in front of `pods`, on
+/// loopback `port`, fed every pod's KV events (it connects to tcp endpoints and keeps only
+/// frames with an empty topic); `model` is the name the pods serve.
+pub fn vllm_router_command(port: u16, model: &str, pods: &[Sim]) -> Command {
+    let mut cmd = Command::new(venv_bin("vllm-router"));
+    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--prometheus-host", "127.0.0.1", "--prometheus-port", &free_port().to_string()])
+        .args(["--policy", "kv_aware", "--kv-event-model", model, "--kv-event-block-size", "16"])
+        .args(["--log-level", "warning", "--worker-startup-timeout-secs", "30"])
+        .arg("--worker-urls")
+        .args(pods.iter().map(|p| p.url.clone()));
+    for p in pods {
+        cmd.args(["--kv-event-source", &format!("{}={}", p.url, p.events)]);
+    }
+    cmd
+}
+
 /// A running `kvgate-sim`; killed on drop.
 pub struct Sim {
     child: Child,

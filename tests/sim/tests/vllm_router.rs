@@ -3,9 +3,9 @@
 //! the pod that cached their prefix. The prefixes are cached by sending them to the pods
 //! directly, so the router can only know where they are from the pods' event streams.
 
-use kvgate_test_harness::{Sim, free_port, qwen3_tokenizer, text, venv_bin};
+use kvgate_test_harness::{Sim, free_port, qwen3_tokenizer, text, vllm_router_command};
 use serde_json::json;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 const MODEL: &str = "Qwen/Qwen3-8B";
@@ -29,17 +29,7 @@ async fn vllm_router_kv_aware_follows_the_simulated_events() {
     }
 
     let port = free_port();
-    let mut cmd = Command::new(venv_bin("vllm-router"));
-    cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
-        .args(["--prometheus-host", "127.0.0.1", "--prometheus-port", &free_port().to_string()])
-        .args(["--policy", "kv_aware", "--kv-event-model", MODEL, "--kv-event-block-size", "16"])
-        .args(["--log-level", "warning", "--worker-startup-timeout-secs", "30"])
-        .arg("--worker-urls")
-        .args(pods.iter().map(|p| p.url.clone()));
-    for p in &pods {
-        // vllm-router connects to tcp endpoints and keeps only frames with an empty topic.
-        cmd.args(["--kv-event-source", &format!("{}={}", p.url, p.events)]);
-    }
+    let mut cmd = vllm_router_command(port, MODEL, &pods);
     let _router = Router(cmd.stdout(Stdio::null()).stderr(Stdio::inherit()).spawn().expect("start vllm-router"));
     let base = format!("http://127.0.0.1:{port}");
     let client = reqwest::Client::new();

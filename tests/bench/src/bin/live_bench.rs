@@ -11,7 +11,9 @@ use anyhow::Context;
 use clap::Parser;
 use kvgate_bench::report::svg_bars;
 use kvgate_e2e::{Measured, percentile, send};
-use kvgate_test_harness::{EnvoyProcess, ScorerProcess, Sim, free_port, qwen3_tokenizer, text, venv_bin};
+use kvgate_test_harness::{
+    EnvoyProcess, ScorerProcess, Sim, free_port, qwen3_tokenizer, text, venv_bin, vllm_router_command,
+};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -183,16 +185,7 @@ async fn start(kind: Kind, pods: &[Sim], policy: &str) -> anyhow::Result<Gateway
         }
         Kind::VllmRouter => {
             let port = free_port();
-            let mut cmd = Command::new(venv_bin("vllm-router"));
-            cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
-                .args(["--prometheus-host", "127.0.0.1", "--prometheus-port", &free_port().to_string()])
-                .args(["--policy", "kv_aware", "--kv-event-model", MODEL, "--kv-event-block-size", "16"])
-                .args(["--log-level", "warning", "--worker-startup-timeout-secs", "30"])
-                .arg("--worker-urls")
-                .args(pods.iter().map(|p| p.url.clone()));
-            for p in pods {
-                cmd.args(["--kv-event-source", &format!("{}={}", p.url, p.events)]);
-            }
+            let mut cmd = vllm_router_command(port, MODEL, pods);
             let child = Proc(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().context("start vllm-router")?);
             let url = format!("http://127.0.0.1:{port}");
             wait_healthy(&format!("{url}/health"), Duration::from_secs(60)).await?;
