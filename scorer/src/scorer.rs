@@ -18,7 +18,7 @@ use kvgate_routing::policy::ReportedLoad;
 use kvgate_routing::router::{RouteRequest, Router};
 use kvgate_tokenize::Tokenizer;
 use serde::Serialize;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Why a route call failed.
@@ -61,7 +61,8 @@ struct PodHealth {
 struct Core {
     router: Router,
     /// Indexed by `PodId`; discovered pods are appended, and keep their id when removed.
-    pods: Vec<Pod>,
+    /// Shared so callers take a pod out of the lock without copying its strings.
+    pods: Vec<Arc<Pod>>,
     health: Vec<PodHealth>,
 }
 
@@ -126,7 +127,7 @@ impl Scorer {
         let precise = has_events && self.tokenizer.is_exact();
         let mut core = self.lock();
         let id = core.router.add_pod(role, precise);
-        core.pods.push(Pod { id, name: name.to_string(), address: address.to_string(), role, precise });
+        core.pods.push(Arc::new(Pod { id, name: name.to_string(), address: address.to_string(), role, precise }));
         core.health.push(PodHealth::default());
         drop(core);
         self.metrics.pod_healthy.with_label_values(&[name]).set(1.0);
@@ -138,32 +139,28 @@ impl Scorer {
         let mut core = self.lock();
         core.router.remove_pod(pod);
         core.health[pod.index()] = PodHealth::default();
-        let name = core.pods[pod.index()].name.clone();
+        let p = core.pods[pod.index()].clone();
         drop(core);
-        self.metrics.pod_healthy.with_label_values(&[&name]).set(0.0);
+        self.metrics.pod_healthy.with_label_values(&[&p.name]).set(0.0);
     }
 
     /// A removed pod is back at the same address.
     pub fn restore_pod(&self, pod: PodId) {
         let mut core = self.lock();
         core.router.restore_pod(pod);
-        let name = core.pods[pod.index()].name.clone();
+        let p = core.pods[pod.index()].clone();
         drop(core);
-        self.metrics.pod_healthy.with_label_values(&[&name]).set(1.0);
+        self.metrics.pod_healthy.with_label_values(&[&p.name]).set(1.0);
     }
 
     /// The pod with id `pod`.
-    pub fn pod(&self, pod: PodId) -> Pod {
+    pub fn pod(&self, pod: PodId) -> Arc<Pod> {
         self.lock().pods[pod.index()].clone()
     }
 
     /// Pods known so far (removed ones included).
     pub fn num_pods(&self) -> usize {
         self.lock().pods.len()
-    }
-
-    fn pod_name(&self, pod: PodId) -> String {
-        self.lock().pods[pod.index()].name.clone()
     }
 
     /// Seconds since start: the clock of bookings and TTLs.
@@ -203,7 +200,7 @@ impl Scorer {
             // candidates are the decode pods, so the prefill pod is collected on its own).
             let explained = routed.candidates.iter().filter(|_| explain).map(|c| c.pod);
             let chosen = std::iter::once(routed.decode.pod).chain(routed.prefill.map(|p| p.pod));
-            let pods: Vec<Pod> = chosen.chain(explained).map(pod).collect();
+            let pods: Vec<Arc<Pod>> = chosen.chain(explained).map(pod).collect();
             (routed, pods)
         };
         let find = |id: PodId| pods.iter().find(|p| p.id == id).expect("chosen pods were collected");
@@ -289,15 +286,15 @@ impl Scorer {
                 KvEvent::Unknown(_) => {}
             }
         }
-        let name = {
+        let p = {
             let mut core = self.lock();
             core.router.apply_events(pod, batch);
             core.health[pod.index()].events_received += 1;
-            core.pods[pod.index()].name.clone()
+            core.pods[pod.index()].clone()
         };
         for (kind, n) in [("block_stored", stored), ("block_removed", removed), ("all_blocks_cleared", cleared)] {
             if n > 0 {
-                self.metrics.kv_events.with_label_values(&[name.as_str(), kind]).inc_by(n);
+                self.metrics.kv_events.with_label_values(&[p.name.as_str(), kind]).inc_by(n);
             }
         }
     }
@@ -305,7 +302,7 @@ impl Scorer {
     /// A message from the pod's event socket could not be decoded.
     pub fn event_decode_error(&self, pod: PodId) {
         self.lock().health[pod.index()].decode_errors += 1;
-        self.metrics.kv_event_decode_errors.with_label_values(&[&self.pod_name(pod)]).inc();
+        self.metrics.kv_event_decode_errors.with_label_values(&[&self.pod(pod).name]).inc();
     }
 
     /// `missed` batches were lost before the one just received.
@@ -316,7 +313,7 @@ impl Scorer {
             health.event_gaps += 1;
             health.batches_missed += missed;
         }
-        let name = &self.pod_name(pod);
+        let name = &self.pod(pod).name;
         self.metrics.kv_event_gaps.with_label_values(&[name]).inc();
         self.metrics.kv_event_batches_missed.with_label_values(&[name]).inc_by(missed);
     }
@@ -324,7 +321,7 @@ impl Scorer {
     /// A duplicate or late batch was dropped.
     pub fn event_stale(&self, pod: PodId) {
         self.lock().health[pod.index()].batches_stale += 1;
-        self.metrics.kv_event_batches_stale.with_label_values(&[&self.pod_name(pod)]).inc();
+        self.metrics.kv_event_batches_stale.with_label_values(&[&self.pod(pod).name]).inc();
     }
 
     /// The pod's index can no longer be trusted (lost events not replayed, engine restart):

@@ -27,7 +27,7 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Runs until the process stops, reconnecting after errors.
 pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Option<String>) {
-    let name = scorer.pod(pod).name;
+    let name = scorer.pod(pod).name.clone();
     let mut backoff = Duration::from_millis(100);
     loop {
         // Once connected, the socket reconnects and resubscribes by itself when the publisher

@@ -165,17 +165,15 @@ pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn
         Some((_, other)) => anyhow::bail!("unknown P/D variant {other:?} (pd-always, no-pd)"),
         None => (name, None),
     };
+    // A policy written as YAML (`{name: kv, decode_weight: 0.2}`) is used as written.
+    let policy_yaml = if policy.starts_with('{') { policy.to_string() } else { format!("{{name: {policy}}}") };
     let mut pd = Vec::new();
     if let Some(t) = threshold {
         pd.push(format!("threshold_tokens: {t}"));
     }
     if roles.contains(&PodRole::Prefill) {
-        pd.push(format!("prefill_policy: {{name: {policy}}}, decode_policy: {{name: {policy}}}"));
+        pd.push(format!("prefill_policy: {policy_yaml}, decode_policy: {policy_yaml}"));
     }
     let pd = if pd.is_empty() { String::new() } else { format!("{{{}}}", pd.join(", ")) };
-    // A policy written as YAML (`{name: kv, decode_weight: 0.2}`) is used as written.
-    let policy_yaml = if policy.starts_with('{') { policy.to_string() } else { format!("{{name: {policy}}}") };
-    let policy_name = policy_yaml.trim_matches(['{', '}']).to_string();
-    let pd = pd.replace(&format!("{{name: {policy}}}"), &format!("{{{policy_name}}}"));
     Ok(Box::new(Kvgate::new(roles, &policy_yaml, &pd, seed)?))
 }

@@ -89,7 +89,7 @@ fn child_stderr() -> Stdio {
 /// Polls `url` until it answers 2xx while `child` runs: Ok, or Err saying why not (the
 /// child exited — typically a port taken between [`free_port`] and its bind — or `limit`
 /// passed).
-async fn wait_child_ready(child: &mut Child, url: &str, limit: Duration) -> Result<(), String> {
+pub async fn wait_child_ready(child: &mut Child, url: &str, limit: Duration) -> Result<(), String> {
     let deadline = Instant::now() + limit;
     loop {
         if let Some(status) = child.try_wait().expect("try_wait") {

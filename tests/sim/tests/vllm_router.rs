@@ -3,10 +3,10 @@
 //! the pod that cached their prefix. The prefixes are cached by sending them to the pods
 //! directly, so the router can only know where they are from the pods' event streams.
 
-use kvgate_test_harness::{Sim, free_port, qwen3_tokenizer, text, vllm_router_command};
+use kvgate_test_harness::{Sim, free_port, qwen3_tokenizer, text, vllm_router_command, wait_child_ready};
 use serde_json::json;
 use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 const MODEL: &str = "Qwen/Qwen3-8B";
 
@@ -30,18 +30,11 @@ async fn vllm_router_kv_aware_follows_the_simulated_events() {
 
     let port = free_port();
     let mut cmd = vllm_router_command(port, MODEL, &pods);
-    let _router = Router(cmd.stdout(Stdio::null()).stderr(Stdio::inherit()).spawn().expect("start vllm-router"));
+    let mut router = Router(cmd.stdout(Stdio::null()).stderr(Stdio::inherit()).spawn().expect("start vllm-router"));
     let base = format!("http://127.0.0.1:{port}");
     let client = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(r) = client.get(format!("{base}/health")).send().await
-            && r.status().is_success()
-        {
-            break;
-        }
-        assert!(Instant::now() < deadline, "vllm-router did not come up");
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    if let Err(e) = wait_child_ready(&mut router.0, &format!("{base}/health"), Duration::from_secs(60)).await {
+        panic!("vllm-router did not come up: {e}");
     }
     // Let its SUB sockets connect and subscribe before the events we rely on are sent.
     tokio::time::sleep(Duration::from_secs(1)).await;

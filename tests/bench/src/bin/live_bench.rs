@@ -12,7 +12,7 @@ use clap::Parser;
 use kvgate_bench::report::svg_bars;
 use kvgate_e2e::{Measured, percentile, send};
 use kvgate_test_harness::{
-    EnvoyProcess, ScorerProcess, Sim, free_port, qwen3_tokenizer, text, venv_bin, vllm_router_command,
+    EnvoyProcess, ScorerProcess, Sim, free_port, qwen3_tokenizer, text, venv_bin, vllm_router_command, wait_child_ready,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -132,19 +132,6 @@ mod tempfile_path {
     }
 }
 
-async fn wait_healthy(url: &str, limit: Duration) -> anyhow::Result<()> {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Ok(r) = reqwest::get(url).await
-            && r.status().is_success()
-        {
-            return Ok(());
-        }
-        anyhow::ensure!(Instant::now() < deadline, "{url} did not answer within {limit:?}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 fn scorer_config(pods: &[Sim], policy: &str) -> String {
     let mut config = format!("tokenizer: {}\npolicy: {policy}\npods:\n", qwen3_tokenizer().display());
     for p in pods {
@@ -186,9 +173,11 @@ async fn start(kind: Kind, pods: &[Sim], policy: &str) -> anyhow::Result<Gateway
         Kind::VllmRouter => {
             let port = free_port();
             let mut cmd = vllm_router_command(port, MODEL, pods);
-            let child = Proc(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().context("start vllm-router")?);
+            let mut child = Proc(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().context("start vllm-router")?);
             let url = format!("http://127.0.0.1:{port}");
-            wait_healthy(&format!("{url}/health"), Duration::from_secs(60)).await?;
+            wait_child_ready(&mut child.0, &format!("{url}/health"), Duration::from_secs(60))
+                .await
+                .map_err(|e| anyhow::anyhow!("vllm-router: {e}"))?;
             tokio::time::sleep(Duration::from_secs(1)).await; // its SUB sockets subscribe
             Gateway { url, pids: vec![child.0.id()], _peer: Some(child), ..none }
         }
@@ -200,9 +189,12 @@ async fn start(kind: Kind, pods: &[Sim], policy: &str) -> anyhow::Result<Gateway
                 .args(["--policy", "cache_aware", "--log-level", "warn"])
                 .arg("--worker-urls")
                 .args(pods.iter().map(|p| p.url.clone()));
-            let child = Proc(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().context("start sglang-router")?);
+            let mut child =
+                Proc(cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn().context("start sglang-router")?);
             let url = format!("http://127.0.0.1:{port}");
-            wait_healthy(&format!("{url}/health"), Duration::from_secs(60)).await?;
+            wait_child_ready(&mut child.0, &format!("{url}/health"), Duration::from_secs(60))
+                .await
+                .map_err(|e| anyhow::anyhow!("sglang-router: {e}"))?;
             Gateway { url, pids: vec![child.0.id()], _peer: Some(child), ..none }
         }
     })
