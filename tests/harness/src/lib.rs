@@ -64,10 +64,10 @@ pub fn binary(name: &str) -> PathBuf {
     path
 }
 
-/// The msgpack payload of message `index` of a fixture in `shared/fixtures/` (bytes that
-/// vLLM's own publisher produced).
+/// The msgpack payload of message `index` of a fixture in `tests/fixtures/vllm/` (bytes that
+/// vLLM's own publisher produced; see `tests/fixtures/README.md`).
 pub fn vllm_fixture_payload(file: &str, index: usize) -> Vec<u8> {
-    let path = root().join("../shared/fixtures").join(file);
+    let path = root().join("tests/fixtures/vllm").join(file);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let json: Value = serde_json::from_str(&text).expect("fixture JSON");
     let hex = json["messages"][index]["payload_hex"].as_str().expect("payload_hex");
