@@ -2,6 +2,7 @@
 //! validated in `on_configure`: an invalid configuration refuses to load, with a log line
 //! saying why.
 
+use kvgate_route_api::Api;
 use serde::Deserialize;
 
 /// How a disaggregated request reaches its prefill pod.
@@ -37,8 +38,8 @@ pub struct FilterConfig {
     /// Route-call timeout; beyond it the failure mode applies.
     pub scorer_timeout_ms: u64,
     pub failure_mode: FailureMode,
-    /// Request paths routed by the scorer (exact match, query string ignored); other traffic
-    /// passes untouched.
+    /// Request paths routed by the scorer (exact match, query string ignored), among
+    /// `kvgate_route_api::Api::PATHS`; other traffic passes untouched.
     pub paths: Vec<String>,
     /// Header naming the chosen pod for Envoy's `override_host` load-balancing policy.
     pub destination_header: String,
@@ -64,7 +65,7 @@ impl Default for FilterConfig {
             scorer_authority: "kvgate-scorer".into(),
             scorer_timeout_ms: 100,
             failure_mode: FailureMode::Open,
-            paths: vec!["/v1/completions".into(), "/v1/chat/completions".into()],
+            paths: Api::PATHS.iter().map(|p| p.to_string()).collect(),
             destination_header: "x-gateway-destination-endpoint".into(),
             lifecycle_flush_ms: 20,
             lifecycle_batch_max: 256,
@@ -108,8 +109,12 @@ impl FilterConfig {
         if config.lifecycle_batch_max == 0 {
             return Err("lifecycle_batch_max must be positive".into());
         }
-        if config.paths.is_empty() || config.paths.iter().any(|p| !p.starts_with('/')) {
-            return Err("paths must be a non-empty list of paths starting with '/'".into());
+        // The scorer tokenizes by API, so only the paths of APIs it knows can be routed.
+        if config.paths.is_empty() {
+            return Err(format!("paths must name some of {:?}", Api::PATHS));
+        }
+        if let Some(p) = config.paths.iter().find(|p| Api::from_path(p).is_none() || p.contains('?')) {
+            return Err(format!("paths: {p:?} is not a routed API path (one of {:?})", Api::PATHS));
         }
         for (field, name) in
             [("destination_header", &config.destination_header), ("prefiller_header", &config.prefiller_header)]
@@ -151,6 +156,7 @@ mod tests {
             (r#"{"scorer_timeout_ms": 0}"#, "positive"),
             (r#"{"paths": []}"#, "paths"),
             (r#"{"paths": ["v1/completions"]}"#, "paths"),
+            (r#"{"paths": ["/v1/embeddings"]}"#, "not a routed API path"),
             (r#"{"destination_header": "X-Dest"}"#, "destination_header"),
             (r#"{"scorer_cluster": ""}"#, "scorer_cluster"),
             (r#"{"pd_mode": "sidecar"}"#, "expected `envoy` or `header`"),

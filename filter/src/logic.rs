@@ -1,20 +1,10 @@
 //! The filter's decisions, free of proxy-wasm host calls so they are unit-tested natively:
-//! body validation, reading the scorer's answer, error bodies, usage scanning.
+//! reading the scorer's answer, the prefill and decode legs, error bodies. (Body validation
+//! and usage scanning are shared with the scorer, in `kvgate-route-api`.)
 
 use kvgate_route_api::{ErrorBody, RouteResponse};
 use serde_json::{Map, Value, json};
 use std::net::SocketAddr;
-
-/// Checks that a request body is one JSON object, without building it.
-pub fn validate_body(body: &[u8]) -> Result<(), String> {
-    let first = body.iter().find(|b| !b.is_ascii_whitespace());
-    if first != Some(&b'{') {
-        return Err("request body must be a JSON object".into());
-    }
-    serde_json::from_slice::<serde::de::IgnoredAny>(body)
-        .map(|_| ())
-        .map_err(|e| format!("request body is not valid JSON: {e}"))
-}
 
 /// What the scorer's answer means for the request.
 #[derive(Debug, PartialEq)]
@@ -89,17 +79,6 @@ pub fn error_body(code: u16, kind: &str, message: &str) -> Vec<u8> {
     serde_json::to_vec(&ErrorBody::new(code, kind, message)).unwrap_or_else(|_| b"{}".to_vec())
 }
 
-/// The last `"completion_tokens": N` in a response chunk (usage of a non-streaming answer, or
-/// the usage chunk of a stream).
-pub fn completion_tokens(chunk: &[u8]) -> Option<u32> {
-    const KEY: &[u8] = b"\"completion_tokens\"";
-    let at = chunk.windows(KEY.len()).rposition(|w| w == KEY)?;
-    let rest = &chunk[at + KEY.len()..];
-    let rest = rest.iter().position(|b| !b.is_ascii_whitespace() && *b != b':').map(|i| &rest[i..])?;
-    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
-    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
-}
-
 /// A request id for a request that came without one: time, worker context and a counter.
 pub fn request_id(now_nanos: u128, context_id: u32, counter: u64) -> String {
     format!("kvgate-{:x}-{context_id:x}-{counter:x}", now_nanos & 0xffff_ffff_ffff)
@@ -108,19 +87,6 @@ pub fn request_id(now_nanos: u128, context_id: u32, counter: u64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn bodies_must_be_json_objects() {
-        assert!(validate_body(br#" {"prompt": "x", "n": [1, {"a": null}]}"#).is_ok());
-        for bad in [&b""[..], b"[]", b"\"text\"", b"{\"a\": }", b"{\"a\": 1", b"\xff\xfe", b"{} {}"] {
-            assert!(validate_body(bad).is_err(), "{bad:?}");
-        }
-        // Skipping a value is iterative in serde_json: deep nesting is checked without recursion.
-        let deep = format!("{{\"a\": {}{}}}", "[".repeat(100_000), "]".repeat(100_000));
-        assert!(validate_body(deep.as_bytes()).is_ok());
-        let unbalanced = format!("{{\"a\": {}}}", "[".repeat(100_000));
-        assert!(validate_body(unbalanced.as_bytes()).is_err());
-    }
 
     #[test]
     fn scorer_answers() {
@@ -166,17 +132,6 @@ mod tests {
         );
         assert!(decode_leg_body(original, br#"{"choices":[]}"#).is_err());
         assert!(decode_leg_body(original, b"<html>").is_err());
-    }
-
-    #[test]
-    fn usage_is_found_in_chunks() {
-        assert_eq!(
-            completion_tokens(br#"{"usage":{"prompt_tokens":9,"completion_tokens":42,"total_tokens":51}}"#),
-            Some(42)
-        );
-        assert_eq!(completion_tokens(b"data: {\"usage\": {\"completion_tokens\" : 7}}\n\ndata: [DONE]"), Some(7));
-        assert_eq!(completion_tokens(b"data: {\"choices\":[]}"), None);
-        assert_eq!(completion_tokens(b"\"completion_tokens\":"), None);
     }
 
     #[test]

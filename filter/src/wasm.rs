@@ -428,7 +428,7 @@ impl HttpContext for Request {
         }
         self.body_size = body_size;
         let body = buffer(BufferType::HttpRequestBody, body_size);
-        if let Err(message) = logic::validate_body(&body) {
+        if let Err(message) = kvgate_route_api::validate_json_object(&body) {
             incr(self.shared().metrics.bad_request, 1);
             self.phase = Phase::Settled;
             respond(400, "BadRequestError", &message);
@@ -451,7 +451,7 @@ impl HttpContext for Request {
                 self.first_token = true;
                 self.shared().report(&self.request_id, LifecycleEvent::FirstToken, None);
             }
-            if let Some(n) = logic::completion_tokens(&buffer(BufferType::HttpResponseBody, body_size)) {
+            if let Some(n) = kvgate_route_api::completion_tokens(&buffer(BufferType::HttpResponseBody, body_size)) {
                 self.output_tokens = Some(n);
             }
         }

@@ -11,8 +11,71 @@
 //!
 //! **Lifecycle** — `POST /v1/lifecycle` with a [`LifecycleBatch`]: the filter reports each
 //! routed request's first token and end, batched, so the scorer can release its bookings.
+//!
+//! Also shared by both sides: which request paths are routed ([`Api`]), the first check of a
+//! request body ([`validate_json_object`]) and the scan of a response for its output size
+//! ([`completion_tokens`]) — the Endpoint Picker reads responses the way the filter does.
 
 use serde::{Deserialize, Serialize};
+
+/// The OpenAI APIs kvgate routes, by request path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Api {
+    Completions,
+    ChatCompletions,
+}
+
+impl Api {
+    /// Every routed path.
+    pub const PATHS: [&'static str; 2] = ["/v1/completions", "/v1/chat/completions"];
+
+    /// The API of a request path (query string ignored); `None` for anything else.
+    pub fn from_path(path: &str) -> Option<Api> {
+        match path.split('?').next().unwrap_or_default() {
+            "/v1/completions" => Some(Api::Completions),
+            "/v1/chat/completions" => Some(Api::ChatCompletions),
+            _ => None,
+        }
+    }
+
+    /// Its name in metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Api::Completions => "completions",
+            Api::ChatCompletions => "chat",
+        }
+    }
+}
+
+/// Checks that a request body is one JSON object, without building it (skipping values is
+/// iterative in serde_json: deep nesting costs no stack). The message is the client's 400.
+pub fn validate_json_object(body: &[u8]) -> Result<(), String> {
+    if !starts_as_object(body) {
+        return Err(NOT_AN_OBJECT.into());
+    }
+    serde_json::from_slice::<serde::de::IgnoredAny>(body)
+        .map(|_| ())
+        .map_err(|e| format!("request body is not valid JSON: {e}"))
+}
+
+/// The 400 message for a body that is not a JSON object.
+pub const NOT_AN_OBJECT: &str = "request body must be a JSON object";
+
+/// Whether the first non-blank byte opens an object.
+pub fn starts_as_object(body: &[u8]) -> bool {
+    body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
+}
+
+/// The last `"completion_tokens": N` in a response chunk (usage of a non-streaming answer, or
+/// the usage chunk of a stream).
+pub fn completion_tokens(chunk: &[u8]) -> Option<u32> {
+    const KEY: &[u8] = b"\"completion_tokens\"";
+    let at = chunk.windows(KEY.len()).rposition(|w| w == KEY)?;
+    let rest = &chunk[at + KEY.len()..];
+    let rest = rest.iter().position(|b| !b.is_ascii_whitespace() && *b != b':').map(|i| &rest[i..])?;
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
+}
 
 /// Request id of the routed request (the filter forwards or generates `x-request-id`).
 pub const HEADER_REQUEST_ID: &str = "x-request-id";
@@ -137,6 +200,37 @@ pub struct LifecycleBatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paths_map_to_apis() {
+        assert_eq!(Api::from_path("/v1/completions"), Some(Api::Completions));
+        assert_eq!(Api::from_path("/v1/chat/completions?x=1"), Some(Api::ChatCompletions));
+        assert_eq!(Api::from_path("/v1/embeddings"), None);
+        assert!(Api::PATHS.iter().all(|p| Api::from_path(p).is_some()));
+    }
+
+    #[test]
+    fn bodies_must_be_json_objects() {
+        assert!(validate_json_object(br#" {"prompt": "x", "n": [1, {"a": null}]}"#).is_ok());
+        for bad in [&b""[..], b"[]", b"\"text\"", b"{\"a\": }", b"{\"a\": 1", b"\xff\xfe", b"{} {}"] {
+            assert!(validate_json_object(bad).is_err(), "{bad:?}");
+        }
+        let deep = format!("{{\"a\": {}{}}}", "[".repeat(100_000), "]".repeat(100_000));
+        assert!(validate_json_object(deep.as_bytes()).is_ok());
+        let unbalanced = format!("{{\"a\": {}}}", "[".repeat(100_000));
+        assert!(validate_json_object(unbalanced.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn usage_is_found_in_chunks() {
+        assert_eq!(
+            completion_tokens(br#"{"usage":{"prompt_tokens":9,"completion_tokens":42,"total_tokens":51}}"#),
+            Some(42)
+        );
+        assert_eq!(completion_tokens(b"data: {\"usage\": {\"completion_tokens\" : 7}}\n\ndata: [DONE]"), Some(7));
+        assert_eq!(completion_tokens(b"data: {\"choices\":[]}"), None);
+        assert_eq!(completion_tokens(b"\"completion_tokens\":"), None);
+    }
 
     #[test]
     fn wire_shapes_are_stable() {

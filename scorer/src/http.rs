@@ -1,14 +1,17 @@
 //! The scorer's HTTP API (see the README): `/v1/route`, `/v1/lifecycle`, `/v1/pods`,
 //! `/metrics`, `/healthz`, `/readyz`.
 
-use crate::scorer::{RouteError, Scorer};
+use crate::scorer::{Limits, Pick, RouteError, Scorer};
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
-use kvgate_route_api::{ErrorBody, HEADER_API_PATH, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, ROUTE_PATH};
+use kvgate_route_api::{
+    Api, ErrorBody, HEADER_API_PATH, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, ROUTE_PATH, RoutePath,
+    RouteResponse,
+};
 use serde::Deserialize;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -70,8 +73,14 @@ async fn route(
         return error(StatusCode::BAD_REQUEST, "BadRequestError", format!("missing header {HEADER_API_PATH}"));
     };
     let explain = scorer.config.admin.debug_endpoints && matches!(query.explain.as_deref(), Some("1" | "true"));
-    match scorer.route(&request_id, path, &body, explain) {
-        Ok(decision) => Json(decision).into_response(),
+    let decided = match Api::from_path(path) {
+        Some(api) => scorer
+            .prepare(api, &body)
+            .and_then(|prepared| scorer.decide(&request_id, &prepared, &Limits { explain, ..Limits::default() })),
+        None => Err(RouteError::BadRequest(format!("kvgate routes {:?}, not {path:?}", Api::PATHS))),
+    };
+    match decided {
+        Ok(pick) => Json(route_response(pick)).into_response(),
         Err(e) => {
             let (status, kind) = match e {
                 RouteError::BadRequest(_) => (StatusCode::BAD_REQUEST, "BadRequestError"),
@@ -80,6 +89,23 @@ async fn route(
             scorer.metrics.route_errors.with_label_values(&[status.as_str()]).inc();
             error(status, kind, e.to_string())
         }
+    }
+}
+
+/// The route call's answer (the filter's wire contract).
+fn route_response(pick: Pick) -> RouteResponse {
+    RouteResponse {
+        decode: pick.decode.address.clone(),
+        prefill: pick.prefill.as_ref().map(|p| p.address.clone()),
+        pod: pick.decode.name.clone(),
+        prefill_pod: pick.prefill.as_ref().map(|p| p.name.clone()),
+        path: if pick.prefill.is_some() { RoutePath::Pd } else { RoutePath::Direct },
+        uncached_tokens: pick.uncached_tokens,
+        threshold_tokens: pick.threshold_tokens,
+        policy: pick.policy.to_string(),
+        prompt_tokens: pick.prompt_tokens,
+        cached_tokens: pick.cached_tokens,
+        explain: pick.explain,
     }
 }
 

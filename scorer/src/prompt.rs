@@ -1,27 +1,11 @@
 //! From an OpenAI request body to what routing needs: the prompt's token ids as the engine
 //! will see them, the adapter and salt that seed its block hashes, and its output budget.
 
+use kvgate_route_api::Api;
+use kvgate_route_api::{NOT_AN_OBJECT, starts_as_object};
 use kvgate_tokenize::{ChatOptions, Tokenizer};
 use serde::Deserialize;
 use serde_json::{Map, Value};
-
-/// The two APIs kvgate routes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Api {
-    Completions,
-    ChatCompletions,
-}
-
-impl Api {
-    /// The API of a request path (query string ignored); `None` for anything else.
-    pub fn from_path(path: &str) -> Option<Api> {
-        match path.split('?').next().unwrap_or_default() {
-            "/v1/completions" => Some(Api::Completions),
-            "/v1/chat/completions" => Some(Api::ChatCompletions),
-            _ => None,
-        }
-    }
-}
 
 /// Why a body cannot be routed (the client's fault: HTTP 400).
 #[derive(Debug, thiserror::Error)]
@@ -72,12 +56,14 @@ pub fn extract(
     body: &[u8],
     lora_adapters: &[String],
 ) -> Result<PromptInfo, PromptError> {
-    let value: Value =
-        serde_json::from_slice(body).map_err(|e| PromptError(format!("request body is not valid JSON: {e}")))?;
-    if !value.is_object() {
-        return Err(PromptError("request body must be a JSON object".into()));
+    if !starts_as_object(body) {
+        return Err(PromptError(NOT_AN_OBJECT.into()));
     }
-    let body: Body = serde_json::from_value(value).map_err(|e| PromptError(format!("invalid request: {e}")))?;
+    // One parse, straight into the fields routing reads (the rest of the body is skipped).
+    let body: Body = serde_json::from_slice(body).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => PromptError(format!("invalid request: {e}")),
+        _ => PromptError(format!("request body is not valid JSON: {e}")),
+    })?;
     let tokens = match api {
         Api::Completions => {
             let add_special = body.add_special_tokens.unwrap_or(true);
@@ -131,13 +117,6 @@ mod tests {
 
     fn fallback(api: Api, body: &str) -> Result<PromptInfo, PromptError> {
         extract(&Tokenizer::fallback(), api, body.as_bytes(), &["sql".to_string()])
-    }
-
-    #[test]
-    fn paths_map_to_apis() {
-        assert_eq!(Api::from_path("/v1/completions"), Some(Api::Completions));
-        assert_eq!(Api::from_path("/v1/chat/completions?x=1"), Some(Api::ChatCompletions));
-        assert_eq!(Api::from_path("/v1/embeddings"), None);
     }
 
     #[test]

@@ -7,17 +7,19 @@
 
 use crate::config::{Config, Role};
 use crate::metrics::Metrics;
-use crate::prompt::{self, Api, PromptError};
-use kvgate_route_api::{LifecycleEvent, LifecycleReport, PodExplain, RoutePath, RouteResponse};
+use crate::prompt::{self, PromptError};
+use ahash::AHashMap;
+use kvgate_route_api::{Api, LifecycleEvent, LifecycleReport, PodExplain};
 use kvgate_routing::events::{EventBatch, KvEvent};
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::index::PodIndexStats;
 use kvgate_routing::load::Lifecycle;
-use kvgate_routing::pod_set::PodId;
+use kvgate_routing::pod_set::{PodId, PodSet};
 use kvgate_routing::policy::ReportedLoad;
 use kvgate_routing::router::{RouteRequest, Router};
 use kvgate_tokenize::Tokenizer;
 use serde::Serialize;
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -33,6 +35,58 @@ pub enum RouteError {
 impl From<PromptError> for RouteError {
     fn from(e: PromptError) -> Self {
         RouteError::BadRequest(e.0)
+    }
+}
+
+/// A request ready for a decision: its block chain and sizes ([`Scorer::prepare`]).
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    pub chain: Vec<SequenceHash>,
+    pub prompt_tokens: u32,
+    pub max_output_tokens: Option<u32>,
+}
+
+/// What the entry path asks of a decision besides the request itself.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Limits<'a> {
+    /// Only these pods may serve (the proxy's subset hint).
+    pub subset: Option<&'a PodSet>,
+    /// Next-best pods to name after the pick, for the proxy's retries.
+    pub fallbacks: usize,
+    /// Collect every candidate's figures (`?explain=1`).
+    pub explain: bool,
+}
+
+/// A decision with its pods resolved: what each entry path maps to its own wire format.
+#[derive(Clone, Debug)]
+pub struct Pick {
+    /// The pod that serves the request (decodes it, when disaggregated).
+    pub decode: Arc<Pod>,
+    /// The pod that prefills it first, when disaggregated.
+    pub prefill: Option<Arc<Pod>>,
+    /// Where the proxy retries if `decode` refuses the connection, best first.
+    pub fallbacks: Vec<Arc<Pod>>,
+    pub policy: &'static str,
+    pub prompt_tokens: u32,
+    /// Prompt tokens cached where the prompt is computed.
+    pub cached_tokens: u32,
+    /// Prompt tokens not cached on the best decode-capable pod (what the P/D threshold weighs).
+    pub uncached_tokens: u32,
+    /// The P/D threshold applied (absent without prefill pods).
+    pub threshold_tokens: Option<u32>,
+    pub explain: Option<Vec<PodExplain>>,
+}
+
+impl Pick {
+    /// The pick then its fallbacks, `ip:port,ip:port,…`: the value of
+    /// `x-gateway-destination-endpoint` (the GIE convention, what `override_host` walks).
+    pub fn destinations(&self) -> String {
+        let mut out = self.decode.address.clone();
+        for p in &self.fallbacks {
+            out.push(',');
+            out.push_str(&p.address);
+        }
+        out
     }
 }
 
@@ -64,6 +118,8 @@ struct Core {
     /// Shared so callers take a pod out of the lock without copying its strings.
     pods: Vec<Arc<Pod>>,
     health: Vec<PodHealth>,
+    /// Pods by the address the proxy routes to (subset hints, served endpoints).
+    by_address: AHashMap<SocketAddr, PodId>,
 }
 
 /// Everything the HTTP handlers and background tasks share.
@@ -111,7 +167,12 @@ impl Scorer {
     /// Builds the scorer. Without a real tokenizer every pod is indexed approximately: the
     /// fallback's token ids are not the engines', so their events could never match.
     pub fn new(config: Config, tokenizer: Tokenizer) -> Self {
-        let core = Core { router: Router::new(&config.router_config()), pods: Vec::new(), health: Vec::new() };
+        let core = Core {
+            router: Router::new(&config.router_config()),
+            pods: Vec::new(),
+            health: Vec::new(),
+            by_address: AHashMap::new(),
+        };
         let scorer =
             Self { config, metrics: Metrics::new(), tokenizer, core: Mutex::new(core), started: Instant::now() };
         for p in &scorer.config.pods {
@@ -129,6 +190,11 @@ impl Scorer {
         let id = core.router.add_pod(role, precise);
         core.pods.push(Arc::new(Pod { id, name: name.to_string(), address: address.to_string(), role, precise }));
         core.health.push(PodHealth::default());
+        // Configured and discovered addresses are `ip:port` (validated); a later pod at the
+        // same address (discovery re-adding it with another role) takes it over.
+        if let Ok(socket) = address.parse() {
+            core.by_address.insert(socket, id);
+        }
         drop(core);
         self.metrics.pod_healthy.with_label_values(&[name]).set(1.0);
         id
@@ -173,84 +239,88 @@ impl Scorer {
         self.core.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Chooses the pod for one request — or, when disaggregation pays off, a prefill pod and
-    /// a decode pod.
-    pub fn route(&self, request_id: &str, path: &str, body: &[u8], explain: bool) -> Result<RouteResponse, RouteError> {
-        let api = Api::from_path(path).ok_or_else(|| {
-            RouteError::BadRequest(format!("kvgate routes /v1/completions and /v1/chat/completions, not {path:?}"))
-        })?;
+    /// The lock-free half of a decision: the body parsed once, tokenized as the engine will
+    /// tokenize it, and hashed into its block chain. CPU-bound (tokenization), no shared
+    /// state touched: both entry paths (the filter's route call, the Endpoint Picker) call it
+    /// before [`Scorer::decide`].
+    pub fn prepare(&self, api: Api, body: &[u8]) -> Result<Prepared, RouteError> {
         let t0 = Instant::now();
         let info = prompt::extract(&self.tokenizer, api, body, &self.config.lora_adapters)?;
-        let api_label = if api == Api::Completions { "completions" } else { "chat" };
-        self.metrics.tokenize_seconds.with_label_values(&[api_label]).observe(t0.elapsed().as_secs_f64());
-
-        let t1 = Instant::now();
-        let mut chain: Vec<SequenceHash> = Vec::new();
+        self.metrics.tokenize_seconds.with_label_values(&[api.label()]).observe(t0.elapsed().as_secs_f64());
+        let mut chain = Vec::with_capacity(info.tokens.len() / self.config.block_size + 1);
         let root = root_hash(info.lora_name.as_deref(), info.cache_salt.as_deref());
         sequence_hashes(root, &info.tokens, self.config.block_size, &mut chain);
-        let prompt_tokens = info.tokens.len() as u32;
-        let request =
-            RouteRequest { request_id, chain: &chain, prompt_tokens, max_output_tokens: info.max_output_tokens };
-        let now = self.now();
-        let (routed, pods) = {
-            let mut core = self.lock();
-            let routed = core.router.route(&request, now).map_err(|_| RouteError::NoPod)?;
-            let pod = |id: PodId| core.pods[id.index()].clone();
-            // The chosen pod(s), and every candidate when explaining (when disaggregated the
-            // candidates are the decode pods, so the prefill pod is collected on its own).
-            let explained = routed.candidates.iter().filter(|_| explain).map(|c| c.pod);
-            let chosen = std::iter::once(routed.decode.pod).chain(routed.prefill.map(|p| p.pod));
-            let pods: Vec<Arc<Pod>> = chosen.chain(explained).map(pod).collect();
-            (routed, pods)
+        Ok(Prepared { chain, prompt_tokens: info.tokens.len() as u32, max_output_tokens: info.max_output_tokens })
+    }
+
+    /// The pods at these addresses (unknown ones are left out): a proxy's subset hint.
+    pub fn pods_at(&self, addresses: &[SocketAddr]) -> PodSet {
+        let core = self.lock();
+        addresses.iter().filter_map(|a| core.by_address.get(a).copied()).collect()
+    }
+
+    /// Chooses the pod for one prepared request — or, when disaggregation pays off, a prefill
+    /// pod and a decode pod — under the shared lock, books it, and counts it.
+    pub fn decide(&self, request_id: &str, prepared: &Prepared, limits: &Limits<'_>) -> Result<Pick, RouteError> {
+        let t1 = Instant::now();
+        let request = RouteRequest {
+            subset: limits.subset,
+            fallbacks: limits.fallbacks,
+            ..RouteRequest::new(request_id, &prepared.chain, prepared.prompt_tokens, prepared.max_output_tokens)
         };
-        let find = |id: PodId| pods.iter().find(|p| p.id == id).expect("chosen pods were collected");
-        let (decode, prefill, policy) = (routed.decode, routed.prefill, routed.policy);
-        let explain = explain.then(|| {
+        let now = self.now();
+        let mut core = self.lock();
+        let routed = core.router.route(&request, now).map_err(|_| RouteError::NoPod)?;
+        let pod = |id: PodId| core.pods[id.index()].clone();
+        let decode = pod(routed.decode.pod);
+        let prefill = routed.prefill.map(|p| pod(p.pod));
+        let fallbacks: Vec<Arc<Pod>> = routed.fallbacks.iter().map(|&id| pod(id)).collect();
+        // Every candidate, when explaining (disaggregated: the decode candidates).
+        let explained: Vec<Arc<Pod>> =
+            if limits.explain { routed.candidates.iter().map(|c| pod(c.pod)).collect() } else { Vec::new() };
+        drop(core);
+
+        let explain = limits.explain.then(|| {
             routed
                 .candidates
                 .iter()
                 .zip(&routed.decision.costs)
+                .zip(&explained)
                 .enumerate()
-                .map(|(i, (c, cost))| {
-                    let p = find(c.pod);
-                    PodExplain {
-                        pod: p.name.clone(),
-                        address: p.address.clone(),
-                        cached_blocks: c.cached_tokens / self.config.block_size as u32,
-                        cached_tokens: c.cached_tokens,
-                        queued_prefill_tokens: c.load.queued_prefill_tokens,
-                        decode_blocks: c.load.decode_blocks,
-                        inflight_requests: c.load.inflight_requests,
-                        cost: *cost,
-                        chosen: i == routed.decision.chosen,
-                    }
+                .map(|(i, ((c, cost), p))| PodExplain {
+                    pod: p.name.clone(),
+                    address: p.address.clone(),
+                    cached_blocks: c.cached_tokens / self.config.block_size as u32,
+                    cached_tokens: c.cached_tokens,
+                    queued_prefill_tokens: c.load.queued_prefill_tokens,
+                    decode_blocks: c.load.decode_blocks,
+                    inflight_requests: c.load.inflight_requests,
+                    cost: *cost,
+                    chosen: i == routed.decision.chosen,
                 })
                 .collect()
         });
-        let pod = find(decode.pod);
-        let route_path = if prefill.is_some() { RoutePath::Pd } else { RoutePath::Direct };
-        self.metrics.decisions.with_label_values(&[policy, &pod.name]).inc();
+        let cached_tokens = routed.cached_tokens();
+        let prompt_tokens = prepared.prompt_tokens;
+        let policy = routed.policy;
+        self.metrics.decisions.with_label_values(&[policy, &decode.name]).inc();
         self.metrics.decisions_by_path.with_label_values(&[if prefill.is_some() { "pd" } else { "direct" }]).inc();
         self.metrics.decision_seconds.observe(t1.elapsed().as_secs_f64());
         self.metrics.prompt_tokens.inc_by(u64::from(prompt_tokens));
-        let cached_tokens = routed.cached_tokens();
         self.metrics.cached_tokens.inc_by(u64::from(cached_tokens));
         self.metrics
             .prefix_hit_ratio
             .with_label_values(&[policy])
             .inc_by(f64::from(cached_tokens) / f64::from(prompt_tokens.max(1)));
-        let prefill_pod = prefill.map(|p| find(p.pod));
-        Ok(RouteResponse {
-            decode: pod.address.clone(),
-            prefill: prefill_pod.map(|p| p.address.clone()),
-            pod: pod.name.clone(),
-            prefill_pod: prefill_pod.map(|p| p.name.clone()),
-            path: route_path,
-            uncached_tokens: routed.uncached_tokens,
-            threshold_tokens: routed.prefill_pods.then_some(self.config.pd.threshold_tokens),
-            policy: policy.to_string(),
+        Ok(Pick {
+            decode,
+            prefill,
+            fallbacks,
+            policy,
             prompt_tokens,
             cached_tokens,
+            uncached_tokens: routed.uncached_tokens,
+            threshold_tokens: routed.prefill_pods.then_some(self.config.pd.threshold_tokens),
             explain,
         })
     }

@@ -2,10 +2,11 @@
 //! name that resolves here (`localhost`), end to end through Envoy, whose pods cluster
 //! resolves the same name; and the add / remove / come-back logic with a scripted resolver.
 
+use kvgate_route_api::Api;
 use kvgate_routing::pod_set::PodId;
 use kvgate_scorer::config::{Config, DnsDiscovery, Role};
 use kvgate_scorer::discovery::dns::DnsPods;
-use kvgate_scorer::scorer::Scorer;
+use kvgate_scorer::scorer::{Limits, Scorer};
 use kvgate_test_harness::{EnvoyProcess, ScorerProcess, Sim, qwen3_tokenizer, text};
 use kvgate_tokenize::Tokenizer;
 use serde_json::json;
@@ -71,7 +72,8 @@ async fn pods_that_disappear_are_forgotten_and_come_back_with_their_id() {
     let set = |ips: &[&str]| ips.iter().map(|s| ip(s)).collect::<BTreeSet<_>>();
     let route = |id: &str| {
         let body = serde_json::to_vec(&json!({"prompt": "hello there", "max_tokens": 4})).unwrap();
-        scorer.route(id, "/v1/completions", &body, false)
+        let prepared = scorer.prepare(Api::Completions, &body).unwrap();
+        scorer.decide(id, &prepared, &Limits::default()).map(|pick| pick.decode.address.clone())
     };
 
     assert!(route("none").is_err(), "no pod before discovery found one");
@@ -80,13 +82,13 @@ async fn pods_that_disappear_are_forgotten_and_come_back_with_their_id() {
     let names: Vec<String> = scorer.pods_view().into_iter().map(|p| p.name).collect();
     assert_eq!(names, ["10.0.0.1:8000", "10.0.0.2:8000"]);
     let first = route("r1").unwrap();
-    assert!(first.decode.starts_with("10.0.0."));
+    assert!(first.starts_with("10.0.0."));
 
     // 10.0.0.1 disappears: never answered again, and gone from /v1/pods.
     pods.update(&scorer, &set(&["10.0.0.2"]));
     assert_eq!(pods.present(), vec![PodId(1)]);
     for i in 0..10 {
-        assert_eq!(route(&format!("r{i}")).unwrap().decode, "10.0.0.2:8000");
+        assert_eq!(route(&format!("r{i}")).unwrap(), "10.0.0.2:8000");
     }
     assert_eq!(scorer.pods_view().len(), 1);
 
@@ -94,7 +96,7 @@ async fn pods_that_disappear_are_forgotten_and_come_back_with_their_id() {
     pods.update(&scorer, &set(&["10.0.0.1", "10.0.0.2", "::1"]));
     assert_eq!(pods.present(), vec![PodId(0), PodId(1), PodId(2)]);
     assert_eq!(scorer.pod(PodId(2)).address, "[::1]:8000");
-    let seen: BTreeSet<String> = (0..60).map(|i| route(&format!("b{i}")).unwrap().decode).collect();
+    let seen: BTreeSet<String> = (0..60).map(|i| route(&format!("b{i}")).unwrap()).collect();
     assert!(seen.contains("10.0.0.1:8000"), "the returning pod is chosen again: {seen:?}");
 
     // An empty answer empties the fleet (no ready pods behind the Service).

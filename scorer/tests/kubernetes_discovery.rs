@@ -9,9 +9,10 @@ use axum::body::Body;
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
+use kvgate_route_api::Api;
 use kvgate_scorer::config::Config;
 use kvgate_scorer::discovery::kubernetes;
-use kvgate_scorer::scorer::Scorer;
+use kvgate_scorer::scorer::{Limits, Scorer};
 use kvgate_tokenize::Tokenizer;
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap};
@@ -195,9 +196,10 @@ async fn pods_follow_the_api_server_through_readiness_deletion_and_a_watch_resta
 
     // Routing only ever answers present pods.
     let body = serde_json::to_vec(&json!({"prompt": "hello", "max_tokens": 4})).unwrap();
+    let prepared = scorer.prepare(Api::Completions, &body).unwrap();
     for i in 0..20 {
-        let routed = scorer.route(&format!("r{i}"), "/v1/completions", &body, false).unwrap();
-        assert!(["10.1.0.2:8000", "10.1.0.4:8000"].contains(&routed.decode.as_str()), "{}", routed.decode);
+        let pick = scorer.decide(&format!("r{i}"), &prepared, &Limits::default()).unwrap();
+        assert!(["10.1.0.2:8000", "10.1.0.4:8000"].contains(&pick.decode.address.as_str()), "{}", pick.decode.address);
     }
 }
 

@@ -105,12 +105,7 @@ fn main() {
         let id = i.to_string();
         let t = Instant::now();
         sequence_hashes(root_hash(None, None), &prompt, BS, &mut chain);
-        let request = RouteRequest {
-            request_id: &id,
-            chain: &chain,
-            prompt_tokens: prompt.len() as u32,
-            max_output_tokens: Some(128),
-        };
+        let request = RouteRequest::new(&id, &chain, prompt.len() as u32, Some(128));
         let routed = router.route(&request, 0.0).expect("healthy pods");
         samples.push(t.elapsed());
         if i == 0 {

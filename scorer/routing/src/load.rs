@@ -66,6 +66,7 @@ pub struct PodLoad {
 #[derive(Debug)]
 struct Inflight {
     pod: PodId,
+    prompt_tokens: u32,
     prefill_tokens: u64,
     prefill_work: f64,
     /// Blocks of the prompt, refcounted in the pod's shared map.
@@ -84,6 +85,16 @@ struct PodState {
     queued_prefill_work: f64,
     shared_blocks: AHashMap<SequenceHash, u32>,
     private_blocks: u64,
+}
+
+impl Inflight {
+    /// The prefill still to compute when `cached` of the prompt's tokens are cached.
+    fn set_cached(&mut self, cached: u32) {
+        let prompt = u64::from(self.prompt_tokens);
+        let cached = u64::from(cached).min(prompt);
+        self.prefill_tokens = prompt - cached;
+        self.prefill_work = prefill_work(prompt, cached);
+    }
 }
 
 /// Lifecycle reports from the gateway.
@@ -121,37 +132,54 @@ impl LoadTracker {
     /// Books a decision for `request_id` at time `now`. A request id already in flight is
     /// released first (a retried request replaces its earlier booking).
     pub fn book(&mut self, request_id: &str, booking: &Booking<'_>, now: f64) {
-        if self.requests.contains_key(request_id) {
-            self.release(request_id);
-        }
-        let bs = self.config.block_size;
-        let prompt = u64::from(booking.prompt_tokens);
-        let cached = u64::from(booking.cached_tokens).min(prompt);
-        let prefill_tokens = prompt - cached;
-        let work = prefill_work(prompt, cached);
+        self.release(request_id);
         let output = booking.max_output_tokens.unwrap_or(self.config.default_output_tokens);
-        let pod = &mut self.pods[booking.pod.index()];
-        pod.queued_prefill_tokens += prefill_tokens;
-        pod.queued_prefill_work += work;
-        for h in booking.chain {
+        let partial_block = !(booking.prompt_tokens as usize).is_multiple_of(self.config.block_size);
+        let mut req = Inflight {
+            pod: booking.pod,
+            prompt_tokens: booking.prompt_tokens,
+            prefill_tokens: 0,
+            prefill_work: 0.0,
+            prompt_blocks: booking.chain.to_vec(),
+            partial_block,
+            output_tokens: output,
+            first_token_at: None,
+            expires_at: now + self.config.request_ttl,
+        };
+        req.set_cached(booking.cached_tokens);
+        self.insert(request_id.to_string(), req);
+    }
+
+    /// Moves a booking to the pod that actually serves the request (the proxy retried
+    /// elsewhere), where `cached_tokens` of its prompt are cached; its progress is kept.
+    /// Returns the pod it was booked on.
+    pub fn rebook(&mut self, request_id: &str, pod: PodId, cached_tokens: u32) -> Result<PodId, UnknownRequest> {
+        let (id, mut req) = self.remove(request_id).ok_or_else(|| UnknownRequest(request_id.to_string()))?;
+        let from = req.pod;
+        req.pod = pod;
+        req.set_cached(cached_tokens);
+        self.insert(id, req);
+        Ok(from)
+    }
+
+    /// The prompt blocks and size of a booked request.
+    pub fn booked_prompt(&self, request_id: &str) -> Option<(&[SequenceHash], u32)> {
+        self.requests.get(request_id).map(|r| (r.prompt_blocks.as_slice(), r.prompt_tokens))
+    }
+
+    /// Adds a request's load to its pod.
+    fn insert(&mut self, request_id: String, req: Inflight) {
+        let pod = &mut self.pods[req.pod.index()];
+        if req.first_token_at.is_none() {
+            pod.queued_prefill_tokens += req.prefill_tokens;
+            pod.queued_prefill_work += req.prefill_work;
+        }
+        for h in &req.prompt_blocks {
             *pod.shared_blocks.entry(*h).or_insert(0) += 1;
         }
-        let partial_block = !(booking.prompt_tokens as usize).is_multiple_of(bs);
-        pod.private_blocks += u64::from(partial_block);
-        pod.inflight.push(request_id.to_string());
-        self.requests.insert(
-            request_id.to_string(),
-            Inflight {
-                pod: booking.pod,
-                prefill_tokens,
-                prefill_work: work,
-                prompt_blocks: booking.chain.to_vec(),
-                partial_block,
-                output_tokens: output,
-                first_token_at: None,
-                expires_at: now + self.config.request_ttl,
-            },
-        );
+        pod.private_blocks += u64::from(req.partial_block);
+        pod.inflight.push(request_id.clone());
+        self.requests.insert(request_id, req);
     }
 
     /// Leading blocks of `chain` that requests in flight on `pod` hold: blocks being
@@ -186,7 +214,12 @@ impl LoadTracker {
     }
 
     fn release(&mut self, request_id: &str) {
-        let Some(req) = self.requests.remove(request_id) else { return };
+        self.remove(request_id);
+    }
+
+    /// Takes a request's load off its pod and returns it.
+    fn remove(&mut self, request_id: &str) -> Option<(String, Inflight)> {
+        let (id, req) = self.requests.remove_entry(request_id)?;
         let pod = &mut self.pods[req.pod.index()];
         if req.first_token_at.is_none() {
             pod.queued_prefill_tokens -= req.prefill_tokens;
@@ -201,13 +234,14 @@ impl LoadTracker {
             }
         }
         pod.private_blocks -= u64::from(req.partial_block);
-        if let Some(i) = pod.inflight.iter().position(|r| r == request_id) {
+        if let Some(i) = pod.inflight.iter().position(|r| *r == id) {
             pod.inflight.swap_remove(i);
         }
         if pod.inflight.is_empty() {
             // Float sums drift; an idle pod is exactly idle.
             pod.queued_prefill_work = 0.0;
         }
+        Some((id, req))
     }
 
     /// Drops bookings older than the TTL; returns how many.
@@ -364,5 +398,24 @@ mod tests {
         assert_eq!(t.load(a, 0.0), PodLoad::default());
         assert_eq!(t.inflight(), 1);
         assert!(t.report("1", Lifecycle::Done, 0.0).is_err());
+    }
+
+    #[test]
+    fn a_rebooked_request_moves_its_load_and_keeps_its_progress() {
+        let (mut t, a, b) = tracker();
+        let c = chain(3);
+        t.book(
+            "r",
+            &Booking { pod: a, prompt_tokens: 12, cached_tokens: 8, chain: &c, max_output_tokens: Some(8) },
+            0.0,
+        );
+        assert_eq!(t.rebook("r", b, 0), Ok(a));
+        assert_eq!(t.load(a, 0.0), PodLoad::default());
+        assert_eq!(t.load(b, 0.0).queued_prefill_tokens, 12, "nothing cached on the pod that served");
+        t.report("r", Lifecycle::FirstToken, 1.0).unwrap();
+        t.rebook("r", a, 12).unwrap();
+        let l = t.load(a, 1.0);
+        assert_eq!((l.inflight_requests, l.queued_prefill_tokens), (1, 0), "past its first token: no prefill queued");
+        assert_eq!(t.rebook("nope", a, 0), Err(UnknownRequest("nope".into())));
     }
 }

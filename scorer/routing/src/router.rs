@@ -60,6 +60,22 @@ pub struct RouteRequest<'a> {
     pub prompt_tokens: u32,
     /// The request's `max_tokens`, when it set one.
     pub max_output_tokens: Option<u32>,
+    /// Only these pods may serve it (the proxy's subset hint); `None` = any pod.
+    pub subset: Option<&'a PodSet>,
+    /// How many next-best pods to name after the pick, for the proxy's retries.
+    pub fallbacks: usize,
+}
+
+impl<'a> RouteRequest<'a> {
+    /// A request any pod may serve, with no fallbacks named.
+    pub fn new(
+        request_id: &'a str,
+        chain: &'a [SequenceHash],
+        prompt_tokens: u32,
+        max_output_tokens: Option<u32>,
+    ) -> Self {
+        Self { request_id, chain, prompt_tokens, max_output_tokens, subset: None, fallbacks: 0 }
+    }
 }
 
 /// A decision: the pod(s) chosen and the figures behind the choice.
@@ -69,6 +85,9 @@ pub struct Routed {
     pub decode: Candidate,
     /// The prefill pod, when disaggregated.
     pub prefill: Option<Candidate>,
+    /// The next-best pods after `decode`, best first (at most `RouteRequest::fallbacks`):
+    /// where the proxy retries when the pick refuses the connection.
+    pub fallbacks: Vec<PodId>,
     /// The candidates the deciding policy saw (decode candidates when disaggregated).
     pub candidates: Vec<Candidate>,
     pub decision: Decision,
@@ -119,6 +138,26 @@ pub struct Router {
 /// The booking id of a disaggregated request's prefill leg.
 fn prefill_booking(request_id: &str) -> String {
     format!("{request_id}\u{0}prefill")
+}
+
+/// Up to `n` candidates after the chosen one, best first: those the policy scored by
+/// ascending cost, then the unscored in turn after the chosen one (round robin's order).
+fn fallbacks(candidates: &[Candidate], decision: &Decision, n: usize) -> Vec<PodId> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let len = candidates.len();
+    let mut order: Vec<usize> = (1..len).map(|k| (decision.chosen + k) % len).collect();
+    // Stable: unscored candidates keep their turn order, after every scored one.
+    order.sort_by(|&a, &b| {
+        match (decision.costs.get(a).copied().flatten(), decision.costs.get(b).copied().flatten()) {
+            (Some(x), Some(y)) => x.total_cmp(&y),
+            (Some(_), None) => std::cmp::Ordering::Less,
+            (None, Some(_)) => std::cmp::Ordering::Greater,
+            (None, None) => std::cmp::Ordering::Equal,
+        }
+    });
+    order.into_iter().take(n).map(|i| candidates[i].pod).collect()
 }
 
 impl Router {
@@ -209,11 +248,13 @@ impl Router {
 
     /// Chooses the pod(s) for one request at time `now` and books the choice.
     pub fn route(&mut self, request: &RouteRequest<'_>, now: f64) -> Result<Routed, NoPod> {
-        let decoders = self.eligible(|r| r.decodes());
+        // The subset limits where the proxy sends the request: the decode pod and its
+        // fallbacks. A prefill pod is reached by the decode side (or the filter's leg).
+        let decoders = self.eligible(|r| r.decodes(), request.subset);
         if decoders.is_empty() {
             return Err(NoPod);
         }
-        let prefillers = self.eligible(|r| r == Role::Prefill);
+        let prefillers = self.eligible(|r| r == Role::Prefill, None);
         let input = RouteInput { prompt_tokens: request.prompt_tokens, block_size: self.block_size };
         let direct = self.candidates(&decoders, request, now, None);
         let best_cached = direct.iter().map(|c| c.cached_tokens).max().unwrap_or(0);
@@ -251,12 +292,32 @@ impl Router {
             );
             let decode = candidates[decision.chosen];
             let policy = self.decode_policy.name();
-            Routed { decode, prefill: Some(prefill), candidates, decision, policy, uncached_tokens, prefill_pods }
+            let fallbacks = fallbacks(&candidates, &decision, request.fallbacks);
+            Routed {
+                decode,
+                prefill: Some(prefill),
+                fallbacks,
+                candidates,
+                decision,
+                policy,
+                uncached_tokens,
+                prefill_pods,
+            }
         } else {
             let decision = self.policy.select(&input, &direct);
             let decode = direct[decision.chosen];
             let policy = self.policy.name();
-            Routed { decode, prefill: None, candidates: direct, decision, policy, uncached_tokens, prefill_pods }
+            let fallbacks = fallbacks(&direct, &decision, request.fallbacks);
+            Routed {
+                decode,
+                prefill: None,
+                fallbacks,
+                candidates: direct,
+                decision,
+                policy,
+                uncached_tokens,
+                prefill_pods,
+            }
         };
         self.load.book(
             request.request_id,
@@ -277,12 +338,12 @@ impl Router {
         Ok(routed)
     }
 
-    fn eligible(&self, role: impl Fn(Role) -> bool) -> Vec<PodId> {
+    fn eligible(&self, role: impl Fn(Role) -> bool, subset: Option<&PodSet>) -> Vec<PodId> {
         (0..self.pods.len() as u32)
             .map(PodId)
             .filter(|p| {
                 let s = &self.pods[p.index()];
-                s.present && s.healthy && role(s.role)
+                s.present && s.healthy && role(s.role) && subset.is_none_or(|set| set.contains(*p))
             })
             .collect()
     }
@@ -337,6 +398,27 @@ impl Router {
             return if prefill_known { Ok(()) } else { Err(UnknownRequest(request_id.to_string())) };
         }
         self.load.report(request_id, event, now).map(|_| ())
+    }
+
+    /// The proxy reports which pod served `request_id` (after its retries): a booking made
+    /// for another pod moves there, recomputed for what that pod has cached. Returns whether
+    /// it moved.
+    pub fn served(&mut self, request_id: &str, pod: PodId, now: f64) -> Result<bool, UnknownRequest> {
+        let booked = self.load.pod_of(request_id).ok_or_else(|| UnknownRequest(request_id.to_string()))?;
+        if booked == pod || pod.index() >= self.pods.len() {
+            return Ok(false);
+        }
+        let (chain, prompt_tokens) = match self.load.booked_prompt(request_id) {
+            Some((chain, tokens)) => (chain.to_vec(), tokens),
+            None => return Err(UnknownRequest(request_id.to_string())),
+        };
+        let request = RouteRequest::new(request_id, &chain, prompt_tokens, None);
+        let cached = self.candidates(&[pod], &request, now, None)[0].cached_tokens;
+        self.load.rebook(request_id, pod, cached)?;
+        if !self.pods[pod.index()].precise {
+            self.approx.record(pod, &chain, now);
+        }
+        Ok(true)
     }
 
     /// Applies one decoded event batch of a pod.
@@ -411,7 +493,7 @@ mod tests {
         let mut r = router(1024);
         let pods = [r.add_pod(Role::Both, false), r.add_pod(Role::Both, false)];
         let c = chain(1, 512);
-        let req = |id| RouteRequest { request_id: id, chain: &c, prompt_tokens: 512, max_output_tokens: Some(8) };
+        let req = |id| RouteRequest::new(id, &c, 512, Some(8));
         let first = r.route(&req("a"), 0.0).unwrap();
         assert_eq!((first.prefill, first.cached_tokens()), (None, 0));
         assert!(!first.prefill_pods);
@@ -431,9 +513,7 @@ mod tests {
         let prefill = r.add_pod(Role::Prefill, false);
         let decode = [r.add_pod(Role::Decode, false), r.add_pod(Role::Decode, false)];
         let long = chain(2, 512);
-        let routed = r
-            .route(&RouteRequest { request_id: "p", chain: &long, prompt_tokens: 512, max_output_tokens: None }, 0.0)
-            .unwrap();
+        let routed = r.route(&RouteRequest::new("p", &long, 512, None), 0.0).unwrap();
         assert_eq!(routed.prefill.map(|p| p.pod), Some(prefill));
         assert!(decode.contains(&routed.decode.pod));
         assert_eq!((routed.policy, routed.uncached_tokens), ("least-loaded", 512));
@@ -443,27 +523,82 @@ mod tests {
         assert_eq!(r.load().load(routed.decode.pod, 1.0).inflight_requests, 1);
 
         let short = chain(3, 64);
-        let direct = r
-            .route(&RouteRequest { request_id: "s", chain: &short, prompt_tokens: 64, max_output_tokens: None }, 1.0)
-            .unwrap();
+        let direct = r.route(&RouteRequest::new("s", &short, 64, None), 1.0).unwrap();
         assert!(direct.prefill.is_none() && direct.prefill_pods, "below the threshold: one decode pod");
 
         r.unhealthy(decode[0]);
         r.unhealthy(decode[1]);
         assert!(!r.ready());
-        let none =
-            r.route(&RouteRequest { request_id: "x", chain: &short, prompt_tokens: 64, max_output_tokens: None }, 2.0);
+        let none = r.route(&RouteRequest::new("x", &short, 64, None), 2.0);
         assert_eq!(none.unwrap_err(), NoPod);
         r.reported(decode[1], ReportedLoad::default());
         r.remove_pod(decode[0]);
         r.reported(decode[0], ReportedLoad::default());
         assert!(!r.is_healthy(decode[0]), "a removed pod stays out whatever it reports");
+        assert_eq!(r.route(&RouteRequest::new("y", &short, 64, None), 3.0).unwrap().decode.pod, decode[1]);
+    }
+
+    #[test]
+    fn fallbacks_follow_the_costs_and_the_subset_limits_the_choice() {
+        let mut r = router(1024);
+        let pods: Vec<PodId> = (0..4).map(|_| r.add_pod(Role::Both, false)).collect();
+        let warm = chain(5, 256);
+        // pod 2 caches the prefix; pods 0 and 1 carry load; pod 3 is idle.
+        r.route(
+            &RouteRequest {
+                subset: Some(&[pods[2]].into_iter().collect()),
+                ..RouteRequest::new("w", &warm, 256, Some(1))
+            },
+            0.0,
+        )
+        .unwrap();
+        r.report("w", Lifecycle::Done, false, 0.1).unwrap();
+        for (i, pod) in [pods[0], pods[0], pods[1]].into_iter().enumerate() {
+            let c = chain(10 + i as u32, 512);
+            let subset: PodSet = [pod].into_iter().collect();
+            let id = format!("busy{i}");
+            r.route(&RouteRequest { subset: Some(&subset), ..RouteRequest::new(&id, &c, 512, Some(64)) }, 0.2).unwrap();
+        }
+        let routed =
+            r.route(&RouteRequest { fallbacks: 3, ..RouteRequest::new("q", &warm, 256, Some(1)) }, 0.3).unwrap();
+        assert_eq!(routed.decode.pod, pods[2], "the cached prefix wins");
+        assert_eq!(routed.fallbacks, vec![pods[3], pods[1], pods[0]], "then by cost: idle, one busy, two busy");
+        let two = r.route(&RouteRequest { fallbacks: 1, ..RouteRequest::new("q2", &warm, 256, Some(1)) }, 0.3).unwrap();
+        assert_eq!(two.fallbacks.len(), 1);
+        let only: PodSet = [pods[0], pods[1]].into_iter().collect();
+        let limited = r
+            .route(
+                &RouteRequest { subset: Some(&only), fallbacks: 3, ..RouteRequest::new("q3", &warm, 256, Some(1)) },
+                0.3,
+            )
+            .unwrap();
         assert_eq!(
-            r.route(&RouteRequest { request_id: "y", chain: &short, prompt_tokens: 64, max_output_tokens: None }, 3.0)
-                .unwrap()
-                .decode
-                .pod,
-            decode[1]
+            (limited.decode.pod, limited.fallbacks.clone()),
+            (pods[1], vec![pods[0]]),
+            "only the subset, cache elsewhere ignored"
         );
+        let nobody: PodSet = [PodId(99)].into_iter().collect();
+        assert_eq!(
+            r.route(&RouteRequest { subset: Some(&nobody), ..RouteRequest::new("q4", &warm, 256, None) }, 0.3)
+                .unwrap_err(),
+            NoPod
+        );
+    }
+
+    #[test]
+    fn a_booking_follows_the_pod_that_served() {
+        let mut r = router(1024);
+        let pods = [r.add_pod(Role::Both, true), r.add_pod(Role::Both, true)];
+        let c = chain(7, 320);
+        let first = r.route(&RouteRequest::new("a", &c, 320, Some(4)), 0.0).unwrap();
+        let other = if first.decode.pod == pods[0] { pods[1] } else { pods[0] };
+        assert_eq!(r.served("a", first.decode.pod, 0.1), Ok(false), "served where booked: nothing moves");
+        assert_eq!(r.served("a", other, 0.1), Ok(true));
+        assert_eq!(r.load().load(first.decode.pod, 0.1), crate::load::PodLoad::default());
+        let moved = r.load().load(other, 0.1);
+        assert_eq!((moved.inflight_requests, moved.queued_prefill_tokens), (1, 320));
+        // The prefix is being computed where it was served: the next request follows it there.
+        assert_eq!(r.route(&RouteRequest::new("b", &c, 320, Some(4)), 0.3).unwrap().decode.pod, other);
+        assert!(r.served("zzz", other, 0.3).is_err());
     }
 }

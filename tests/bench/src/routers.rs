@@ -60,12 +60,7 @@ impl ClusterRouter for Kvgate {
     fn route(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64) -> Choice {
         sequence_hashes(root_hash(None, None), prompt, self.block_size, &mut self.chain);
         let id = id.to_string();
-        let request = RouteRequest {
-            request_id: &id,
-            chain: &self.chain,
-            prompt_tokens: prompt.len() as u32,
-            max_output_tokens: Some(max_tokens as u32),
-        };
+        let request = RouteRequest::new(&id, &self.chain, prompt.len() as u32, Some(max_tokens as u32));
         let routed = self.router.route(&request, now).expect("the simulated pods are always healthy");
         Choice { decode: routed.decode.pod.index(), prefill: routed.prefill.map(|p| p.pod.index()) }
     }

@@ -10,7 +10,7 @@ fuzz_target!(|data: &[u8]| {
         None => (None, data),
     };
     let _ = logic::interpret(status, body);
-    let _ = logic::completion_tokens(body);
+    let _ = kvgate_route_api::completion_tokens(body);
     let original = br#"{"prompt": "x", "stream": true, "max_tokens": 9}"#;
     let _ = logic::decode_leg_body(original, body);
     let _ = logic::prefill_leg_body(body);

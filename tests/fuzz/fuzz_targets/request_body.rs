@@ -1,7 +1,8 @@
 //! Request bodies → prompt tokens, for both APIs (fallback tokenizer: the chat template path
 //! and every body shape are exercised). Never a panic; errors are fine.
 #![no_main]
-use kvgate_scorer::prompt::{Api, extract};
+use kvgate_route_api::Api;
+use kvgate_scorer::prompt::extract;
 use kvgate_tokenize::Tokenizer;
 use libfuzzer_sys::fuzz_target;
 use std::sync::OnceLock;
@@ -13,5 +14,5 @@ fuzz_target!(|data: &[u8]| {
     let adapters = ["sql".to_string()];
     let _ = extract(tokenizer, Api::Completions, data, &adapters);
     let _ = extract(tokenizer, Api::ChatCompletions, data, &adapters);
-    let _ = kvgate_filter::logic::validate_body(data);
+    let _ = kvgate_route_api::validate_json_object(data);
 });
