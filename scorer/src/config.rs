@@ -136,6 +136,51 @@ impl Default for PdSection {
     }
 }
 
+/// The Endpoint Picker: the Gateway API Inference Extension's protocol (Envoy ext_proc over
+/// gRPC), so any InferencePool gateway can use kvgate as its picker.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct EppSection {
+    /// gRPC address of `envoy.service.ext_proc.v3.ExternalProcessor` and gRPC health.
+    pub listen: SocketAddr,
+    pub tls: EppTls,
+    /// Next-best pods named after the pick (`ip:port,ip:port,…`), which `override_host`
+    /// gateways retry in order; 0 for gateways that route with an ORIGINAL_DST cluster on
+    /// the header (llm-d's standalone Envoy), which accept a single endpoint only.
+    pub fallback_endpoints: usize,
+    /// Largest request body buffered for a decision; larger ones are answered 413.
+    pub body_limit_bytes: usize,
+    /// Header naming the prefill pod of a disaggregated request (llm-d's decode sidecars).
+    pub prefiller_header: String,
+}
+
+impl Default for EppSection {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([0, 0, 0, 0], 9002)),
+            tls: EppTls::SelfSigned,
+            fallback_endpoints: 2,
+            body_limit_bytes: 8 << 20,
+            prefiller_header: "x-prefiller-host-port".into(),
+        }
+    }
+}
+
+/// How the Endpoint Picker's gRPC listener is secured. Gateways dial pickers over TLS
+/// without verifying them by default (Istio with a DestinationRule, llm-d's Envoy), so a
+/// self-signed certificate made at start-up is the drop-in default.
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(tag = "mode", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum EppTls {
+    /// A certificate for `kvgate-epp` generated at start-up.
+    #[default]
+    SelfSigned,
+    /// PEM certificate chain and private key (e.g. a mounted Secret).
+    Files { cert: PathBuf, key: PathBuf },
+    /// Plain HTTP/2 (h2c).
+    Plaintext,
+}
+
 /// Where pods come from besides the static `pods:` list.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -241,6 +286,8 @@ pub struct Config {
     pub admin: AdminSection,
     #[serde(default)]
     pub discovery: DiscoverySection,
+    /// Serve the Endpoint Picker protocol (absent: only the HTTP API of the wasm filter).
+    pub epp: Option<EppSection>,
     /// Static pods (may be empty when discovery finds them).
     #[serde(default)]
     pub pods: Vec<PodConfig>,
@@ -291,6 +338,13 @@ impl Config {
             && !tokenizer.is_file()
         {
             return invalid("tokenizer", format!("{} is not a file", tokenizer.display()));
+        }
+        if let Some(EppSection { tls: EppTls::Files { cert, key }, .. }) = &config.epp {
+            for (field, path) in [("epp.tls.cert", cert), ("epp.tls.key", key)] {
+                if !path.is_file() {
+                    return invalid(field, format!("{} is not a file", path.display()));
+                }
+            }
         }
         Ok(config)
     }
@@ -412,6 +466,21 @@ impl Config {
         if self.admin.listen == Some(self.listen) {
             return invalid("admin.listen", "must differ from listen");
         }
+        if let Some(epp) = &self.epp {
+            if epp.listen == self.listen || Some(epp.listen) == self.admin.listen {
+                return invalid("epp.listen", "must differ from listen and admin.listen");
+            }
+            if epp.fallback_endpoints > 16 {
+                return invalid("epp.fallback_endpoints", "at most 16 (a retry per endpoint)");
+            }
+            if epp.body_limit_bytes == 0 {
+                return invalid("epp.body_limit_bytes", "must be positive");
+            }
+            let h = &epp.prefiller_header;
+            if h.is_empty() || !h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') {
+                return invalid("epp.prefiller_header", format!("{h:?} is not a lowercase header name"));
+            }
+        }
         if self.index.max_blocks_per_pod == 0 {
             return invalid("index.max_blocks_per_pod", "must be positive");
         }
@@ -446,6 +515,15 @@ mod tests {
         assert_eq!(c.policy, PolicyConfig::default());
         assert_eq!(c.pods[0].role, Role::Both);
         assert!(c.pods[0].kv_events.is_none());
+        assert!(c.epp.is_none(), "no Endpoint Picker unless asked");
+        let epp = Config::parse(&format!("epp: {{}}\n{MINIMAL}")).unwrap().epp.unwrap();
+        assert_eq!(
+            (epp.listen.to_string(), epp.tls, epp.fallback_endpoints),
+            ("0.0.0.0:9002".into(), EppTls::SelfSigned, 2)
+        );
+        let plain =
+            Config::parse(&format!("epp: {{tls: {{mode: plaintext}}, fallback_endpoints: 0}}\n{MINIMAL}")).unwrap();
+        assert_eq!(plain.epp.unwrap().tls, EppTls::Plaintext);
     }
 
     #[test]
@@ -516,6 +594,11 @@ pods:
                 "discovery:\n  kubernetes: [{namespace: ns, label_selector: a=b, port: 8000, api_server: x}]\n",
                 "api_server",
             ),
+            ("epp: {listen: '127.0.0.1:7070'}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "epp.listen"),
+            ("epp: {fallback_endpoints: 99}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "epp.fallback_endpoints"),
+            ("epp: {tls: {mode: sometimes}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "sometimes"),
+            ("epp: {tls: {mode: files}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "cert"),
+            ("epp: {prefiller_header: X-P}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "epp.prefiller_header"),
         ];
         for (yaml, needle) in cases {
             let err = Config::parse(yaml).expect_err(yaml).to_string();

@@ -1,11 +1,46 @@
 //! The Envoy bootstrap matching a scorer configuration: the pods cluster holds exactly the
 //! scorer's pods, the scorer cluster points at its `listen` address.
 
-use crate::config::Config;
+use crate::config::{Config, EppTls};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 const TEMPLATE: &str = include_str!("../../envoy/bootstrap.yaml.tmpl");
+
+/// Who picks the pod in Envoy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Picker {
+    /// The kvgate wasm filter calling the scorer sidecar's HTTP API.
+    Wasm,
+    /// The scorer's Endpoint Picker through Envoy's ext_proc filter (the scorer
+    /// configuration needs an `epp` section).
+    Epp,
+    /// Nobody: plain round robin over the same pods, the baseline kvgate is measured against.
+    None,
+}
+
+/// The ext_proc request body mode of the rendered bootstrap (see the README: full duplex is
+/// what Istio and llm-d use; buffered keeps the body in Envoy, so a picker that dies or
+/// freezes never costs a request).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EppBodyMode {
+    FullDuplex,
+    Buffered,
+    Streamed,
+}
+
+impl EppBodyMode {
+    /// (request, response) body modes.
+    fn modes(self) -> (&'static str, &'static str) {
+        match self {
+            EppBodyMode::FullDuplex => ("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED"),
+            // Responses stream through either way; STREAMED keeps each chunk in Envoy until
+            // the picker has seen it, so a picker failure does not cut the stream.
+            EppBodyMode::Buffered => ("BUFFERED", "STREAMED"),
+            EppBodyMode::Streamed => ("STREAMED", "STREAMED"),
+        }
+    }
+}
 
 /// Envoy-side settings (everything else comes from the scorer configuration).
 #[derive(Clone, Debug)]
@@ -14,19 +49,39 @@ pub struct EnvoyOptions {
     pub admin: SocketAddr,
     /// The filter's `.wasm` file.
     pub wasm: PathBuf,
-    /// `open` or `closed`.
+    pub picker: Picker,
+    /// `open` or `closed`: the picker down, slow or failing.
     pub failure_mode: String,
+    /// Per decision: the filter's route call, the ext_proc message timeout.
     pub scorer_timeout_ms: u64,
     /// `envoy` (the filter sends prefill legs) or `header` (llm-d decode sidecars).
     pub pd_mode: String,
     pub body_limit_bytes: u64,
-    /// Leave the kvgate filter out: plain Envoy round robin over the same pods, the baseline
-    /// kvgate is measured against.
-    pub baseline: bool,
+    pub epp_body_mode: EppBodyMode,
+    /// Retries onto the next pods of the pick's list (connection refused, reset before an
+    /// answer).
+    pub retries: u32,
+}
+
+/// Lines between `begin` and `end` markers are kept when `keep`, else dropped.
+fn section(out: String, begin: &str, end: &str, keep: bool) -> String {
+    let mut kept = String::with_capacity(out.len());
+    let mut inside = false;
+    for line in out.lines() {
+        if line == begin {
+            inside = true;
+        } else if line == end {
+            inside = false;
+        } else if keep || !inside {
+            kept.push_str(line);
+            kept.push('\n');
+        }
+    }
+    kept
 }
 
 /// Renders the bootstrap YAML.
-pub fn render(config: &Config, options: &EnvoyOptions) -> String {
+pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String> {
     let filter = serde_json::json!({
         "scorer_cluster": "kvgate_scorer",
         "failure_mode": options.failure_mode,
@@ -34,6 +89,11 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
         "pd_mode": options.pd_mode,
         "destination_header": "x-gateway-destination-endpoint",
     });
+    let epp = match (options.picker, &config.epp) {
+        (Picker::Epp, None) => return Err("--picker epp needs an `epp` section in the scorer configuration".into()),
+        (Picker::Epp, Some(epp)) => Some(epp),
+        _ => None,
+    };
     let endpoints: String = config
         .pods
         .iter()
@@ -69,6 +129,20 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
             "    cluster_type:\n      name: envoy.clusters.dns\n      typed_config:\n        \"@type\": type.googleapis.com/envoy.extensions.clusters.dns.v3.DnsCluster\n        dns_lookup_family: ALL\n        dns_refresh_rate: {seconds}s"
         )
     });
+    // The wasm filter names the pick in the header; the picker in both, and Envoy routes on
+    // its metadata first (the client's header was dropped before the picker ran).
+    let override_source = match options.picker {
+        Picker::Epp => {
+            "            - metadata:\n                key: envoy.lb\n                path: [{ key: x-gateway-destination-endpoint }]\n            - header: x-gateway-destination-endpoint"
+        }
+        _ => "            - header: x-gateway-destination-endpoint",
+    };
+    // The picker listens on all interfaces by default; this Envoy reaches it on loopback.
+    let epp_address = epp.map(|e| match e.listen.ip() {
+        ip if ip.is_unspecified() => SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), e.listen.port()),
+        _ => e.listen,
+    });
+    let (request_mode, response_mode) = options.epp_body_mode.modes();
     let replacements = [
         ("${PODS_DISCOVERY}", discovery),
         ("${ADMIN_IP}", options.admin.ip().to_string()),
@@ -76,30 +150,30 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> String {
         ("${LISTEN_IP}", options.listen.ip().to_string()),
         ("${LISTEN_PORT}", options.listen.port().to_string()),
         ("${BODY_LIMIT}", options.body_limit_bytes.to_string()),
+        ("${RETRIES}", options.retries.to_string()),
         ("${FILTER_CONFIG}", filter.to_string()),
         ("${WASM_PATH}", options.wasm.display().to_string()),
         ("${SCORER_IP}", config.listen.ip().to_string()),
         ("${SCORER_PORT}", config.listen.port().to_string()),
-        ("${DESTINATION_HEADER}", "x-gateway-destination-endpoint".to_string()),
+        ("${EPP_FAILURE_MODE_ALLOW}", (options.failure_mode == "open").to_string()),
+        ("${EPP_REQUEST_BODY_MODE}", request_mode.to_string()),
+        ("${EPP_RESPONSE_BODY_MODE}", response_mode.to_string()),
+        ("${EPP_MESSAGE_TIMEOUT}", format!("{}s", options.scorer_timeout_ms as f64 / 1000.0)),
+        ("${EPP_IP}", epp_address.map(|a| a.ip().to_string()).unwrap_or_default()),
+        ("${EPP_PORT}", epp_address.map(|a| a.port().to_string()).unwrap_or_default()),
+        ("${OVERRIDE_HOST_SOURCE}", override_source.to_string()),
         ("${POD_ENDPOINTS}", endpoints.trim_end().to_string()),
     ];
-    let mut out = String::with_capacity(TEMPLATE.len() + endpoints.len());
-    let mut in_filter = false;
-    for line in TEMPLATE.lines() {
-        match line {
-            "${KVGATE_FILTER_BEGIN}" => in_filter = true,
-            "${KVGATE_FILTER_END}" => in_filter = false,
-            _ if in_filter && options.baseline => {}
-            _ => {
-                out.push_str(line);
-                out.push('\n');
-            }
-        }
-    }
+    let mut out = TEMPLATE.to_string();
+    out = section(out, "${WASM_BEGIN}", "${WASM_END}", options.picker == Picker::Wasm);
+    out = section(out, "${EPP_BEGIN}", "${EPP_END}", epp.is_some());
+    out = section(out, "${EPP_STREAMED_BEGIN}", "${EPP_STREAMED_END}", options.epp_body_mode == EppBodyMode::Streamed);
+    let tls = epp.is_some_and(|e| e.tls != EppTls::Plaintext);
+    out = section(out, "${EPP_TLS_BEGIN}", "${EPP_TLS_END}", tls);
     for (key, value) in replacements {
         out = out.replace(key, &value);
     }
-    out
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -115,7 +189,9 @@ mod tests {
             scorer_timeout_ms: 50,
             pd_mode: "envoy".into(),
             body_limit_bytes: 1 << 23,
-            baseline: false,
+            picker: Picker::Wasm,
+            epp_body_mode: EppBodyMode::Buffered,
+            retries: 2,
         }
     }
 
@@ -125,7 +201,7 @@ mod tests {
             "listen: 127.0.0.1:7171\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n  - {name: b, address: '10.0.0.2:8000', role: decode}\n",
         )
         .unwrap();
-        let out = render(&config, &options());
+        let out = render(&config, &options()).unwrap();
         assert!(!out.contains("${"), "{out}");
         assert!(
             out.contains("address: 10.0.0.1, port_value: 8000") && out.contains("address: 10.0.0.2, port_value: 8000")
@@ -133,9 +209,39 @@ mod tests {
         assert!(out.contains("kvgate: { pod: b, role: decode }"));
         assert!(out.contains("port_value: 7171") && out.contains("\"failure_mode\":\"closed\""));
         assert!(out.contains("filters.http.wasm.v3.Wasm"));
-        let baseline = render(&config, &EnvoyOptions { baseline: true, ..options() });
+        assert!(!out.contains("ext_proc") && !out.contains("kvgate_epp"));
+        let baseline = render(&config, &EnvoyOptions { picker: Picker::None, ..options() }).unwrap();
         assert!(!baseline.contains("filters.http.wasm") && baseline.contains("envoy.filters.http.router"));
+        assert!(!baseline.contains("kvgate_scorer") && !baseline.contains("ext_proc"));
         assert!(out.contains("type: STATIC") && !out.contains("dns_lookup_family"));
+        let no_epp = render(&config, &EnvoyOptions { picker: Picker::Epp, ..options() });
+        assert!(no_epp.unwrap_err().contains("epp"), "the picker needs its section");
+    }
+
+    #[test]
+    fn the_endpoint_picker_path_routes_on_its_metadata() {
+        let config = Config::parse(
+            "epp: {listen: '0.0.0.0:9102', tls: {mode: plaintext}}\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n",
+        )
+        .unwrap();
+        let epp =
+            |mode| render(&config, &EnvoyOptions { picker: Picker::Epp, epp_body_mode: mode, ..options() }).unwrap();
+        let out = epp(EppBodyMode::FullDuplex);
+        assert!(!out.contains("${") && !out.contains("filters.http.wasm") && !out.contains("kvgate_scorer"), "{out}");
+        assert!(out.contains("request_body_mode: FULL_DUPLEX_STREAMED") && out.contains("failure_mode_allow: false"));
+        assert!(out.contains("socket_address: { address: 127.0.0.1, port_value: 9102 }"), "loopback to 0.0.0.0");
+        assert!(!out.contains("UpstreamTlsContext") && !out.contains("send_body_without_waiting"));
+        assert!(out.contains("- remove: x-gateway-destination-endpoint"), "the client's header is dropped");
+        assert!(
+            out.find("key: envoy.lb\n                path: [{ key: x-gateway-destination-endpoint }]")
+                < out.find("- header: x-gateway")
+        );
+        let buffered = epp(EppBodyMode::Buffered);
+        assert!(buffered.contains("request_body_mode: BUFFERED") && buffered.contains("response_body_mode: STREAMED"));
+        assert!(epp(EppBodyMode::Streamed).contains("send_body_without_waiting_for_header_response: true"));
+        let tls = Config::parse("epp: {}\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n").unwrap();
+        let out = render(&tls, &EnvoyOptions { picker: Picker::Epp, ..options() }).unwrap();
+        assert!(out.contains("UpstreamTlsContext") && out.contains("sni: kvgate-epp"));
     }
 
     #[test]
@@ -144,7 +250,7 @@ mod tests {
             "discovery:\n  dns:\n    - {name: vllm.inference.svc.cluster.local, port: 8000, interval_seconds: 2}\n    - {name: vllm-prefill.inference.svc.cluster.local, port: 8000, role: prefill}\npods: []\n",
         )
         .unwrap();
-        let out = render(&config, &options());
+        let out = render(&config, &options()).unwrap();
         assert!(!out.contains("${"), "{out}");
         assert!(out.contains("name: envoy.clusters.dns\n") && out.contains("dns_refresh_rate: 2s\n"), "{out}");
         assert!(out.contains("socket_address: { address: vllm.inference.svc.cluster.local, port_value: 8000 }"));

@@ -5,6 +5,7 @@
 pub mod config;
 pub mod discovery;
 pub mod envoy;
+pub mod epp;
 pub mod http;
 pub mod metrics;
 pub mod prompt;

@@ -81,6 +81,15 @@ async fn main() -> anyhow::Result<()> {
         }
     });
 
+    if let Some(epp) = scorer.config.epp.clone() {
+        let picker = scorer.clone();
+        tokio::spawn(async move {
+            if let Err(e) = kvgate_scorer::epp::serve(picker, epp, shutdown_signal()).await {
+                tracing::error!("endpoint picker failed: {e:#}");
+                std::process::exit(1);
+            }
+        });
+    }
     if let Some(admin) = admin_listen {
         let listener =
             tokio::net::TcpListener::bind(admin).await.with_context(|| format!("cannot listen on {admin}"))?;

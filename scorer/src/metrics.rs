@@ -26,6 +26,9 @@ pub struct Metrics {
     pub lifecycle_reports: IntCounterVec,
     pub lifecycle_unknown: IntCounter,
     pub bookings_expired: IntCounter,
+    pub bookings_moved: IntCounter,
+    pub epp_errors: IntCounterVec,
+    pub output_tokens: IntCounter,
     pub scrape_failures: IntCounterVec,
     pub index_blocks: GaugeVec,
     pub index_entries: GaugeVec,
@@ -107,6 +110,19 @@ impl Metrics {
             reg!(IntCounter::new("lifecycle_unknown_total", "Lifecycle reports naming no in-flight request."));
         let bookings_expired =
             reg!(IntCounter::new("bookings_expired_total", "In-flight bookings dropped after their TTL."));
+        let bookings_moved = reg!(IntCounter::new(
+            "bookings_moved_total",
+            "Bookings moved to the pod that served after the proxy retried elsewhere."
+        ));
+        let epp_errors = reg!(IntCounterVec::new(
+            Opts::new(
+                "epp_errors_total",
+                "Endpoint Picker streams failed: protocol (a gateway setting kvgate cannot serve)."
+            ),
+            &["kind"]
+        ));
+        let output_tokens =
+            reg!(IntCounter::new("output_tokens_total", "Completion tokens of finished requests (from their usage)."));
         let scrape_failures = reg!(IntCounterVec::new(
             Opts::new("scrape_failures_total", "Failed scrapes of a pod's /metrics."),
             &["pod"]
@@ -145,6 +161,9 @@ impl Metrics {
             lifecycle_reports,
             lifecycle_unknown,
             bookings_expired,
+            bookings_moved,
+            epp_errors,
+            output_tokens,
             scrape_failures,
             index_blocks,
             index_entries,

@@ -20,6 +20,7 @@ use kvgate_routing::router::{RouteRequest, Router};
 use kvgate_tokenize::Tokenizer;
 use serde::Serialize;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -129,6 +130,7 @@ pub struct Scorer {
     tokenizer: Tokenizer,
     core: Mutex<Core>,
     started: Instant,
+    bookings: AtomicU64,
 }
 
 /// One entry of `GET /v1/pods`.
@@ -173,8 +175,14 @@ impl Scorer {
             health: Vec::new(),
             by_address: AHashMap::new(),
         };
-        let scorer =
-            Self { config, metrics: Metrics::new(), tokenizer, core: Mutex::new(core), started: Instant::now() };
+        let scorer = Self {
+            config,
+            metrics: Metrics::new(),
+            tokenizer,
+            core: Mutex::new(core),
+            started: Instant::now(),
+            bookings: AtomicU64::new(0),
+        };
         for p in &scorer.config.pods {
             scorer.add_pod(&p.name, &p.address, p.role, p.kv_events.is_some());
         }
@@ -227,6 +235,12 @@ impl Scorer {
     /// Pods known so far (removed ones included).
     pub fn num_pods(&self) -> usize {
         self.lock().pods.len()
+    }
+
+    /// A number for a booking id no other request of this process has (the Endpoint Picker
+    /// books under its own ids: clients' `x-request-id`s may repeat).
+    pub fn next_booking(&self) -> u64 {
+        self.bookings.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Seconds since start: the clock of bookings and TTLs.
@@ -325,24 +339,62 @@ impl Scorer {
         })
     }
 
-    /// Applies a batch of lifecycle reports; returns how many named no in-flight request.
+    /// Applies a batch of lifecycle reports (the filter's); returns how many named no
+    /// in-flight request.
     pub fn lifecycle(&self, reports: &[LifecycleReport]) -> usize {
         let now = self.now();
         let mut core = self.lock();
-        let mut unknown = 0;
-        for r in reports {
-            let (event, label) = match r.event {
-                LifecycleEvent::FirstToken => (Lifecycle::FirstToken, "first_token"),
-                LifecycleEvent::Done => (Lifecycle::Done, "done"),
-                LifecycleEvent::Cancelled => (Lifecycle::Cancelled, "cancelled"),
-                LifecycleEvent::PrefillDone => (Lifecycle::Done, "prefill_done"),
-            };
-            self.metrics.lifecycle_reports.with_label_values(&[label]).inc();
-            let prefill_leg = r.event == LifecycleEvent::PrefillDone;
-            unknown += usize::from(core.router.report(&r.request_id, event, prefill_leg, now).is_err());
-        }
+        let unknown = reports
+            .iter()
+            .filter(|r| !self.report_locked(&mut core, &r.request_id, r.event, r.output_tokens, now))
+            .count();
+        drop(core);
         self.metrics.lifecycle_unknown.inc_by(unknown as u64);
         unknown
+    }
+
+    /// One lifecycle event of a request (the Endpoint Picker's, read from the response it
+    /// relays); false if it named no in-flight request.
+    pub fn report(&self, request_id: &str, event: LifecycleEvent, output_tokens: Option<u32>) -> bool {
+        let now = self.now();
+        let known = self.report_locked(&mut self.lock(), request_id, event, output_tokens, now);
+        if !known {
+            self.metrics.lifecycle_unknown.inc();
+        }
+        known
+    }
+
+    fn report_locked(
+        &self,
+        core: &mut Core,
+        request_id: &str,
+        event: LifecycleEvent,
+        output_tokens: Option<u32>,
+        now: f64,
+    ) -> bool {
+        let (event, label) = match event {
+            LifecycleEvent::FirstToken => (Lifecycle::FirstToken, "first_token"),
+            LifecycleEvent::Done => (Lifecycle::Done, "done"),
+            LifecycleEvent::Cancelled => (Lifecycle::Cancelled, "cancelled"),
+            LifecycleEvent::PrefillDone => (Lifecycle::Done, "prefill_done"),
+        };
+        self.metrics.lifecycle_reports.with_label_values(&[label]).inc();
+        if let Some(n) = output_tokens {
+            self.metrics.output_tokens.inc_by(u64::from(n));
+        }
+        core.router.report(request_id, event, label == "prefill_done", now).is_ok()
+    }
+
+    /// The proxy reports that `address` served the request (its retries may have moved it
+    /// off the pick): the booking follows.
+    pub fn served(&self, request_id: &str, address: SocketAddr) {
+        let now = self.now();
+        let mut core = self.lock();
+        let Some(&pod) = core.by_address.get(&address) else { return };
+        if let Ok(true) = core.router.served(request_id, pod, now) {
+            drop(core);
+            self.metrics.bookings_moved.inc();
+        }
     }
 
     /// Applies one decoded event batch of a pod.

@@ -4,7 +4,7 @@
 use anyhow::Context;
 use clap::Parser;
 use kvgate_scorer::config::Config;
-use kvgate_scorer::envoy::{EnvoyOptions, render};
+use kvgate_scorer::envoy::{EnvoyOptions, EppBodyMode, Picker, render};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
@@ -15,8 +15,8 @@ struct Args {
     /// The scorer's YAML configuration (its pods and listen address are used).
     #[arg(long)]
     scorer_config: PathBuf,
-    /// The kvgate filter's `.wasm` file.
-    #[arg(long)]
+    /// The kvgate filter's `.wasm` file (with `--picker wasm`).
+    #[arg(long, default_value = "kvgate_filter.wasm")]
     wasm: PathBuf,
     /// Envoy's listener for inference traffic.
     #[arg(long, default_value = "127.0.0.1:10000")]
@@ -24,12 +24,25 @@ struct Args {
     /// Envoy's admin interface.
     #[arg(long, default_value = "127.0.0.1:9901")]
     admin: SocketAddr,
+    /// Who picks the pod: `wasm` (the filter and the scorer sidecar), `epp` (the scorer's
+    /// Endpoint Picker through ext_proc; needs `epp` in the scorer configuration) or `none`
+    /// (plain round robin, the baseline).
+    #[arg(long, default_value = "wasm", value_parser = ["wasm", "epp", "none"])]
+    picker: String,
     /// When the scorer is unavailable: `open` (Envoy balances) or `closed` (503).
     #[arg(long, default_value = "open", value_parser = ["open", "closed"])]
     failure_mode: String,
-    /// Timeout of the filter's route call to the scorer.
+    /// Timeout of a decision: the filter's route call, the ext_proc message timeout.
     #[arg(long, default_value_t = 100)]
     scorer_timeout_ms: u64,
+    /// The ext_proc request body mode: `buffered` (Envoy keeps the body: a dead or frozen
+    /// picker costs no request), `full-duplex` (Istio's and llm-d's) or `streamed`.
+    #[arg(long, default_value = "buffered", value_parser = ["buffered", "full-duplex", "streamed"])]
+    epp_body_mode: String,
+    /// Retries onto the next pods of the pick's list when a pod refuses the connection or
+    /// resets before answering.
+    #[arg(long, default_value_t = 2)]
+    retries: u32,
     /// Disaggregated requests: `envoy` (the filter sends the prefill leg) or `header` (it sets
     /// x-prefiller-host-port for the decode pod's sidecar).
     #[arg(long, default_value = "envoy", value_parser = ["envoy", "header"])]
@@ -37,8 +50,7 @@ struct Args {
     /// Largest request body (bytes); larger ones get a 413.
     #[arg(long, default_value_t = 8 << 20)]
     body_limit_bytes: u64,
-    /// Leave the kvgate filter out (plain round robin over the same pods): the baseline
-    /// kvgate is compared against.
+    /// Same as `--picker none`.
     #[arg(long)]
     baseline_round_robin: bool,
     /// Write here instead of stdout.
@@ -54,19 +66,32 @@ fn main() -> anyhow::Result<()> {
         .with_context(|| format!("cannot read {}", args.scorer_config.display()))?;
     let config = Config::parse(&text)
         .with_context(|| format!("invalid scorer configuration {}", args.scorer_config.display()))?;
+    let picker = match (args.baseline_round_robin, args.picker.as_str()) {
+        (true, _) | (_, "none") => Picker::None,
+        (_, "epp") => Picker::Epp,
+        _ => Picker::Wasm,
+    };
+    let epp_body_mode = match args.epp_body_mode.as_str() {
+        "full-duplex" => EppBodyMode::FullDuplex,
+        "streamed" => EppBodyMode::Streamed,
+        _ => EppBodyMode::Buffered,
+    };
     let yaml = render(
         &config,
         &EnvoyOptions {
             listen: args.listen,
             admin: args.admin,
             wasm: args.wasm,
+            picker,
             failure_mode: args.failure_mode,
             scorer_timeout_ms: args.scorer_timeout_ms,
             pd_mode: args.pd_mode,
             body_limit_bytes: args.body_limit_bytes,
-            baseline: args.baseline_round_robin,
+            epp_body_mode,
+            retries: args.retries,
         },
-    );
+    )
+    .map_err(anyhow::Error::msg)?;
     match args.out {
         Some(path) => std::fs::write(&path, yaml).with_context(|| format!("writing {}", path.display()))?,
         None => print!("{yaml}"),

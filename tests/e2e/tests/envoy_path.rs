@@ -1,32 +1,122 @@
-//! The whole path in a real Envoy: the kvgate wasm filter, the scorer sidecar and simulated
-//! vLLM pods, over real sockets on loopback.
+//! The whole path in a real Envoy, over real sockets on loopback: simulated vLLM pods, the
+//! scorer, and Envoy asking it for every request's pod — through the kvgate wasm filter
+//! (`Path::Wasm`) or through the scorer's Endpoint Picker over ext_proc (`Path::Epp`, in the
+//! bootstrap's default body mode). Every test runs on both paths (`wasm::…` and `epp::…`).
 
-use kvgate_test_harness::{EnvoyProcess, ScorerProcess, Sim, envoy_validate, filter_wasm, qwen3_tokenizer, root, text};
+use kvgate_test_harness::{
+    EPP_PORT, EnvoyProcess, ScorerProcess, Sim, envoy_validate, filter_wasm, qwen3_tokenizer, root, text,
+};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
 const MODEL: &str = "Qwen/Qwen3-8B";
 
+/// How Envoy asks kvgate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    /// The wasm filter calling the scorer's HTTP API.
+    Wasm,
+    /// The Endpoint Picker (ext_proc over gRPC, TLS with its self-signed certificate).
+    Epp,
+}
+
+impl Path {
+    /// The scorer configuration this path needs.
+    fn scorer_config(self) -> String {
+        match self {
+            Path::Wasm => String::new(),
+            Path::Epp => format!("epp: {{listen: '127.0.0.1:{EPP_PORT}'}}\n"),
+        }
+    }
+
+    /// `kvgate-envoy-config` flags for this path, then `extra`.
+    fn envoy_flags<'a>(self, extra: &[&'a str]) -> Vec<&'a str> {
+        let picker: &[&str] = match self {
+            Path::Wasm => &["--picker", "wasm"],
+            Path::Epp => &["--picker", "epp"],
+        };
+        picker.iter().chain(extra).copied().collect()
+    }
+}
+
+/// Runs each listed test (an `async fn(Path)`) on both paths.
+macro_rules! on_both_paths {
+    ($($name:ident),* $(,)?) => {
+        mod wasm {
+            $(#[tokio::test] async fn $name() { super::$name(super::Path::Wasm).await })*
+        }
+        mod epp {
+            $(#[tokio::test] async fn $name() { super::$name(super::Path::Epp).await })*
+        }
+    };
+}
+
+on_both_paths!(
+    shared_prefixes_converge_and_different_prefixes_spread,
+    scorer_down_fail_open_keeps_serving_then_routing_resumes,
+    scorer_down_fail_closed_answers_503_then_recovers,
+    bad_input_and_destination_spoofing_are_handled,
+    hostile_requests_get_clean_answers,
+    a_pod_killed_mid_stream_fails_cleanly_and_is_avoided,
+    a_scorer_slower_than_the_timeout_is_treated_as_down,
+    a_scorer_answering_garbage_is_treated_as_down,
+);
+
 struct Stack {
+    path: Path,
     pods: Vec<Sim>,
     scorer: ScorerProcess,
     envoy: EnvoyProcess,
 }
 
-async fn stack(n: usize, envoy_flags: &[&str]) -> Stack {
-    stack_at(n, envoy_flags, "0.02").await
+impl Stack {
+    /// Requests routed by kvgate (the filter's count, or the picker's decisions).
+    async fn routed(&self) -> u64 {
+        match self.path {
+            Path::Wasm => self.envoy.stat("wasmcustom.kvgate_routed").await,
+            Path::Epp => scorer_metric(&self.scorer, "kvgate_decisions_total").await,
+        }
+    }
+
+    /// Requests Envoy let through without a decision (fail-open).
+    async fn failed_open(&self) -> u64 {
+        failed_open(self.path, &self.envoy).await
+    }
+}
+
+async fn failed_open(path: Path, envoy: &EnvoyProcess) -> u64 {
+    match path {
+        Path::Wasm => envoy.stat("wasmcustom.kvgate_fail_open").await,
+        Path::Epp => envoy.stat("http.kvgate.ext_proc.failure_mode_allowed").await,
+    }
+}
+
+/// The sum of a Prometheus metric's samples (all label sets) on the scorer.
+async fn scorer_metric(scorer: &ScorerProcess, name: &str) -> u64 {
+    let text = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(name) && matches!(l.as_bytes().get(name.len()), Some(b'{' | b' ')))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+async fn stack(path: Path, n: usize, envoy_flags: &[&str]) -> Stack {
+    stack_at(path, n, envoy_flags, "0.02").await
 }
 
 /// `n` pods at `time_scale` (wall seconds per simulated second), scorer and Envoy.
-async fn stack_at(n: usize, envoy_flags: &[&str], time_scale: &str) -> Stack {
+async fn stack_at(path: Path, n: usize, envoy_flags: &[&str], time_scale: &str) -> Stack {
     let tokenizer = qwen3_tokenizer();
     let mut pods = Vec::new();
     for i in 0..n {
         let args = ["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", time_scale, "--model", MODEL];
         pods.push(Sim::start(&format!("pod-{i}"), &args).await);
     }
-    let mut config =
-        format!("tokenizer: {}\nhealth: {{scrape_interval_ms: 200, unhealthy_after: 2}}\npods:\n", tokenizer.display());
+    let mut config = format!(
+        "tokenizer: {}\nhealth: {{scrape_interval_ms: 200, unhealthy_after: 2}}\n{}pods:\n",
+        tokenizer.display(),
+        path.scorer_config()
+    );
     for p in &pods {
         config.push_str(&format!(
             "  - {{name: {}, address: '127.0.0.1:{}', kv_events: '{}', metrics: '{}/metrics'}}\n",
@@ -34,10 +124,10 @@ async fn stack_at(n: usize, envoy_flags: &[&str], time_scale: &str) -> Stack {
         ));
     }
     let scorer = ScorerProcess::start(&config).await;
-    let envoy = EnvoyProcess::start(&scorer, envoy_flags).await;
+    let envoy = EnvoyProcess::start(&scorer, &path.envoy_flags(envoy_flags)).await;
     // Let the scorer's event subscriptions settle before relying on them.
     tokio::time::sleep(Duration::from_millis(500)).await;
-    Stack { pods, scorer, envoy }
+    Stack { path, pods, scorer, envoy }
 }
 
 struct Answer {
@@ -68,9 +158,8 @@ fn cached_tokens(answer: &Answer) -> u64 {
     json["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()
 }
 
-#[tokio::test]
-async fn shared_prefixes_converge_and_different_prefixes_spread() {
-    let s = stack(3, &[]).await;
+async fn shared_prefixes_converge_and_different_prefixes_spread(path: Path) {
+    let s = stack(path, 3, &[]).await;
     let mut homes = Vec::new();
     for (k, topic) in ["harbor logistics", "tax law", "orbital mechanics"].iter().enumerate() {
         let system = text(&format!("You are an expert in {topic}"), 220);
@@ -99,14 +188,22 @@ async fn shared_prefixes_converge_and_different_prefixes_spread() {
     for p in s.scorer.pods().await {
         assert_eq!(p["inflight_requests"], 0);
     }
-    assert_eq!(s.envoy.stat("wasmcustom.kvgate_routed").await, 12);
-    assert_eq!(s.envoy.stat("wasmcustom.kvgate_fail_open").await, 0);
-    assert!(s.envoy.stat("wasmcustom.kvgate_lifecycle_reports_sent").await >= 24, "first_token + done per request");
+    assert_eq!(s.routed().await, 12);
+    assert_eq!(s.failed_open().await, 0);
+    match path {
+        Path::Wasm => {
+            assert!(s.envoy.stat("wasmcustom.kvgate_lifecycle_reports_sent").await >= 24, "first_token + done each")
+        }
+        // The picker reads the responses itself: a first token and a done for every request.
+        Path::Epp => {
+            assert_eq!(scorer_metric(&s.scorer, "kvgate_lifecycle_reports_total").await, 24);
+            assert_eq!(scorer_metric(&s.scorer, "kvgate_lifecycle_unknown_total").await, 0);
+        }
+    }
 }
 
-#[tokio::test]
-async fn scorer_down_fail_open_keeps_serving_then_routing_resumes() {
-    let mut s = stack(2, &["--failure-mode", "open", "--scorer-timeout-ms", "200"]).await;
+async fn scorer_down_fail_open_keeps_serving_then_routing_resumes(path: Path) {
+    let mut s = stack(path, 2, &["--failure-mode", "open", "--scorer-timeout-ms", "200"]).await;
     let system = text("Shared instructions for the evaluation harness", 150);
     let warm = send(&s.envoy, "/v1/chat/completions", &chat(&system, "warm", false), &[]).await;
     assert_eq!(warm.status, 200);
@@ -139,7 +236,7 @@ async fn scorer_down_fail_open_keeps_serving_then_routing_resumes() {
         let a = send(&s.envoy, "/v1/chat/completions", &chat(&system, &format!("while down {i}"), false), &[]).await;
         assert_eq!(a.status, 200, "fail-open: Envoy balances without the scorer: {}", a.body);
     }
-    assert!(s.envoy.stat("wasmcustom.kvgate_fail_open").await >= 10);
+    assert!(s.failed_open().await >= 10);
     s.scorer.restart().await;
     let deadline = Instant::now() + Duration::from_secs(10);
     // The restarted scorer learns the caches again from new events; routing is KV-aware.
@@ -153,30 +250,32 @@ async fn scorer_down_fail_open_keeps_serving_then_routing_resumes() {
         }
         assert!(Instant::now() < deadline, "routing did not become KV-aware again");
     }
-    assert!(s.envoy.stat("wasmcustom.kvgate_routed").await >= 2);
+    assert!(s.routed().await >= 2);
 }
 
-#[tokio::test]
-async fn scorer_down_fail_closed_answers_503_then_recovers() {
-    let mut s = stack(1, &["--failure-mode", "closed"]).await;
+async fn scorer_down_fail_closed_answers_503_then_recovers(path: Path) {
+    let mut s = stack(path, 1, &["--failure-mode", "closed"]).await;
     let body = json!({"model": MODEL, "prompt": "hello there", "max_tokens": 2});
     assert_eq!(send(&s.envoy, "/v1/completions", &body, &[]).await.status, 200);
     s.scorer.kill();
     let a = send(&s.envoy, "/v1/completions", &body, &[]).await;
     assert_eq!(a.status, 503);
-    let err: Value = serde_json::from_str(&a.body).unwrap();
-    assert_eq!(err["error"]["type"], "ServiceUnavailable");
     assert!(a.pod.is_none(), "no pod saw it");
+    if path == Path::Wasm {
+        // The filter answers itself, in the OpenAI error shape (Envoy's ext_proc failure is
+        // its own local reply, status only).
+        let err: Value = serde_json::from_str(&a.body).unwrap();
+        assert_eq!(err["error"]["type"], "ServiceUnavailable");
+        assert_eq!(s.envoy.stat("wasmcustom.kvgate_fail_closed").await, 1);
+    }
     s.scorer.restart().await;
     assert_eq!(send(&s.envoy, "/v1/completions", &body, &[]).await.status, 200);
-    assert_eq!(s.envoy.stat("wasmcustom.kvgate_fail_closed").await, 1);
 }
 
-#[tokio::test]
-async fn bad_input_and_destination_spoofing_are_handled() {
-    let s = stack(2, &["--body-limit-bytes", "65536"]).await;
+async fn bad_input_and_destination_spoofing_are_handled(path: Path) {
+    let s = stack(path, 2, &["--body-limit-bytes", "65536"]).await;
     let client = reqwest::Client::new();
-    // Malformed JSON: 400 from the filter, without a call to the scorer.
+    // Malformed JSON: 400 (from the filter without a call to the scorer, or from the picker).
     let r = client.post(format!("{}/v1/completions", s.envoy.url)).body("{\"prompt\": ").send().await.unwrap();
     assert_eq!(r.status(), 400);
     let err: Value = r.json().await.unwrap();
@@ -185,8 +284,11 @@ async fn bad_input_and_destination_spoofing_are_handled() {
     let a = send(&s.envoy, "/v1/completions", &json!({"max_tokens": 3}), &[]).await;
     assert_eq!(a.status, 400);
     assert!(a.body.contains("'prompt' is required"), "{}", a.body);
-    let metrics = reqwest::get(format!("{}/metrics", s.scorer.url)).await.unwrap().text().await.unwrap();
-    assert!(metrics.contains("kvgate_route_errors_total{code=\"400\"} 1"), "only the second reached the scorer");
+    let reached = scorer_metric(&s.scorer, "kvgate_route_errors_total").await;
+    match path {
+        Path::Wasm => assert_eq!(reached, 1, "only the second reached the scorer"),
+        Path::Epp => assert_eq!(reached, 2, "the picker answers both"),
+    }
     // Over the body limit: 413 from Envoy.
     let huge = json!({"prompt": "x".repeat(100_000)});
     assert_eq!(send(&s.envoy, "/v1/completions", &huge, &[]).await.status, 413);
@@ -242,9 +344,12 @@ fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
             scorer_timeout_ms: 100,
             pd_mode: "envoy".into(),
             body_limit_bytes: 8 << 20,
-            baseline: false,
+            picker: kvgate_scorer::envoy::Picker::Wasm,
+            epp_body_mode: kvgate_scorer::envoy::EppBodyMode::Buffered,
+            retries: 2,
         },
-    );
+    )
+    .unwrap();
     assert_eq!(
         rendered,
         std::fs::read_to_string(dir.join("local/envoy.yaml")).unwrap(),
@@ -263,15 +368,20 @@ fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
         scorer_timeout_ms: 25,
         pd_mode: "header".into(),
         body_limit_bytes: 1 << 20,
-        baseline: false,
+        picker: kvgate_scorer::envoy::Picker::Wasm,
+        epp_body_mode: kvgate_scorer::envoy::EppBodyMode::Buffered,
+        retries: 2,
     };
     let path = std::env::temp_dir().join(format!("kvgate-validate-{}.yaml", std::process::id()));
-    std::fs::write(&path, kvgate_scorer::envoy::render(&config, &options)).unwrap();
+    std::fs::write(&path, kvgate_scorer::envoy::render(&config, &options).unwrap()).unwrap();
     let result = envoy_validate(&path);
     let _ = std::fs::remove_file(&path);
     result.expect("rendered template validates");
-    let baseline =
-        kvgate_scorer::envoy::render(&config, &kvgate_scorer::envoy::EnvoyOptions { baseline: true, ..options });
+    let baseline = kvgate_scorer::envoy::render(
+        &config,
+        &kvgate_scorer::envoy::EnvoyOptions { picker: kvgate_scorer::envoy::Picker::None, ..options },
+    )
+    .unwrap();
     std::fs::write(&path, baseline).unwrap();
     let result = envoy_validate(&path);
     let _ = std::fs::remove_file(&path);
@@ -301,9 +411,8 @@ fn body_of_len(len: usize) -> Vec<u8> {
     body
 }
 
-#[tokio::test]
-async fn hostile_requests_get_clean_answers() {
-    let s = stack(1, &["--body-limit-bytes", "65536"]).await;
+async fn hostile_requests_get_clean_answers(path: Path) {
+    let s = stack(path, 1, &["--body-limit-bytes", "65536"]).await;
     let client = reqwest::Client::new();
     let deep = format!("{{\"prompt\": {}1{}}}", "[".repeat(20_000), "]".repeat(20_000));
     let cases: Vec<(&str, &str, Vec<u8>, u16)> = vec![
@@ -331,15 +440,14 @@ async fn hostile_requests_get_clean_answers() {
             assert!(err["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{name}: {err}");
         }
     }
-    // Nothing trapped the filter: Envoy still routes normally.
+    // Nothing trapped the filter or broke the picker: Envoy still routes normally.
     let ok = send(&s.envoy, "/v1/completions", &json!({"prompt": "still fine", "max_tokens": 1}), &[]).await;
     assert_eq!(ok.status, 200);
-    assert_eq!(s.envoy.stat("wasmcustom.kvgate_routed").await, 3, "the huge string, the body at the limit, and this");
+    assert_eq!(s.routed().await, 3, "the huge string, the body at the limit, and this");
 }
 
-#[tokio::test]
-async fn a_pod_killed_mid_stream_fails_cleanly_and_is_avoided() {
-    let mut s = stack_at(2, &[], "1").await;
+async fn a_pod_killed_mid_stream_fails_cleanly_and_is_avoided(path: Path) {
+    let mut s = stack_at(path, 2, &[], "1").await;
     // A long generation in real time (≈ 6 ms per token): plenty of time to kill its pod.
     let body = json!({"model": MODEL, "prompt": text("A long story", 50), "max_tokens": 2000, "stream": true});
     let response =
@@ -372,10 +480,11 @@ async fn a_pod_killed_mid_stream_fails_cleanly_and_is_avoided() {
     }
 }
 
-#[tokio::test]
-async fn a_scorer_slower_than_the_timeout_is_treated_as_down() {
-    let s = stack(1, &["--failure-mode", "open", "--scorer-timeout-ms", "100"]).await;
-    let closed = EnvoyProcess::start(&s.scorer, &["--failure-mode", "closed", "--scorer-timeout-ms", "100"]).await;
+async fn a_scorer_slower_than_the_timeout_is_treated_as_down(path: Path) {
+    let s = stack(path, 1, &["--failure-mode", "open", "--scorer-timeout-ms", "100"]).await;
+    let closed =
+        EnvoyProcess::start(&s.scorer, &path.envoy_flags(&["--failure-mode", "closed", "--scorer-timeout-ms", "100"]))
+            .await;
     let body = json!({"model": MODEL, "prompt": "while the scorer hangs", "max_tokens": 2});
     s.scorer.pause();
     let started = Instant::now();
@@ -383,16 +492,18 @@ async fn a_scorer_slower_than_the_timeout_is_treated_as_down() {
     assert_eq!(open.status, 200, "fail-open: served without a decision");
     assert!(started.elapsed() < Duration::from_secs(5));
     let shut = send(&closed, "/v1/completions", &body, &[]).await;
-    assert_eq!(shut.status, 503, "fail-closed: {}", shut.body);
+    // Envoy answers a picker past ext_proc's message timeout with its own 504.
+    let expected = if path == Path::Wasm { 503 } else { 504 };
+    assert_eq!(shut.status, expected, "fail-closed: {}", shut.body);
     s.scorer.resume();
     assert_eq!(send(&s.envoy, "/v1/completions", &body, &[]).await.status, 200);
-    assert_eq!(s.envoy.stat("wasmcustom.kvgate_fail_open").await, 1);
-    assert!(s.envoy.stat("wasmcustom.kvgate_routed").await >= 1, "routing resumed");
+    assert_eq!(s.failed_open().await, 1);
+    assert!(s.routed().await >= 1, "routing resumed");
 }
 
-#[tokio::test]
-async fn a_scorer_answering_garbage_is_treated_as_down() {
-    // Something else answers on the scorer's port: 200 with nonsense, or a bad status line.
+async fn a_scorer_answering_garbage_is_treated_as_down(path: Path) {
+    // Something else answers on the scorer's (or picker's) port: 200 with nonsense, or a bad
+    // status line.
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(async move {
@@ -414,13 +525,17 @@ async fn a_scorer_answering_garbage_is_treated_as_down() {
     });
     let pod = Sim::start("pod-g", &["--time-scale", "0.02"]).await;
     let config = std::env::temp_dir().join(format!("kvgate-garbage-{port}.yaml"));
+    let (listen, epp) = match path {
+        Path::Wasm => (port, String::new()),
+        Path::Epp => (kvgate_test_harness::free_port(), format!("epp: {{listen: '127.0.0.1:{port}'}}\n")),
+    };
     std::fs::write(
         &config,
-        format!("listen: 127.0.0.1:{port}\npods:\n  - {{name: pod-g, address: '127.0.0.1:{}'}}\n", pod.port),
+        format!("listen: 127.0.0.1:{listen}\n{epp}pods:\n  - {{name: pod-g, address: '127.0.0.1:{}'}}\n", pod.port),
     )
     .unwrap();
-    let open = EnvoyProcess::start_for(&config, &["--failure-mode", "open"]).await;
-    let closed = EnvoyProcess::start_for(&config, &["--failure-mode", "closed"]).await;
+    let open = EnvoyProcess::start_for(&config, &path.envoy_flags(&["--failure-mode", "open"])).await;
+    let closed = EnvoyProcess::start_for(&config, &path.envoy_flags(&["--failure-mode", "closed"])).await;
     let _ = std::fs::remove_file(&config);
     for i in 0..6 {
         let body = json!({"prompt": format!("garbage {i}"), "max_tokens": 2});
@@ -428,6 +543,8 @@ async fn a_scorer_answering_garbage_is_treated_as_down() {
         assert_eq!((a.status, a.pod.as_deref()), (200, Some("pod-g")), "fail-open serves: {}", a.body);
         assert_eq!(send(&closed, "/v1/completions", &body, &[]).await.status, 503);
     }
-    assert_eq!(open.stat("wasmcustom.kvgate_routed").await, 0, "no garbage decision was followed");
-    assert_eq!(open.stat("wasmcustom.kvgate_fail_open").await, 6);
+    if path == Path::Wasm {
+        assert_eq!(open.stat("wasmcustom.kvgate_routed").await, 0, "no garbage decision was followed");
+    }
+    assert_eq!(failed_open(path, &open).await, 6);
 }

@@ -2,7 +2,7 @@
 //! filter sends the prefill leg itself (or names the prefill pod in a header), simulated
 //! pods in prefill and decode roles do the NIXL-style hand-over.
 
-use kvgate_test_harness::{EnvoyProcess, ScorerProcess, Sim, qwen3_tokenizer, text};
+use kvgate_test_harness::{EPP_PORT, EnvoyProcess, ScorerProcess, Sim, qwen3_tokenizer, text};
 use serde_json::{Value, json};
 use std::time::Duration;
 
@@ -19,7 +19,7 @@ async fn stack(prefill: usize, decode: usize, envoy_flags: &[&str]) -> Stack {
     let tokenizer = qwen3_tokenizer();
     let tok = tokenizer.to_str().unwrap();
     let mut config = format!(
-        "tokenizer: {tok}\nhealth: {{scrape_interval_ms: 200, unhealthy_after: 2}}\npd: {{threshold_tokens: 256}}\npods:\n"
+        "tokenizer: {tok}\nhealth: {{scrape_interval_ms: 200, unhealthy_after: 2}}\npd: {{threshold_tokens: 256}}\nepp: {{listen: '127.0.0.1:{EPP_PORT}'}}\npods:\n"
     );
     let mut pods = (Vec::new(), Vec::new());
     for (role, n) in [("prefill", prefill), ("decode", decode)] {
@@ -193,5 +193,22 @@ async fn header_mode_names_the_prefill_pod_for_the_decode_sidecar() {
     let rec = &records(&s.decode, "hdr-1").await[0].1;
     assert_eq!(rec["prefiller"], format!("127.0.0.1:{}", s.prefill[0].port));
     assert_eq!(s.envoy.stat("wasmcustom.kvgate_pd_header").await, 1);
+    s.scorer.wait_idle(Duration::from_secs(5)).await;
+}
+
+#[tokio::test]
+async fn the_endpoint_picker_names_the_prefill_pod_for_the_decode_sidecar() {
+    let s = stack(1, 2, &["--picker", "epp"]).await;
+    let (status, body) = complete(&s.envoy, "epp-pd-1", &text("A long prompt for the picker", 500), true).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(records(&s.prefill, "epp-pd-1").await.is_empty(), "Envoy sends no prefill leg");
+    let decoded = records(&s.decode, "epp-pd-1").await;
+    assert_eq!(decoded.len(), 1);
+    assert_eq!(decoded[0].1["prefiller"], format!("127.0.0.1:{}", s.prefill[0].port), "llm-d's header");
+    let (status, _) = complete(&s.envoy, "epp-pd-2", "A short one", false).await;
+    assert_eq!(status, 200);
+    let short = records(&s.decode, "epp-pd-2").await;
+    assert!(short[0].1["prefiller"].is_null(), "short prompts go direct: {short:?}");
+    assert!(metric(&s.scorer, "kvgate_decisions_by_path_total{path=\"pd\"} 1").await);
     s.scorer.wait_idle(Duration::from_secs(5)).await;
 }

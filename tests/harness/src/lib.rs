@@ -367,22 +367,31 @@ pub struct ScorerProcess {
     child: Child,
     pub url: String,
     pub port: u16,
+    /// The Endpoint Picker's gRPC port, when the configuration has one.
+    pub epp_port: Option<u16>,
     pub config_path: PathBuf,
 }
 
+/// Stands for a free port for the Endpoint Picker in a configuration given to
+/// [`ScorerProcess::start`] (e.g. `epp: {listen: '127.0.0.1:${EPP_PORT}'}`).
+pub const EPP_PORT: &str = "${EPP_PORT}";
+
 impl ScorerProcess {
-    /// Starts the scorer with `config` (YAML without `listen`, which is added) and waits for
-    /// `/healthz`.
+    /// Starts the scorer with `config` (YAML without `listen`, which is added; [`EPP_PORT`]
+    /// replaced by a free port) and waits for `/healthz` (and the picker's port).
     pub async fn start(config: &str) -> ScorerProcess {
         let mut why = String::new();
         for _ in 0..START_ATTEMPTS {
             let port = free_port();
+            let epp_port = config.contains(EPP_PORT).then(free_port);
+            let config = config.replace(EPP_PORT, &epp_port.unwrap_or_default().to_string());
             let config_path = std::env::temp_dir().join(format!("kvgate-scorer-{port}.yaml"));
             std::fs::write(&config_path, format!("listen: 127.0.0.1:{port}\n{config}")).expect("write scorer config");
             let mut scorer = ScorerProcess {
                 child: spawn_scorer(&config_path),
                 url: format!("http://127.0.0.1:{port}"),
                 port,
+                epp_port,
                 config_path,
             };
             match scorer.wait_up().await {
@@ -395,7 +404,20 @@ impl ScorerProcess {
 
     async fn wait_up(&mut self) -> Result<(), String> {
         let health = format!("{}/healthz", self.url);
-        wait_child_ready(&mut self.child, &health, Duration::from_secs(30)).await
+        wait_child_ready(&mut self.child, &health, Duration::from_secs(30)).await?;
+        if let Some(port) = self.epp_port {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err() {
+                if let Some(status) = self.child.try_wait().expect("try_wait") {
+                    return Err(format!("exited ({status})"));
+                }
+                if Instant::now() >= deadline {
+                    return Err(format!("the endpoint picker's port {port} never opened"));
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        Ok(())
     }
 
     pub fn pid(&self) -> u32 {
@@ -530,6 +552,16 @@ impl EnvoyProcess {
     /// Like [`EnvoyProcess::start`], for a scorer configuration file (whose `listen` may be
     /// any server standing in for the scorer).
     pub async fn start_for(scorer_config: &std::path::Path, extra: &[&str]) -> EnvoyProcess {
+        Self::start_patched(scorer_config, extra, |bootstrap| bootstrap).await
+    }
+
+    /// Like [`EnvoyProcess::start_for`], with the rendered bootstrap changed by `patch` first
+    /// (e.g. a filter a test needs in front).
+    pub async fn start_patched(
+        scorer_config: &std::path::Path,
+        extra: &[&str],
+        patch: impl Fn(String) -> String,
+    ) -> EnvoyProcess {
         let mut why = String::new();
         for _ in 0..START_ATTEMPTS {
             let (port, admin) = (free_port(), free_port());
@@ -546,6 +578,8 @@ impl EnvoyProcess {
                 .status()
                 .expect("run kvgate-envoy-config");
             assert!(status.success(), "kvgate-envoy-config failed");
+            let bootstrap = std::fs::read_to_string(&config_path).expect("rendered bootstrap");
+            std::fs::write(&config_path, patch(bootstrap)).expect("patched bootstrap");
             let child = Command::new(envoy_binary())
                 .arg("-c")
                 .arg(&config_path)

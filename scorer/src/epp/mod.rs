@@ -1,0 +1,128 @@
+//! The Endpoint Picker: kvgate as the picker of a Gateway API Inference Extension
+//! `InferencePool`, over the protocol every conformant gateway speaks — Envoy's external
+//! processing (`envoy.service.ext_proc.v3.ExternalProcessor`, one bidirectional gRPC stream
+//! per HTTP request) plus gRPC health.
+//!
+//! Per request the gateway streams the request headers and body here; the picker buffers the
+//! body (bounded), makes the same decision as the filter's route call ([`Scorer::prepare`] then
+//! [`Scorer::decide`]), and answers with the pick and its fallbacks in the header
+//! `x-gateway-destination-endpoint` and the dynamic metadata `envoy.lb` (identical), then
+//! hands the body back unchanged. It then reads the response the gateway relays — the
+//! endpoint that served, the status, the first body bytes, the final usage — instead of the
+//! filter's lifecycle reports. See [`exchange`] for one stream, and the README for the
+//! gateway-side settings.
+//!
+//! Health (`grpc.health.v1.Health`, on the same port): `liveness` is serving while the process
+//! answers; `readiness` and `envoy.service.ext_proc.v3.ExternalProcessor` while some healthy
+//! pod can take requests.
+
+mod exchange;
+
+use crate::config::{EppSection, EppTls};
+use crate::scorer::Scorer;
+use anyhow::Context;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Identity, Server, ServerTlsConfig};
+use tonic::{Request, Response, Status, Streaming};
+use tonic_health::ServingStatus;
+
+/// The gRPC service name gateways health-check.
+pub const SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+
+/// The ext_proc service: one [`exchange`] task per stream.
+struct Picker {
+    scorer: Arc<Scorer>,
+    settings: Arc<EppSection>,
+    streams: AtomicU64,
+}
+
+#[tonic::async_trait]
+impl ExternalProcessor for Picker {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        // A few messages of slack: the picker answers each as it comes, and full-duplex
+        // bodies go back as several chunks.
+        let (tx, rx) = mpsc::channel(16);
+        let id = self.streams.fetch_add(1, Ordering::Relaxed);
+        let exchange = exchange::Exchange::new(self.scorer.clone(), self.settings.clone(), id, tx);
+        tokio::spawn(exchange.run(request.into_inner()));
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// The TLS identity the listener serves (`None`: plaintext h2c).
+fn identity(tls: &EppTls) -> anyhow::Result<Option<Identity>> {
+    match tls {
+        EppTls::Plaintext => Ok(None),
+        EppTls::Files { cert, key } => {
+            let cert = std::fs::read(cert).with_context(|| format!("epp.tls.cert {}", cert.display()))?;
+            let key = std::fs::read(key).with_context(|| format!("epp.tls.key {}", key.display()))?;
+            Ok(Some(Identity::from_pem(cert, key)))
+        }
+        EppTls::SelfSigned => {
+            let names = vec!["kvgate-epp".to_string(), "localhost".to_string()];
+            let certified = rcgen::generate_simple_self_signed(names).context("self-signed certificate")?;
+            Ok(Some(Identity::from_pem(certified.cert.pem(), certified.signing_key.serialize_pem())))
+        }
+    }
+}
+
+/// Serves the Endpoint Picker until `shutdown` resolves.
+pub async fn serve(
+    scorer: Arc<Scorer>,
+    settings: EppSection,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let listen = settings.listen;
+    let identity = identity(&settings.tls)?;
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_service_status("liveness", ServingStatus::Serving).await;
+    let watched = scorer.clone();
+    tokio::spawn(async move {
+        // Readiness follows the fleet: ready while some healthy pod can take requests.
+        let mut last = None;
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            let ready = watched.ready();
+            if last != Some(ready) {
+                let status = if ready { ServingStatus::Serving } else { ServingStatus::NotServing };
+                for service in ["readiness", SERVICE, ""] {
+                    reporter.set_service_status(service, status).await;
+                }
+                last = Some(ready);
+            }
+        }
+    });
+    // A buffered body arrives as one message: allow the body limit plus the message's framing.
+    let max_message = settings.body_limit_bytes + (64 << 10);
+    let picker = Picker { scorer, settings: Arc::new(settings), streams: AtomicU64::new(0) };
+    let service = ExternalProcessorServer::new(picker).max_decoding_message_size(max_message);
+    let mut server = Server::builder().http2_keepalive_interval(Some(Duration::from_secs(30)));
+    let secured = identity.is_some();
+    if let Some(identity) = identity {
+        server = server.tls_config(ServerTlsConfig::new().identity(identity)).context("TLS configuration")?;
+    }
+    let incoming =
+        TcpIncoming::bind(listen).with_context(|| format!("cannot listen on {listen}"))?.with_nodelay(Some(true));
+    tracing::info!(%listen, tls = secured, "endpoint picker (ext_proc) ready");
+    server
+        .add_service(health)
+        .add_service(service)
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+        .context("endpoint picker server")
+}
