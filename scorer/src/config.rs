@@ -191,6 +191,32 @@ pub struct DiscoverySection {
     /// One entry per namespace and label selector.
     #[serde(default)]
     pub kubernetes: Vec<KubernetesDiscovery>,
+    /// The pods of one InferencePool (the pool an Endpoint Picker serves).
+    pub inference_pool: Option<InferencePoolDiscovery>,
+}
+
+/// Pods of a Gateway API Inference Extension `InferencePool` (v1), as the pool says: its
+/// `selector` picks the pods in its namespace, every `podIP:targetPort` is an endpoint; the
+/// pool and the pods are watched. Needs get/list/watch on pods and inferencepools there.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InferencePoolDiscovery {
+    pub namespace: String,
+    /// The pool's name.
+    pub name: String,
+    /// KV-event port of the first target port (data-parallel rank 0); rank r publishes on
+    /// this port + r, as vLLM offsets them. Annotation `kvgate.io/kv-events-port` overrides it.
+    pub kv_events_port: Option<u16>,
+    /// Replay port of rank 0 (rank r: + r); annotation `kvgate.io/kv-events-replay-port`.
+    pub kv_events_replay_port: Option<u16>,
+    /// Path of the metrics page on each target port; `null` turns scraping off.
+    #[serde(default = "default_metrics_path")]
+    pub metrics_path: Option<String>,
+    /// The label carrying a pod's role (`prefill`, `decode`, `both`; absent = both).
+    #[serde(default = "default_role_label")]
+    pub role_label: String,
+    /// The API server; by default the in-cluster service account (or `KUBECONFIG`).
+    pub api_server: Option<String>,
 }
 
 /// Pods from the Kubernetes API: those matching `label_selector` in `namespace` that are
@@ -422,7 +448,30 @@ impl Config {
                 return invalid(field("metrics_path"), format!("{path:?} must start with /"));
             }
         }
-        if self.pods.is_empty() && self.discovery.dns.is_empty() && self.discovery.kubernetes.is_empty() {
+        if let Some(pool) = &self.discovery.inference_pool {
+            let field = |f: &str| format!("discovery.inference_pool.{f}");
+            if pool.namespace.trim().is_empty() {
+                return invalid(field("namespace"), "must name the pool's namespace");
+            }
+            if pool.name.trim().is_empty() {
+                return invalid(field("name"), "must name the InferencePool");
+            }
+            if let Some(url) = &pool.api_server
+                && !(url.starts_with("https://") || url.starts_with("http://"))
+            {
+                return invalid(field("api_server"), format!("{url:?} must be an http(s) URL"));
+            }
+            if let Some(path) = &pool.metrics_path
+                && !path.starts_with('/')
+            {
+                return invalid(field("metrics_path"), format!("{path:?} must start with /"));
+            }
+        }
+        if self.pods.is_empty()
+            && self.discovery.dns.is_empty()
+            && self.discovery.kubernetes.is_empty()
+            && self.discovery.inference_pool.is_none()
+        {
             return invalid("pods", "at least one pod is needed (or configure discovery)");
         }
         let (mut names, mut addresses) = (HashSet::new(), HashSet::new());
@@ -594,6 +643,8 @@ pods:
                 "discovery:\n  kubernetes: [{namespace: ns, label_selector: a=b, port: 8000, api_server: x}]\n",
                 "api_server",
             ),
+            ("discovery:\n  inference_pool: {namespace: ns, name: ''}\n", "discovery.inference_pool.name"),
+            ("discovery:\n  inference_pool: {namespace: ns, name: p, port: 8000}\n", "port"),
             ("epp: {listen: '127.0.0.1:7070'}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "epp.listen"),
             ("epp: {fallback_endpoints: 99}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "epp.fallback_endpoints"),
             ("epp: {tls: {mode: sometimes}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "sometimes"),

@@ -68,6 +68,10 @@ async fn main() -> anyhow::Result<()> {
         tracing::info!(namespace = %k.namespace, selector = %k.label_selector, "discovering pods through the Kubernetes API");
         tokio::spawn(discovery::kubernetes::run(scorer.clone(), k));
     }
+    if let Some(pool) = scorer.config.discovery.inference_pool.clone() {
+        tracing::info!(namespace = %pool.namespace, pool = %pool.name, "discovering the pods of an InferencePool");
+        tokio::spawn(discovery::inference_pool::run(scorer.clone(), pool));
+    }
     for dns in scorer.config.discovery.dns.clone() {
         tracing::info!(name = %dns.name, port = dns.port, role = ?dns.role, "discovering pods by DNS every {} s", dns.interval_seconds);
         tokio::spawn(discovery::dns::run(scorer.clone(), dns));

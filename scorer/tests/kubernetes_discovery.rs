@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use kvgate_route_api::Api;
 use kvgate_scorer::config::Config;
-use kvgate_scorer::discovery::kubernetes;
+use kvgate_scorer::discovery::{inference_pool, kubernetes};
 use kvgate_scorer::scorer::{Limits, Scorer};
 use kvgate_tokenize::Tokenizer;
 use serde_json::{Value, json};
@@ -20,42 +20,78 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
+/// One resource collection (pods, inferencepools): its objects, watches and what clients asked.
 #[derive(Default)]
-struct ApiState {
-    pods: BTreeMap<String, Value>,
-    resource_version: u64,
-    watchers: Vec<mpsc::UnboundedSender<String>>,
+struct Collection {
+    objects: BTreeMap<String, Value>,
+    /// Each watch with its label selector (`k=v,…`, equality only: what discovery sends).
+    watchers: Vec<(String, mpsc::UnboundedSender<String>)>,
     /// The next watch gets `ERROR` 410 Gone (its resourceVersion is "too old").
     expire_next_watch: bool,
     lists: u32,
     selectors: Vec<String>,
 }
 
+#[derive(Default)]
+struct ApiState {
+    /// By path segment: "pods", "inferencepools".
+    collections: BTreeMap<&'static str, Collection>,
+    resource_version: u64,
+}
+
 type Shared = Arc<Mutex<ApiState>>;
 
-async fn pods(State(state): State<Shared>, Query(q): Query<HashMap<String, String>>) -> Response {
+/// Whether `object`'s labels satisfy an equality label selector (`k=v,…`; empty: all).
+fn selected(object: &Value, selector: &str) -> bool {
+    selector.split(',').filter(|t| !t.is_empty()).all(|term| match term.split_once('=') {
+        Some((k, v)) => object["metadata"]["labels"][k] == v,
+        None => false,
+    })
+}
+
+/// Sends a watch event to the watchers whose selector the object satisfies.
+fn notify(c: &mut Collection, kind: &str, object: &Value) {
+    let line = format!("{}\n", json!({"type": kind, "object": object}));
+    c.watchers.retain(|(selector, w)| !selected(object, selector) || w.send(line.clone()).is_ok());
+}
+
+/// List or watch (`?watch=true`) one collection, the way the API server does.
+fn list_or_watch(state: &Shared, resource: &'static str, list_kind: &str, q: &HashMap<String, String>) -> Response {
     let mut s = state.lock().unwrap();
-    s.selectors.push(q.get("labelSelector").cloned().unwrap_or_default());
-    if q.get("watch").map(String::as_str) == Some("true") || q.get("watch").map(String::as_str) == Some("1") {
+    let version = s.resource_version;
+    let c = s.collections.entry(resource).or_default();
+    let labels = q.get("labelSelector").cloned().unwrap_or_default();
+    let selector = [q.get("labelSelector"), q.get("fieldSelector")].into_iter().flatten().cloned().collect::<Vec<_>>();
+    c.selectors.push(selector.join(";"));
+    if matches!(q.get("watch").map(String::as_str), Some("true" | "1")) {
         let (tx, rx) = mpsc::unbounded_channel::<String>();
-        if std::mem::take(&mut s.expire_next_watch) {
+        if std::mem::take(&mut c.expire_next_watch) {
             let gone = json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {},
                 "status": "Failure", "message": "too old resource version: 1 (42)", "reason": "Expired", "code": 410}});
             tx.send(format!("{gone}\n")).unwrap();
             drop(tx);
         } else {
-            s.watchers.push(tx);
+            c.watchers.push((labels, tx));
         }
         let stream = futures::stream::unfold(rx, |mut rx| async move {
             rx.recv().await.map(|line| (Ok::<_, std::convert::Infallible>(line), rx))
         });
         return ([("content-type", "application/json")], Body::from_stream(stream)).into_response();
     }
-    s.lists += 1;
-    let list = json!({"apiVersion": "v1", "kind": "PodList",
-        "metadata": {"resourceVersion": s.resource_version.to_string()},
-        "items": s.pods.values().cloned().collect::<Vec<_>>()});
+    c.lists += 1;
+    let api_version = if resource == "pods" { "v1" } else { "inference.networking.k8s.io/v1" };
+    let list = json!({"apiVersion": api_version, "kind": list_kind,
+        "metadata": {"resourceVersion": version.to_string()},
+        "items": c.objects.values().filter(|o| selected(o, &labels)).cloned().collect::<Vec<_>>()});
     axum::Json(list).into_response()
+}
+
+async fn pods(State(state): State<Shared>, Query(q): Query<HashMap<String, String>>) -> Response {
+    list_or_watch(&state, "pods", "PodList", &q)
+}
+
+async fn pools(State(state): State<Shared>, Query(q): Query<HashMap<String, String>>) -> Response {
+    list_or_watch(&state, "inferencepools", "InferencePoolList", &q)
 }
 
 struct ApiServer {
@@ -66,43 +102,64 @@ struct ApiServer {
 impl ApiServer {
     async fn start() -> ApiServer {
         let state: Shared = Arc::default();
-        let app = Router::new().route("/api/v1/namespaces/inference/pods", get(pods)).with_state(state.clone());
+        let app = Router::new()
+            .route("/api/v1/namespaces/inference/pods", get(pods))
+            .route("/apis/inference.networking.k8s.io/v1/namespaces/inference/inferencepools", get(pools))
+            .with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         ApiServer { url, state }
     }
 
-    /// Creates or replaces a pod; watchers see ADDED or MODIFIED unless `silently`.
-    fn put(&self, mut pod: Value, silently: bool) {
+    /// Creates or replaces an object; watchers see ADDED or MODIFIED unless `silently`.
+    fn put_in(&self, resource: &'static str, mut object: Value, silently: bool) {
         let mut s = self.state.lock().unwrap();
         s.resource_version += 1;
-        pod["metadata"]["resourceVersion"] = json!(s.resource_version.to_string());
-        let name = pod["metadata"]["name"].as_str().unwrap().to_string();
-        let kind = if s.pods.contains_key(&name) { "MODIFIED" } else { "ADDED" };
-        s.pods.insert(name, pod.clone());
+        object["metadata"]["resourceVersion"] = json!(s.resource_version.to_string());
+        let c = s.collections.entry(resource).or_default();
+        let name = object["metadata"]["name"].as_str().unwrap().to_string();
+        let kind = if c.objects.contains_key(&name) { "MODIFIED" } else { "ADDED" };
+        c.objects.insert(name, object.clone());
         if !silently {
-            let line = format!("{}\n", json!({"type": kind, "object": pod}));
-            s.watchers.retain(|w| w.send(line.clone()).is_ok());
+            notify(c, kind, &object);
         }
+    }
+
+    fn delete_in(&self, resource: &'static str, name: &str, silently: bool) {
+        let mut s = self.state.lock().unwrap();
+        s.resource_version += 1;
+        let version = s.resource_version;
+        let c = s.collections.entry(resource).or_default();
+        let mut object = c.objects.remove(name).expect("object exists");
+        object["metadata"]["resourceVersion"] = json!(version.to_string());
+        if !silently {
+            notify(c, "DELETED", &object);
+        }
+    }
+
+    fn put(&self, pod: Value, silently: bool) {
+        self.put_in("pods", pod, silently)
     }
 
     fn delete(&self, name: &str, silently: bool) {
-        let mut s = self.state.lock().unwrap();
-        s.resource_version += 1;
-        let mut pod = s.pods.remove(name).expect("pod exists");
-        pod["metadata"]["resourceVersion"] = json!(s.resource_version.to_string());
-        if !silently {
-            let line = format!("{}\n", json!({"type": "DELETED", "object": pod}));
-            s.watchers.retain(|w| w.send(line.clone()).is_ok());
-        }
+        self.delete_in("pods", name, silently)
     }
 
-    /// Ends every watch; the next one is answered 410 Gone, so the client must relist.
+    fn lists(&self, resource: &'static str) -> u32 {
+        self.state.lock().unwrap().collections.get(resource).map_or(0, |c| c.lists)
+    }
+
+    fn selectors(&self, resource: &'static str) -> Vec<String> {
+        self.state.lock().unwrap().collections.get(resource).map_or(Vec::new(), |c| c.selectors.clone())
+    }
+
+    /// Ends every pod watch; the next one is answered 410 Gone, so the client must relist.
     fn expire_watches(&self) {
         let mut s = self.state.lock().unwrap();
-        s.watchers.clear();
-        s.expire_next_watch = true;
+        let c = s.collections.entry("pods").or_default();
+        c.watchers.clear();
+        c.expire_next_watch = true;
     }
 }
 
@@ -172,7 +229,7 @@ async fn pods_follow_the_api_server_through_readiness_deletion_and_a_watch_resta
 
     // The initial list: Running + Ready pods with an IP; the role from the label (absent = both).
     wait_pods(&scorer, &[("10.1.0.1:8000", "prefill"), ("10.1.0.2:8000", "both")]).await;
-    assert!(api.state.lock().unwrap().selectors.iter().all(|s| s == "app.kubernetes.io/name=vllm"));
+    assert!(api.selectors("pods").iter().all(|s| s == "app.kubernetes.io/name=vllm"));
 
     // Watch events: b turns not-ready, c becomes ready with its port in an annotation, a is
     // deleted, d is added.
@@ -187,12 +244,12 @@ async fn pods_follow_the_api_server_through_readiness_deletion_and_a_watch_resta
 
     // The watch ends and its resourceVersion has expired (410 Gone): while no watch ran, c was
     // deleted and b became ready again. The relist must show both.
-    let lists_before = api.state.lock().unwrap().lists;
+    let lists_before = api.lists("pods");
     api.expire_watches();
     api.delete("vllm-c", true);
     api.put(pod("vllm-b", Some("10.1.0.2"), "Running", true, None, none.clone()), true);
     wait_pods(&scorer, &[("10.1.0.2:8000", "both"), ("10.1.0.4:8000", "both")]).await;
-    assert!(api.state.lock().unwrap().lists > lists_before, "the client relisted after 410 Gone");
+    assert!(api.lists("pods") > lists_before, "the client relisted after 410 Gone");
 
     // Routing only ever answers present pods.
     let body = serde_json::to_vec(&json!({"prompt": "hello", "max_tokens": 4})).unwrap();
@@ -235,4 +292,103 @@ fn pods_that_cannot_serve_are_not_discovered() {
     let found = kubernetes::discovered(&parse(pod("p", Some("fd00::9"), "Running", true, None, annotated)), k).unwrap();
     assert_eq!(found.0.to_string(), "[fd00::9]:8000", "a malformed annotation is ignored");
     assert_eq!(found.1.endpoints.kv_events.as_deref(), Some("tcp://[fd00::9]:6000"));
+}
+
+/// An InferencePool v1 object as the API server returns it.
+fn pool(app: &str, ports: &[u16]) -> Value {
+    json!({"apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+        "metadata": {"name": "vllm-pool", "namespace": "inference", "uid": "pool-uid", "generation": 1,
+            "creationTimestamp": "2026-11-22T05:00:00Z"},
+        "spec": {"selector": {"matchLabels": {"app": app}},
+            "targetPorts": ports.iter().map(|p| json!({"number": p})).collect::<Vec<_>>(),
+            "appProtocol": "http",
+            "endpointPickerRef": {"group": "", "kind": "Service", "name": "kvgate-epp", "port": {"number": 9002},
+                "failureMode": "FailOpen"}},
+        "status": {"parents": []}})
+}
+
+/// A ready pod labelled `app`.
+fn app_pod(name: &str, ip: &str, app: &str, ready: bool) -> Value {
+    let mut p = pod(name, Some(ip), "Running", ready, None, json!({}));
+    p["metadata"]["labels"]["app"] = json!(app);
+    p
+}
+
+#[tokio::test]
+async fn an_inference_pools_pods_follow_the_pool_and_its_selector() {
+    let api = ApiServer::start().await;
+    api.put_in("inferencepools", pool("vllm-a", &[8000, 8001]), true);
+    api.put(app_pod("a-1", "10.2.0.1", "vllm-a", true), true);
+    api.put(app_pod("a-2", "10.2.0.3", "vllm-a", false), true);
+    api.put(app_pod("b-1", "10.2.0.2", "vllm-b", true), true);
+
+    let yaml = format!(
+        "discovery:\n  inference_pool: {{namespace: inference, name: vllm-pool, kv_events_port: 5557, metrics_path: null, api_server: '{}'}}\n",
+        api.url
+    );
+    let config = Config::parse(&yaml).unwrap();
+    let scorer = Arc::new(Scorer::new(config.clone(), Tokenizer::fallback()));
+    tokio::spawn(inference_pool::run(scorer.clone(), config.discovery.inference_pool.unwrap()));
+
+    // Every target port of every ready pod the selector matches is an endpoint (two ranks).
+    wait_pods(&scorer, &[("10.2.0.1:8000", "both"), ("10.2.0.1:8001", "both")]).await;
+    assert_eq!(api.selectors("inferencepools")[0], "metadata.name=vllm-pool", "only the named pool is watched");
+    assert!(api.selectors("pods").iter().all(|s| s == "app=vllm-a"), "{:?}", api.selectors("pods"));
+    api.put(app_pod("a-2", "10.2.0.3", "vllm-a", true), false);
+    wait_pods(
+        &scorer,
+        &[("10.2.0.1:8000", "both"), ("10.2.0.1:8001", "both"), ("10.2.0.3:8000", "both"), ("10.2.0.3:8001", "both")],
+    )
+    .await;
+
+    // The pool changes: another selector, one port. Its pods are re-watched.
+    api.put_in("inferencepools", pool("vllm-b", &[9000]), false);
+    wait_pods(&scorer, &[("10.2.0.2:9000", "both")]).await;
+    assert!(api.selectors("pods").iter().any(|s| s == "app=vllm-b"));
+    api.delete("a-1", false); // no longer selected: nothing changes
+    api.put(app_pod("b-2", "10.2.0.4", "vllm-b", true), false);
+    wait_pods(&scorer, &[("10.2.0.2:9000", "both"), ("10.2.0.4:9000", "both")]).await;
+
+    // The pool is deleted: no endpoints.
+    api.delete_in("inferencepools", "vllm-pool", false);
+    wait_pods(&scorer, &[]).await;
+}
+
+#[test]
+fn a_pools_ranks_publish_on_offset_ports() {
+    let config = Config::parse("discovery:\n  inference_pool: {namespace: inference, name: p, kv_events_port: 5557, kv_events_replay_port: 5567}\n")
+        .unwrap();
+    let c = config.discovery.inference_pool.unwrap();
+    let spec = inference_pool::pool_spec(&pool("vllm-a", &[8000, 8001, 8002])).unwrap();
+    assert_eq!((spec.selector.as_str(), spec.target_ports.as_slice()), ("app=vllm-a", &[8000, 8001, 8002][..]));
+    let parse = |v: Value| serde_json::from_value::<k8s_openapi::api::core::v1::Pod>(v).unwrap();
+    let found = inference_pool::endpoints(&parse(app_pod("a", "10.2.0.9", "vllm-a", true)), &spec, &c);
+    let described: Vec<(String, Option<String>, Option<String>, Option<String>)> = found
+        .iter()
+        .map(|(a, p)| {
+            (
+                a.to_string(),
+                p.endpoints.kv_events.clone(),
+                p.endpoints.kv_events_replay.clone(),
+                p.endpoints.metrics.clone(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        described[1],
+        (
+            "10.2.0.9:8001".into(),
+            Some("tcp://10.2.0.9:5558".into()),
+            Some("tcp://10.2.0.9:5568".into()),
+            Some("http://10.2.0.9:8001/metrics".into())
+        )
+    );
+    assert_eq!(described[2].1.as_deref(), Some("tcp://10.2.0.9:5559"));
+    assert!(inference_pool::endpoints(&parse(app_pod("a", "10.2.0.9", "vllm-a", false)), &spec, &c).is_empty());
+    // A pool kvgate cannot use says why.
+    let mut broken = pool("x", &[8000]);
+    broken["spec"]["selector"]["matchLabels"] = json!({});
+    assert!(inference_pool::pool_spec(&broken).unwrap_err().contains("matchLabels"));
+    broken = pool("x", &[]);
+    assert!(inference_pool::pool_spec(&broken).unwrap_err().contains("targetPorts"));
 }

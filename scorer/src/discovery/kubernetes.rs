@@ -2,6 +2,7 @@
 //! server's list + watch (`kube`'s watcher: it relists when a watch expires with 410 Gone
 //! and backs off on errors). A pod counts while it is Running, Ready, not terminating and has
 //! an IP; its role comes from a label, its ports from the configuration or its annotations.
+//! [`PodWatch`] follows one such watch; the InferencePool discovery uses it too.
 
 use super::{DiscoveredPod, PodEndpoints, Registry};
 use crate::config::{KubernetesDiscovery, Role};
@@ -23,114 +24,142 @@ pub const KV_EVENTS_PORT_ANNOTATION: &str = "kvgate.io/kv-events-port";
 /// Annotation overriding the replay port.
 pub const REPLAY_PORT_ANNOTATION: &str = "kvgate.io/kv-events-replay-port";
 
-/// What `pod` contributes: its address and description, or `None` while it cannot serve
-/// (not Running, not Ready, terminating, no IP) or cannot be understood (unknown role).
-pub fn discovered(pod: &Pod, config: &KubernetesDiscovery) -> Option<(SocketAddr, DiscoveredPod)> {
+/// A pod that can serve now — Running, Ready, not terminating, with an IP and a role kvgate
+/// understands (from `role_label`; absent = both) — as its IP and role.
+pub fn serving(pod: &Pod, role_label: &str) -> Option<(IpAddr, Role)> {
     let status = pod.status.as_ref()?;
     let ready = status.conditions.iter().flatten().any(|c| c.type_ == "Ready" && c.status == "True");
     if status.phase.as_deref() != Some("Running") || !ready || pod.metadata.deletion_timestamp.is_some() {
         return None;
     }
     let ip: IpAddr = status.pod_ip.as_deref()?.parse().ok()?;
-    let name = pod.metadata.name.as_deref().unwrap_or("?");
-    let role = match pod.metadata.labels.as_ref().and_then(|l| l.get(&config.role_label)).map(String::as_str) {
+    let role = match pod.metadata.labels.as_ref().and_then(|l| l.get(role_label)).map(String::as_str) {
         None | Some("both") => Role::Both,
         Some("prefill") => Role::Prefill,
         Some("decode") => Role::Decode,
         Some(other) => {
-            tracing::warn!(pod = name, label = %config.role_label, "discovery: unknown role {other:?}; pod skipped");
+            let name = pod.metadata.name.as_deref().unwrap_or("?");
+            tracing::warn!(pod = name, label = %role_label, "discovery: unknown role {other:?}; pod skipped");
             return None;
         }
     };
-    let annotation = |key: &str| -> Option<Option<u16>> {
-        let value = pod.metadata.annotations.as_ref()?.get(key)?;
-        match value.parse() {
-            Ok(port) => Some(Some(port)),
-            Err(_) => {
-                tracing::warn!(pod = name, "discovery: annotation {key}={value:?} is not a port; ignored");
-                None
-            }
+    Some((ip, role))
+}
+
+/// A port from the pod's annotation `key`: `None` without it, `Some(None)` when it is not a
+/// port (warned, then ignored).
+pub fn annotated_port(pod: &Pod, key: &str) -> Option<Option<u16>> {
+    let value = pod.metadata.annotations.as_ref()?.get(key)?;
+    match value.parse() {
+        Ok(port) => Some(Some(port)),
+        Err(_) => {
+            let name = pod.metadata.name.as_deref().unwrap_or("?");
+            tracing::warn!(pod = name, "discovery: annotation {key}={value:?} is not a port; ignored");
+            None
         }
-    };
-    let port = annotation(PORT_ANNOTATION).flatten().unwrap_or(config.port);
-    let events = annotation(KV_EVENTS_PORT_ANNOTATION).unwrap_or(config.kv_events_port);
-    let replay = annotation(REPLAY_PORT_ANNOTATION).unwrap_or(config.kv_events_replay_port);
+    }
+}
+
+/// What `pod` contributes: its address and description, or `None` while it cannot serve
+/// (see [`serving`]).
+pub fn discovered(pod: &Pod, config: &KubernetesDiscovery) -> Option<(SocketAddr, DiscoveredPod)> {
+    let (ip, role) = serving(pod, &config.role_label)?;
+    let port = annotated_port(pod, PORT_ANNOTATION).flatten().unwrap_or(config.port);
+    let events = annotated_port(pod, KV_EVENTS_PORT_ANNOTATION).unwrap_or(config.kv_events_port);
+    let replay = annotated_port(pod, REPLAY_PORT_ANNOTATION).unwrap_or(config.kv_events_replay_port);
     let endpoints = PodEndpoints::at(ip, port, events, replay, config.metrics_path.as_deref());
     Some((SocketAddr::new(ip, port), DiscoveredPod { role, endpoints }))
 }
 
-/// The client: the configured API server, else in-cluster / `KUBECONFIG`.
-async fn client(config: &KubernetesDiscovery) -> Result<Client, String> {
-    match &config.api_server {
-        Some(url) => {
-            let uri = url.parse().map_err(|e| format!("api_server {url:?}: {e}"))?;
-            Client::try_from(kube::Config::new(uri)).map_err(|e| e.to_string())
+/// The client: the configured API server, else in-cluster / `KUBECONFIG`; retried every 5 s
+/// (counted) until it can be built.
+pub async fn client(scorer: &Scorer, api_server: Option<&str>, source: &str) -> Client {
+    loop {
+        let built = match api_server {
+            Some(url) => url
+                .parse()
+                .map_err(|e| format!("api_server {url:?}: {e}"))
+                .and_then(|uri| Client::try_from(kube::Config::new(uri)).map_err(|e| e.to_string())),
+            None => Client::try_default().await.map_err(|e| e.to_string()),
+        };
+        match built {
+            Ok(c) => return c,
+            Err(e) => {
+                scorer.metrics.discovery_errors.with_label_values(&[source]).inc();
+                tracing::error!(%source, "discovery: no Kubernetes client ({e}); retrying in 5 s");
+                tokio::time::sleep(Duration::from_secs(5)).await;
+            }
         }
-        None => Client::try_default().await.map_err(|e| e.to_string()),
+    }
+}
+
+/// The endpoints of the pods one list + watch has shown, by pod name. During a (re)list the
+/// pods listed so far are kept apart, so pods deleted while no watch ran disappear when the
+/// list is complete.
+#[derive(Default)]
+pub struct PodWatch {
+    current: BTreeMap<String, Vec<(SocketAddr, DiscoveredPod)>>,
+    relisting: Option<BTreeMap<String, Vec<(SocketAddr, DiscoveredPod)>>>,
+}
+
+impl PodWatch {
+    /// Applies one event, `endpoints` saying what a pod contributes; true when the endpoints
+    /// may have changed.
+    pub fn apply(&mut self, event: Event<Pod>, endpoints: impl Fn(&Pod) -> Vec<(SocketAddr, DiscoveredPod)>) -> bool {
+        match event {
+            Event::Init => {
+                self.relisting = Some(BTreeMap::new());
+                false
+            }
+            Event::InitApply(pod) => {
+                if let (Some(list), Some(name)) = (self.relisting.as_mut(), pod.metadata.name.clone()) {
+                    list.insert(name, endpoints(&pod));
+                }
+                false
+            }
+            Event::InitDone => {
+                self.current = self.relisting.take().unwrap_or_default();
+                true
+            }
+            Event::Apply(pod) => {
+                let name = pod.metadata.name.clone().unwrap_or_default();
+                self.current.insert(name, endpoints(&pod));
+                true
+            }
+            Event::Delete(pod) => {
+                self.current.remove(pod.metadata.name.as_deref().unwrap_or_default());
+                true
+            }
+        }
+    }
+
+    /// Every endpoint of every pod seen.
+    pub fn desired(&self) -> BTreeMap<SocketAddr, DiscoveredPod> {
+        self.current.values().flatten().cloned().collect()
     }
 }
 
 /// Watches the pods until the process stops.
 pub async fn run(scorer: Arc<Scorer>, config: KubernetesDiscovery) {
     let source = format!("kubernetes:{}/{}", config.namespace, config.label_selector);
-    let client = loop {
-        match client(&config).await {
-            Ok(c) => break c,
-            Err(e) => {
-                scorer.metrics.discovery_errors.with_label_values(&[&source]).inc();
-                tracing::error!(%source, "discovery: no Kubernetes client ({e}); retrying in 5 s");
-                tokio::time::sleep(Duration::from_secs(5)).await;
-            }
-        }
-    };
+    let client = client(&scorer, config.api_server.as_deref(), &source).await;
     let api: Api<Pod> = Api::namespaced(client, &config.namespace);
     let watch = watcher::Config::default().labels(&config.label_selector);
     let mut events = watcher::watcher(api, watch).default_backoff().boxed();
     let mut registry = Registry::default();
-    // Pods by name as last seen; during a (re)list, the pods listed so far.
-    let mut current: BTreeMap<String, (SocketAddr, DiscoveredPod)> = BTreeMap::new();
-    let mut relisting: Option<BTreeMap<String, (SocketAddr, DiscoveredPod)>> = None;
+    let mut pods = PodWatch::default();
     while let Some(event) = events.next().await {
-        let changed = match event {
-            Ok(Event::Init) => {
-                relisting = Some(BTreeMap::new());
-                false
-            }
-            Ok(Event::InitApply(pod)) => {
-                if let (Some(list), Some(name)) = (relisting.as_mut(), pod.metadata.name.clone())
-                    && let Some(found) = discovered(&pod, &config)
-                {
-                    list.insert(name, found);
+        match event {
+            Ok(event) => {
+                if pods.apply(event, |pod| discovered(pod, &config).into_iter().collect()) {
+                    registry.update(&scorer, &pods.desired());
+                    scorer.metrics.discovered_pods.with_label_values(&[&source]).set(registry.present().len() as f64);
                 }
-                false
-            }
-            Ok(Event::InitDone) => {
-                // Pods deleted while no watch was running are gone from the new list.
-                current = relisting.take().unwrap_or_default();
-                true
-            }
-            Ok(Event::Apply(pod)) => {
-                let name = pod.metadata.name.clone().unwrap_or_default();
-                match discovered(&pod, &config) {
-                    Some(found) => current.insert(name, found),
-                    None => current.remove(&name),
-                };
-                true
-            }
-            Ok(Event::Delete(pod)) => {
-                current.remove(pod.metadata.name.as_deref().unwrap_or_default());
-                true
             }
             Err(e) => {
                 scorer.metrics.discovery_errors.with_label_values(&[&source]).inc();
                 tracing::warn!(%source, "discovery: watch failed ({e}); retrying, pods kept");
-                false
             }
-        };
-        if changed {
-            let desired: BTreeMap<SocketAddr, DiscoveredPod> = current.values().cloned().collect();
-            registry.update(&scorer, &desired);
-            scorer.metrics.discovered_pods.with_label_values(&[&source]).set(registry.present().len() as f64);
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Pods that come and go: a [`Registry`] keeps the scorer's pods in line with what a
-//! discovery source sees — DNS ([`dns`]: a name's A/AAAA records) or the Kubernetes API
-//! ([`kubernetes`]: Running and Ready pods matching a label selector) — and starts and stops
-//! each pod's tasks (KV-event subscription, metrics scraping).
+//! discovery source sees — DNS ([`dns`]: a name's A/AAAA records), the Kubernetes API
+//! ([`kubernetes`]: Running and Ready pods matching a label selector) or an InferencePool
+//! ([`inference_pool`]: the pool's selector and target ports) — and starts and stops each
+//! pod's tasks (KV-event subscription, metrics scraping).
 //!
 //! A discovered pod is named by its address (`10.0.0.7:8000`). When it disappears its tasks
 //! stop and the scorer forgets its index entries and bookings; when the same address comes
@@ -10,6 +11,7 @@
 //! fleet, and pods that really died fail their scrapes and are avoided anyway.
 
 pub mod dns;
+pub mod inference_pool;
 pub mod kubernetes;
 
 use crate::config::Role;

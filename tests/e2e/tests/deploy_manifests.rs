@@ -50,7 +50,7 @@ fn hadolint(files: &[PathBuf]) -> Result<String, String> {
     run(cmd)
 }
 
-const MANIFESTS: [&str; 8] = [
+const MANIFESTS: [&str; 10] = [
     "base/namespace.yaml",
     "base/rbac.yaml",
     "base/vllm.yaml",
@@ -58,6 +58,8 @@ const MANIFESTS: [&str; 8] = [
     "envoy/gateway.yaml",
     "istio/gateway.yaml",
     "istio/envoyfilter.yaml",
+    "istio/gateway-api.yaml",
+    "gateway-api/epp.yaml",
     "gateway-api/gateway.yaml",
 ];
 
@@ -78,25 +80,31 @@ fn kubernetes_manifests_pass_the_kubernetes_schemas() {
         "serviceaccount/kvgate-gateway",
         "role/kvgate-scorer-pods",
         "rolebinding/kvgate-scorer-pods",
+        "serviceaccount/kvgate-epp",
+        "role/kvgate-epp",
+        "rolebinding/kvgate-epp",
+        "service/kvgate-epp",
+        "deployment/kvgate-epp",
+        "poddisruptionbudget/kvgate-epp",
     ];
     for kind in core {
         assert!(report.contains(&format!("passed for resource {kind}")), "{kind} not validated:\n{report}");
     }
-    // The only resources without a Kubernetes schema are the Istio and Gateway API CRDs,
-    // checked by the other tests of this file.
+    // The only resources without a Kubernetes schema are the Istio and Gateway API CRs,
+    // checked by the other tests of this file (the InferencePool against its CRD).
     let unchecked: Vec<&str> = report.lines().filter(|l| l.contains("Couldn't find schema")).collect();
     for line in &unchecked {
         assert!(
-            ["kind Gateway ", "kind VirtualService ", "kind EnvoyFilter ", "kind HTTPRoute "]
+            ["kind Gateway ", "kind VirtualService ", "kind EnvoyFilter ", "kind HTTPRoute ", "kind DestinationRule "]
                 .iter()
                 .any(|k| line.contains(k)),
             "unexpected resource without schema: {line}"
         );
     }
-    assert_eq!(unchecked.len(), 5, "{report}");
+    assert_eq!(unchecked.len(), 8, "{report}");
 
     // Every file a kustomization names exists.
-    for dir in ["base", "envoy", "istio"] {
+    for dir in ["base", "envoy", "istio", "gateway-api"] {
         let k = documents(&format!("{dir}/kustomization.yaml"));
         let names = k[0]["resources"].as_array().into_iter().flatten().chain(
             k[0]["configMapGenerator"].as_array().into_iter().flatten().flat_map(|g| g["files"].as_array().unwrap()),
@@ -201,7 +209,7 @@ fn the_istio_envoyfilter_patches_assemble_into_a_bootstrap_envoy_accepts() {
         deployment["spec"]["template"]["metadata"]["labels"]["istio"],
         filter["spec"]["workloadSelector"]["labels"]["istio"]
     );
-    let gateway_api = documents("gateway-api/gateway.yaml");
+    let gateway_api = documents("istio/gateway-api.yaml");
     let backend = &find(&gateway_api, "HTTPRoute", "kvgate")["spec"]["rules"][0]["backendRefs"][0];
     assert_eq!(format!("{}.inference.svc.cluster.local", backend["name"].as_str().unwrap()), host);
     assert_eq!(backend["port"].as_u64(), Some(port));
@@ -236,6 +244,87 @@ fn the_istio_envoyfilter_patches_assemble_into_a_bootstrap_envoy_accepts() {
     let result = envoy_validate(&path);
     std::fs::remove_file(&path).unwrap();
     result.unwrap_or_else(|e| panic!("envoy --mode validate on the assembled Istio patches:\n{e}"));
+}
+
+/// The InferencePool CRD kept in tests/fixtures/gie (GIE's, unmodified): its schema
+/// validates manifests by `tests/tools/crd_validate.py`.
+fn crd_validate(files: &[PathBuf]) -> Result<String, String> {
+    let mut cmd = Command::new(kvgate_test_harness::python());
+    cmd.arg(root().join("tests/tools/crd_validate.py"))
+        .arg(root().join("tests/fixtures/gie/inference.networking.k8s.io_inferencepools.yaml"))
+        .args(files);
+    run(cmd)
+}
+
+#[test]
+fn the_inference_pool_names_kvgates_picker_and_the_pieces_agree() {
+    // The pool passes the InferencePool v1 CRD's schema; a broken one does not.
+    let report = crd_validate(&[deploy("gateway-api/inferencepool.yaml")]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(report.contains("valid: InferencePool/vllm"), "{report}");
+    let broken = std::env::temp_dir().join(format!("kvgate-broken-pool-{}.yaml", std::process::id()));
+    std::fs::write(
+        &broken,
+        read("gateway-api/inferencepool.yaml").replace("failureMode: FailOpen", "failureMode: Maybe"),
+    )
+    .unwrap();
+    let result = crd_validate(std::slice::from_ref(&broken));
+    std::fs::remove_file(&broken).unwrap();
+    assert!(result.as_ref().is_err_and(|e| e.contains("failureMode")), "{result:?}");
+    let pool = documents("gateway-api/inferencepool.yaml").remove(0);
+    let spec = &pool["spec"];
+    // The CRD's CEL rules (not evaluated by JSON Schema): a Service reference has a port, and
+    // target ports are unique.
+    let picker = &spec["endpointPickerRef"];
+    assert!(picker["kind"] != "Service" || picker["port"]["number"].is_u64());
+    let ports: Vec<u64> =
+        spec["targetPorts"].as_array().unwrap().iter().map(|p| p["number"].as_u64().unwrap()).collect();
+    assert_eq!(ports.iter().collect::<std::collections::BTreeSet<_>>().len(), ports.len());
+
+    // The picker's configuration: the scorer's parser accepts it, it serves the port the pool
+    // names, and it discovers exactly this pool.
+    let config = Config::parse(&read("gateway-api/scorer.yaml")).expect("the scorer's parser accepts it");
+    let epp = config.epp.as_ref().expect("the Endpoint Picker is on");
+    assert_eq!(Some(u64::from(epp.listen.port())), picker["port"]["number"].as_u64());
+    let discovered = config.discovery.inference_pool.as_ref().expect("InferencePool discovery");
+    assert_eq!(
+        (discovered.namespace.as_str(), discovered.name.as_str()),
+        ("inference", pool["metadata"]["name"].as_str().unwrap())
+    );
+    // The Service the pool names exists, on that port, in front of the picker's pods; the
+    // Role lets it watch pods and pools.
+    let epp_docs = documents("gateway-api/epp.yaml");
+    let service = find(&epp_docs, "Service", picker["name"].as_str().unwrap());
+    let grpc =
+        service["spec"]["ports"].as_array().unwrap().iter().find(|p| p["port"] == picker["port"]["number"]).unwrap();
+    let deployment = find(&epp_docs, "Deployment", "kvgate-epp");
+    let container = &deployment["spec"]["template"]["spec"]["containers"][0];
+    let named = container["ports"].as_array().unwrap().iter().find(|p| p["name"] == grpc["targetPort"]).unwrap();
+    assert_eq!(named["containerPort"].as_u64(), Some(u64::from(epp.listen.port())));
+    assert_eq!(service["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"]);
+    let rules = &find(&epp_docs, "Role", "kvgate-epp")["rules"];
+    for (group, resource) in [("", "pods"), ("inference.networking.k8s.io", "inferencepools")] {
+        assert!(
+            rules.as_array().unwrap().iter().any(|r| r["apiGroups"][0] == group && r["resources"][0] == resource),
+            "the picker may watch {resource}"
+        );
+    }
+    // The pool selects the vLLM pods and their HTTP port.
+    let vllm = find(&documents("base/vllm.yaml"), "Deployment", "vllm").clone();
+    let labels = &vllm["spec"]["template"]["metadata"]["labels"];
+    for (k, v) in spec["selector"]["matchLabels"].as_object().unwrap() {
+        assert_eq!(&labels[k], v, "the pool selects the vLLM pods");
+    }
+    let vllm_ports = &vllm["spec"]["template"]["spec"]["containers"][0]["ports"];
+    assert!(
+        ports.iter().all(|p| vllm_ports.as_array().unwrap().iter().any(|c| c["containerPort"].as_u64() == Some(*p)))
+    );
+    // The route sends the OpenAI paths to the pool; Istio dials the picker over TLS.
+    let gateway = documents("gateway-api/gateway.yaml");
+    let backend = &find(&gateway, "HTTPRoute", "vllm")["spec"]["rules"][0]["backendRefs"][0];
+    assert_eq!((backend["kind"].as_str(), backend["name"].as_str()), (Some("InferencePool"), Some("vllm")));
+    let rule = find(&gateway, "DestinationRule", "kvgate-epp");
+    assert_eq!(rule["spec"]["host"], "kvgate-epp.inference.svc.cluster.local");
+    assert_eq!(rule["spec"]["trafficPolicy"]["tls"]["mode"], "SIMPLE");
 }
 
 #[test]
