@@ -19,25 +19,29 @@ pub enum Picker {
     None,
 }
 
-/// The ext_proc request body mode of the rendered bootstrap (see the README: full duplex is
-/// what Istio and llm-d use; buffered keeps the body in Envoy, so a picker that dies or
-/// freezes never costs a request).
+/// How the rendered bootstrap's ext_proc filter talks to the picker (see the README).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EppBodyMode {
-    FullDuplex,
-    Buffered,
+    /// The body streamed to the picker without waiting, the pick with the headers' answer
+    /// (one round trip); responses STREAMED. Envoy keeps every byte: a picker that dies or
+    /// freezes costs no request. Default.
     Streamed,
+    /// The whole request body in one message after the headers' answer (Envoy AI
+    /// Gateway's), responses STREAMED.
+    Buffered,
+    /// Full duplex both ways (Istio's and llm-d's): the picker hands every body byte back;
+    /// a picker that dies mid-request fails it (Envoy cannot fall back once the body left).
+    FullDuplex,
 }
 
 impl EppBodyMode {
-    /// (request, response) body modes.
-    fn modes(self) -> (&'static str, &'static str) {
+    /// (request body, response headers, response body, response trailers) modes of the
+    /// routing filter.
+    fn modes(self) -> (&'static str, &'static str, &'static str, &'static str) {
         match self {
-            EppBodyMode::FullDuplex => ("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED"),
-            // Responses stream through either way; STREAMED keeps each chunk in Envoy until
-            // the picker has seen it, so a picker failure does not cut the stream.
-            EppBodyMode::Buffered => ("BUFFERED", "STREAMED"),
-            EppBodyMode::Streamed => ("STREAMED", "STREAMED"),
+            EppBodyMode::Streamed => ("STREAMED", "SKIP", "STREAMED", "SEND"),
+            EppBodyMode::Buffered => ("BUFFERED", "SEND", "STREAMED", "SEND"),
+            EppBodyMode::FullDuplex => ("FULL_DUPLEX_STREAMED", "SEND", "FULL_DUPLEX_STREAMED", "SEND"),
         }
     }
 }
@@ -129,11 +133,11 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
             "    cluster_type:\n      name: envoy.clusters.dns\n      typed_config:\n        \"@type\": type.googleapis.com/envoy.extensions.clusters.dns.v3.DnsCluster\n        dns_lookup_family: ALL\n        dns_refresh_rate: {seconds}s"
         )
     });
-    // The wasm filter names the pick in the header; the picker in both, and Envoy routes on
-    // its metadata first (the client's header was dropped before the picker ran).
+    // The wasm filter names the pick in the header (stripping clients'); the picker in both,
+    // and Envoy routes on its metadata alone, which no client can set.
     let override_source = match options.picker {
         Picker::Epp => {
-            "            - metadata:\n                key: envoy.lb\n                path: [{ key: x-gateway-destination-endpoint }]\n            - header: x-gateway-destination-endpoint"
+            "            - metadata:\n                key: envoy.lb\n                path: [{ key: x-gateway-destination-endpoint }]"
         }
         _ => "            - header: x-gateway-destination-endpoint",
     };
@@ -142,7 +146,7 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
         ip if ip.is_unspecified() => SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), e.listen.port()),
         _ => e.listen,
     });
-    let (request_mode, response_mode) = options.epp_body_mode.modes();
+    let (request_mode, response_headers, response_mode, response_trailers) = options.epp_body_mode.modes();
     let replacements = [
         ("${PODS_DISCOVERY}", discovery),
         ("${ADMIN_IP}", options.admin.ip().to_string()),
@@ -157,7 +161,9 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
         ("${SCORER_PORT}", config.listen.port().to_string()),
         ("${EPP_FAILURE_MODE_ALLOW}", (options.failure_mode == "open").to_string()),
         ("${EPP_REQUEST_BODY_MODE}", request_mode.to_string()),
+        ("${EPP_RESPONSE_HEADER_MODE}", response_headers.to_string()),
         ("${EPP_RESPONSE_BODY_MODE}", response_mode.to_string()),
+        ("${EPP_RESPONSE_TRAILER_MODE}", response_trailers.to_string()),
         ("${EPP_MESSAGE_TIMEOUT}", format!("{}s", options.scorer_timeout_ms as f64 / 1000.0)),
         ("${EPP_IP}", epp_address.map(|a| a.ip().to_string()).unwrap_or_default()),
         ("${EPP_PORT}", epp_address.map(|a| a.port().to_string()).unwrap_or_default()),
@@ -167,7 +173,7 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
     let mut out = TEMPLATE.to_string();
     out = section(out, "${WASM_BEGIN}", "${WASM_END}", options.picker == Picker::Wasm);
     out = section(out, "${EPP_BEGIN}", "${EPP_END}", epp.is_some());
-    out = section(out, "${EPP_STREAMED_BEGIN}", "${EPP_STREAMED_END}", options.epp_body_mode == EppBodyMode::Streamed);
+    out = section(out, "${EPP_STREAMED_BEGIN}", "${EPP_STREAMED_END}", request_mode == "STREAMED");
     let tls = epp.is_some_and(|e| e.tls != EppTls::Plaintext);
     out = section(out, "${EPP_TLS_BEGIN}", "${EPP_TLS_END}", tls);
     for (key, value) in replacements {
@@ -190,7 +196,7 @@ mod tests {
             pd_mode: "envoy".into(),
             body_limit_bytes: 1 << 23,
             picker: Picker::Wasm,
-            epp_body_mode: EppBodyMode::Buffered,
+            epp_body_mode: EppBodyMode::Streamed,
             retries: 2,
         }
     }
@@ -209,10 +215,10 @@ mod tests {
         assert!(out.contains("kvgate: { pod: b, role: decode }"));
         assert!(out.contains("port_value: 7171") && out.contains("\"failure_mode\":\"closed\""));
         assert!(out.contains("filters.http.wasm.v3.Wasm"));
-        assert!(!out.contains("ext_proc") && !out.contains("kvgate_epp"));
+        assert!(!out.contains("filters.http.ext_proc") && !out.contains("kvgate_epp"));
         let baseline = render(&config, &EnvoyOptions { picker: Picker::None, ..options() }).unwrap();
         assert!(!baseline.contains("filters.http.wasm") && baseline.contains("envoy.filters.http.router"));
-        assert!(!baseline.contains("kvgate_scorer") && !baseline.contains("ext_proc"));
+        assert!(!baseline.contains("kvgate_scorer") && !baseline.contains("filters.http.ext_proc"));
         assert!(out.contains("type: STATIC") && !out.contains("dns_lookup_family"));
         let no_epp = render(&config, &EnvoyOptions { picker: Picker::Epp, ..options() });
         assert!(no_epp.unwrap_err().contains("epp"), "the picker needs its section");
@@ -231,10 +237,9 @@ mod tests {
         assert!(out.contains("request_body_mode: FULL_DUPLEX_STREAMED") && out.contains("failure_mode_allow: false"));
         assert!(out.contains("socket_address: { address: 127.0.0.1, port_value: 9102 }"), "loopback to 0.0.0.0");
         assert!(!out.contains("UpstreamTlsContext") && !out.contains("send_body_without_waiting"));
-        assert!(out.contains("- remove: x-gateway-destination-endpoint"), "the client's header is dropped");
         assert!(
-            out.find("key: envoy.lb\n                path: [{ key: x-gateway-destination-endpoint }]")
-                < out.find("- header: x-gateway")
+            out.contains("path: [{ key: x-gateway-destination-endpoint }]") && !out.contains("- header: x-gateway"),
+            "routed on the picker's metadata alone"
         );
         let buffered = epp(EppBodyMode::Buffered);
         assert!(buffered.contains("request_body_mode: BUFFERED") && buffered.contains("response_body_mode: STREAMED"));

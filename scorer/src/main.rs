@@ -86,13 +86,20 @@ async fn main() -> anyhow::Result<()> {
     });
 
     if let Some(epp) = scorer.config.epp.clone() {
+        // Its own thread and single-threaded runtime: a gateway multiplexes every request on
+        // one HTTP/2 connection, whose frames and streams are then handled on one thread
+        // without handing each message to another (measured: less CPU per request).
         let picker = scorer.clone();
-        tokio::spawn(async move {
-            if let Err(e) = kvgate_scorer::epp::serve(picker, epp, shutdown_signal()).await {
+        std::thread::Builder::new().name("kvgate-epp".into()).spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
+            let served = runtime
+                .map_err(anyhow::Error::from)
+                .and_then(|rt| rt.block_on(kvgate_scorer::epp::serve(picker, epp, std::future::pending())));
+            if let Err(e) = served {
                 tracing::error!("endpoint picker failed: {e:#}");
                 std::process::exit(1);
             }
-        });
+        })?;
     }
     if let Some(admin) = admin_listen {
         let listener =

@@ -403,3 +403,46 @@ async fn grpc_health_follows_the_fleet() {
         );
     }
 }
+
+#[tokio::test]
+async fn an_observing_stream_reports_for_the_booking_the_routing_stream_made() {
+    let (scorer, _pods) = picker("").await;
+    // The routing stream: the gateway sends it no response (response_body_mode NONE).
+    let mut routing = Stream::open(&scorer).await;
+    routing.send(post("/v1/completions"), mode(BodySendMode::Streamed, BodySendMode::None, true), None).await;
+    routing.send(body(&completion("observed elsewhere"), true), None, None).await;
+    let decision = routing.next().await;
+    let booking = match &decision.dynamic_metadata.as_ref().unwrap().fields["kvgate"].kind {
+        Some(Kind::StructValue(k)) => k.fields["booking"].clone(),
+        other => panic!("the decision names its booking: {other:?}"),
+    };
+    let _ = routing.next().await; // the body chunk's continue
+    drop(routing); // its stream ends: the booking is not its to end
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(inflight(&scorer).await, 1, "handed to whoever reports the response");
+
+    // An observing stream (observability mode: nothing is answered) names the booking in
+    // the kvgate metadata the decision set, and reports the response.
+    let mut observer = Stream::open(&scorer).await;
+    let send_observed = async |s: &Stream, m: Message, context: Option<Metadata>| {
+        let message = ProcessingRequest {
+            request: Some(m),
+            observability_mode: true,
+            metadata_context: context,
+            ..Default::default()
+        };
+        s.tx.send(message).await.unwrap();
+    };
+    let context = Some(metadata("kvgate", "booking", booking));
+    send_observed(&observer, headers(&[(":method", "POST"), (":path", "/v1/completions")], false), context.clone())
+        .await;
+    let Message::RequestHeaders(status) = headers(&[(":status", "200")], false) else { unreachable!() };
+    send_observed(&observer, Message::ResponseHeaders(status), context.clone()).await;
+    let end =
+        HttpBody { body: b"{\"usage\":{\"completion_tokens\":4}}".to_vec(), end_of_stream: true, ..Default::default() };
+    send_observed(&observer, Message::ResponseBody(end), context).await;
+    // No answer comes; the picker ends the stream once the response is over.
+    let closed = tokio::time::timeout(Duration::from_secs(5), observer.rx.message()).await.expect("closed in time");
+    assert!(matches!(closed, Ok(None)), "{closed:?}");
+    assert_eq!(inflight(&scorer).await, 0, "done");
+}

@@ -35,9 +35,10 @@ struct Args {
     /// Timeout of a decision: the filter's route call, the ext_proc message timeout.
     #[arg(long, default_value_t = 100)]
     scorer_timeout_ms: u64,
-    /// The ext_proc request body mode: `buffered` (Envoy keeps the body: a dead or frozen
-    /// picker costs no request), `full-duplex` (Istio's and llm-d's) or `streamed`.
-    #[arg(long, default_value = "buffered", value_parser = ["buffered", "full-duplex", "streamed"])]
+    /// How ext_proc sends bodies to the picker: `streamed` (one round trip per request;
+    /// Envoy keeps the body, so a dead or frozen picker costs no request), `buffered`, or
+    /// `full-duplex` (Istio's and llm-d's). See the README.
+    #[arg(long, default_value = "streamed", value_parser = ["streamed", "buffered", "full-duplex"])]
     epp_body_mode: String,
     /// Retries onto the next pods of the pick's list when a pod refuses the connection or
     /// resets before answering.
@@ -73,8 +74,8 @@ fn main() -> anyhow::Result<()> {
     };
     let epp_body_mode = match args.epp_body_mode.as_str() {
         "full-duplex" => EppBodyMode::FullDuplex,
-        "streamed" => EppBodyMode::Streamed,
-        _ => EppBodyMode::Buffered,
+        "buffered" => EppBodyMode::Buffered,
+        _ => EppBodyMode::Streamed,
     };
     let yaml = render(
         &config,

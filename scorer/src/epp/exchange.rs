@@ -22,6 +22,7 @@
 //! `cancelled` otherwise; the stream ending earlier (client gone, upstream reset) is
 //! `cancelled`. Response bodies pass back unchanged and are never logged.
 
+use super::Shared;
 use crate::config::EppSection;
 use crate::scorer::{Limits, RouteError, Scorer};
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
@@ -36,10 +37,12 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
-use kvgate_route_api::{Api, ErrorBody, LifecycleEvent, completion_tokens, validate_json_object};
+use futures::Stream;
+use kvgate_route_api::{Api, ErrorBody, LifecycleEvent, completion_tokens};
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use tokio::sync::mpsc;
+use std::sync::atomic::Ordering;
 use tonic::{Status, Streaming};
 
 /// The header and `envoy.lb` metadata key naming the pick and its fallbacks.
@@ -51,6 +54,9 @@ pub const LB_NAMESPACE: &str = "envoy.lb";
 /// The metadata namespace and key of the gateway's subset hint.
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+/// kvgate's metadata namespace and the key naming a decision's booking in it.
+pub const KVGATE_NAMESPACE: &str = "kvgate";
+pub const BOOKING_KEY: &str = "booking";
 /// Largest body chunk sent back in full-duplex mode (the reference picker's size).
 pub const MAX_CHUNK: usize = 62_000;
 
@@ -91,9 +97,14 @@ struct Modes {
 impl Modes {
     const PROTOCOL: Modes = Modes { request: BodyMode::FullDuplex, response: BodyMode::FullDuplex };
 
-    fn of(config: &ProtocolConfiguration) -> Result<Modes, String> {
+    /// The modes of a stream; `observing`: the gateway sends without waiting (observability
+    /// mode), so the request body mode does not matter — such a stream only reports.
+    fn of(config: &ProtocolConfiguration, observing: bool) -> Result<Modes, String> {
         let request = BodyMode::of(config.request_body_mode)?;
         let response = BodyMode::of(config.response_body_mode)?;
+        if observing {
+            return Ok(Modes { request, response });
+        }
         match request {
             BodyMode::None => Err("request_body_mode NONE: kvgate routes by the request body; use \
                                    FULL_DUPLEX_STREAMED, STREAMED or BUFFERED"
@@ -124,14 +135,26 @@ struct Booking {
     id: String,
     /// x-request-id, for logs.
     request_id: String,
+    /// Made by another stream (named in the `kvgate` metadata): this one only reports.
+    joined: bool,
     first_token: bool,
 }
 
 pub struct Exchange {
     scorer: Arc<Scorer>,
     settings: Arc<EppSection>,
+    shared: Arc<Shared>,
     stream: u64,
-    out: mpsc::Sender<Result<ProcessingResponse, Status>>,
+    /// Observability mode: answers are neither awaited nor sent.
+    observing: bool,
+    /// Some response message reached this stream.
+    saw_response: bool,
+    /// The response's end reached this stream.
+    response_over: bool,
+    /// Answers to the message being handled, in order (several for a full-duplex body).
+    outbox: VecDeque<Result<ProcessingResponse, Status>>,
+    /// The stream failed (a mode the picker cannot serve): the outbox ends it.
+    failed: bool,
     modes: Modes,
     request: RequestSide,
     booking: Option<Booking>,
@@ -139,21 +162,18 @@ pub struct Exchange {
     output_tokens: Option<u32>,
 }
 
-/// The stream ended (the proxy went away, or our answers can no longer be delivered).
-struct Closed;
-
 impl Exchange {
-    pub fn new(
-        scorer: Arc<Scorer>,
-        settings: Arc<EppSection>,
-        stream: u64,
-        out: mpsc::Sender<Result<ProcessingResponse, Status>>,
-    ) -> Self {
+    pub fn new(scorer: Arc<Scorer>, settings: Arc<EppSection>, shared: Arc<Shared>, stream: u64) -> Self {
         Self {
             scorer,
             settings,
+            shared,
             stream,
-            out,
+            observing: false,
+            saw_response: false,
+            response_over: false,
+            outbox: VecDeque::new(),
+            failed: false,
             modes: Modes::PROTOCOL,
             request: RequestSide::Start,
             booking: None,
@@ -162,65 +182,94 @@ impl Exchange {
         }
     }
 
-    /// Handles the stream's messages until the proxy closes it.
-    pub async fn run(mut self, mut inbound: Streaming<ProcessingRequest>) {
-        loop {
-            let message = match inbound.message().await {
-                Ok(Some(m)) => m,
-                Ok(None) => break, // the proxy is done with this request
-                Err(status) => {
-                    tracing::debug!(stream = self.stream, "ext_proc stream ended: {status}");
-                    break;
+    /// The answers to the stream's messages, as a stream: each message is handled when the
+    /// answer stream is polled for more (on the task that serves the gRPC stream: no hop
+    /// to another task per message). It ends when the proxy closes its side; dropped
+    /// earlier (the proxy reset the stream), the exchange cancels what it booked.
+    pub fn answers(
+        self,
+        inbound: Streaming<ProcessingRequest>,
+    ) -> impl Stream<Item = Result<ProcessingResponse, Status>> + Send + 'static {
+        futures::stream::unfold((self, inbound), |(mut exchange, mut inbound)| async move {
+            loop {
+                if let Some(answer) = exchange.outbox.pop_front() {
+                    return Some((answer, (exchange, inbound)));
                 }
-            };
-            match self.handle(message).await {
-                Ok(()) => {}
-                Err(Closed) => break,
+                // Failed, or an observing stream whose response has ended: the gateway keeps such
+                // a stream open until the picker closes it (or a deferred-close timeout).
+                if exchange.failed || (exchange.observing && exchange.response_over) {
+                    return None;
+                }
+                match inbound.message().await {
+                    Ok(Some(message)) => exchange.handle(message).await,
+                    Ok(None) => return None, // the proxy is done with this request
+                    Err(status) => {
+                        tracing::debug!(stream = exchange.stream, "ext_proc stream ended: {status}");
+                        return None;
+                    }
+                }
             }
-        }
-        self.finish();
+        })
     }
 
-    async fn send(&self, answer: Answer, metadata: Option<Struct>) -> Result<(), Closed> {
+    fn send(&mut self, answer: Answer, metadata: Option<Struct>) {
+        if self.observing {
+            return; // nobody waits for it
+        }
         let response = ProcessingResponse { response: Some(answer), dynamic_metadata: metadata, ..Default::default() };
-        self.out.send(Ok(response)).await.map_err(|_| Closed)
+        self.outbox.push_back(Ok(response));
     }
 
-    async fn handle(&mut self, message: ProcessingRequest) -> Result<(), Closed> {
+    async fn handle(&mut self, message: ProcessingRequest) {
+        // Observability mode: the gateway does not wait for answers; this stream reports
+        // responses (for a booking another stream made) and answers nothing.
+        self.observing |= message.observability_mode;
         if let Some(config) = &message.protocol_config {
-            match Modes::of(config) {
+            match Modes::of(config, self.observing) {
                 Ok(modes) => self.modes = modes,
-                Err(why) => return self.refuse(&why).await,
+                Err(why) => return self.refuse(&why),
             }
-        }
-        if message.observability_mode {
-            return self.refuse("observability_mode: a picker must answer to route").await;
         }
         let context = message.metadata_context;
+        if self.booking.is_none()
+            && let Some(id) = joined_booking(context.as_ref())
+        {
+            // A booking made by the stream that routed this request: this one reports for it.
+            self.shared.observers_seen.store(true, Ordering::Relaxed);
+            self.booking = Some(Booking { id, request_id: String::new(), first_token: false, joined: true });
+        }
+        if self.observing {
+            return match message.request {
+                Some(Message::ResponseHeaders(h)) => self.response_headers(h, context.as_ref()),
+                Some(Message::ResponseBody(b)) => self.response_body(b, context.as_ref()),
+                Some(Message::ResponseTrailers(_)) => self.response_ended(),
+                _ => {}
+            };
+        }
         match message.request {
-            Some(Message::RequestHeaders(h)) => self.request_headers(h, context.as_ref()).await,
+            Some(Message::RequestHeaders(h)) => self.request_headers(h, context.as_ref()),
             Some(Message::RequestBody(b)) => self.request_body(b).await,
             Some(Message::RequestTrailers(_)) => self.request_trailers().await,
-            Some(Message::ResponseHeaders(h)) => self.response_headers(h, context.as_ref()).await,
-            Some(Message::ResponseBody(b)) => self.response_body(b).await,
+            Some(Message::ResponseHeaders(h)) => self.response_headers(h, context.as_ref()),
+            Some(Message::ResponseBody(b)) => self.response_body(b, context.as_ref()),
             Some(Message::ResponseTrailers(_)) => {
                 self.response_ended();
-                self.send(Answer::ResponseTrailers(TrailersResponse::default()), None).await
+                self.send(Answer::ResponseTrailers(TrailersResponse::default()), None)
             }
-            None => Ok(()),
+            None => {}
         }
     }
 
     /// A gateway configured in a way the picker cannot serve: the stream fails with the
     /// reason, so the gateway's failure mode applies and its logs say why.
-    async fn refuse(&mut self, why: &str) -> Result<(), Closed> {
+    fn refuse(&mut self, why: &str) {
         self.scorer.metrics.epp_errors.with_label_values(&["protocol"]).inc();
         tracing::warn!(stream = self.stream, "ext_proc: {why}");
-        let _ = self.out.send(Err(Status::failed_precondition(format!("kvgate: {why}")))).await;
-        Err(Closed)
+        self.outbox.push_back(Err(Status::failed_precondition(format!("kvgate: {why}"))));
+        self.failed = true;
     }
 
-    async fn request_headers(&mut self, h: HttpHeaders, context: Option<&Metadata>) -> Result<(), Closed> {
+    fn request_headers(&mut self, h: HttpHeaders, context: Option<&Metadata>) {
         let headers = h.headers.unwrap_or_default();
         let method = header(&headers, ":method");
         let api = (method.as_deref() == Some("POST"))
@@ -228,75 +277,94 @@ impl Exchange {
             .flatten();
         let Some(api) = api else {
             self.request = RequestSide::PassThrough;
-            return self.send(Answer::RequestHeaders(headers_answer(None, false)), None).await;
+            return self.send(Answer::RequestHeaders(headers_answer(None, false)), None);
         };
         let request_id = header(&headers, "x-request-id").unwrap_or_default();
         if h.end_of_stream {
             self.request = RequestSide::Done;
-            return self.immediate(400, "BadRequestError", "request body is required").await;
+            return self.immediate(400, "BadRequestError", "request body is required");
         }
         let subset = match subset_hint(context) {
             Ok(subset) => subset,
             Err(why) => {
                 self.request = RequestSide::Done;
-                return self.immediate(503, "ServiceUnavailable", &why).await;
+                return self.immediate(503, "ServiceUnavailable", &why);
             }
         };
         self.request = RequestSide::Buffering { api, request_id, subset, body: Vec::new(), chunks: 0 };
         if self.modes.request == BodyMode::Buffered {
             // The gateway sends the body only after this answer; the pick follows with it.
-            return self.send(Answer::RequestHeaders(headers_answer(None, false)), None).await;
+            self.send(Answer::RequestHeaders(headers_answer(None, false)), None);
         }
-        Ok(())
     }
 
-    async fn request_body(&mut self, b: HttpBody) -> Result<(), Closed> {
+    async fn request_body(&mut self, b: HttpBody) {
         let limit = self.settings.body_limit_bytes;
         match &mut self.request {
             RequestSide::Buffering { body, chunks, .. } => {
                 if body.len() + b.body.len() > limit {
                     self.request = RequestSide::Done;
                     let message = format!("request body is larger than {limit} bytes");
-                    return self.immediate(413, "PayloadTooLarge", &message).await;
+                    return self.immediate(413, "PayloadTooLarge", &message);
                 }
                 if body.is_empty() {
                     body.reserve(if b.end_of_stream { b.body.len() } else { b.body.len().max(64 << 10) });
                 }
                 body.extend_from_slice(&b.body);
                 *chunks += 1;
-                if b.end_of_stream { self.decide(true).await } else { Ok(()) }
+                if b.end_of_stream {
+                    self.decide(true).await;
+                }
             }
             // Relayed as it came (pass-through, or a body after an answer already given).
-            _ => self.relay_request_chunk(b).await,
+            _ => self.relay_request_chunk(b),
         }
     }
 
-    async fn relay_request_chunk(&mut self, b: HttpBody) -> Result<(), Closed> {
+    fn relay_request_chunk(&mut self, b: HttpBody) {
         let answer = match self.modes.request {
             BodyMode::FullDuplex => Answer::RequestBody(streamed_chunk(b.body, b.end_of_stream)),
             _ => Answer::RequestBody(BodyResponse { response: Some(CommonResponse::default()) }),
         };
-        self.send(answer, None).await
+        self.send(answer, None)
     }
 
-    async fn request_trailers(&mut self) -> Result<(), Closed> {
+    async fn request_trailers(&mut self) {
         // Trailers end a body whose last chunk did not say end_of_stream.
         if matches!(self.request, RequestSide::Buffering { .. }) {
-            self.decide(false).await?;
+            self.decide(false).await;
         }
-        self.send(Answer::RequestTrailers(TrailersResponse::default()), None).await
+        self.send(Answer::RequestTrailers(TrailersResponse::default()), None)
     }
 
     /// The body is complete: pick, answer, hand the body back.
-    async fn decide(&mut self, end_of_stream: bool) -> Result<(), Closed> {
+    async fn decide(&mut self, end_of_stream: bool) {
         let RequestSide::Buffering { api, request_id, subset, body, chunks } =
             std::mem::replace(&mut self.request, RequestSide::Done)
         else {
-            return Ok(());
+            return;
         };
         let booking_id = format!("epp-{}", self.scorer.next_booking());
-        let decided = validate_json_object(&body).map_err(RouteError::BadRequest).and_then(|()| {
-            let prepared = self.scorer.prepare(api, &body)?;
+        // Parsing and tokenizing a long prompt takes milliseconds: off the picker's thread,
+        // which serves every stream's messages.
+        let (body, prepared) = if body.len() > OFFLOAD_BYTES {
+            let scorer = self.scorer.clone();
+            let job = tokio::task::spawn_blocking(move || {
+                let prepared = scorer.prepare(api, &body);
+                (body, prepared)
+            });
+            match job.await {
+                Ok(done) => done,
+                Err(e) => {
+                    tracing::error!(stream = self.stream, "ext_proc: preparing a request failed: {e}");
+                    return self.immediate(500, "InternalServerError", "the picker failed to read the request");
+                }
+            }
+        } else {
+            let prepared = self.scorer.prepare(api, &body);
+            (body, prepared)
+        };
+        let decided = prepared.and_then(|prepared| {
             let subset = subset.map(|addresses| self.scorer.pods_at(&addresses));
             let limits =
                 Limits { subset: subset.as_ref(), fallbacks: self.settings.fallback_endpoints, explain: false };
@@ -310,48 +378,46 @@ impl Exchange {
                     RouteError::NoPod => (503, "ServiceUnavailable"),
                 };
                 self.scorer.metrics.route_errors.with_label_values(&[&status.to_string()]).inc();
-                return self.immediate(status, kind, &e.to_string()).await;
+                return self.immediate(status, kind, &e.to_string());
             }
         };
         let destinations = pick.destinations();
         tracing::debug!(stream = self.stream, request_id = %request_id, pod = %pick.decode.name, "ext_proc: picked {destinations}");
-        self.booking = Some(Booking { id: booking_id, request_id, first_token: false });
+        let metadata = decision_metadata(&destinations, &booking_id);
+        self.booking = Some(Booking { id: booking_id, request_id, first_token: false, joined: false });
         let mut set = vec![(DESTINATION, destinations.as_str())];
         if let Some(prefill) = &pick.prefill {
             set.push((self.settings.prefiller_header.as_str(), prefill.address.as_str()));
         }
-        let metadata = lb_metadata(&destinations);
         match self.modes.request {
             BodyMode::Buffered => {
                 let answer = BodyResponse { response: Some(common(Some(&set), true)) };
-                self.send(Answer::RequestBody(answer), Some(metadata)).await
+                self.send(Answer::RequestBody(answer), Some(metadata))
             }
             BodyMode::Streamed => {
-                self.send(Answer::RequestHeaders(headers_answer(Some(&set), true)), Some(metadata)).await?;
+                self.send(Answer::RequestHeaders(headers_answer(Some(&set), true)), Some(metadata));
                 for _ in 0..chunks {
                     let answer = BodyResponse { response: Some(CommonResponse::default()) };
-                    self.send(Answer::RequestBody(answer), None).await?;
+                    self.send(Answer::RequestBody(answer), None);
                 }
-                Ok(())
             }
             BodyMode::FullDuplex | BodyMode::None => {
-                self.send(Answer::RequestHeaders(headers_answer(Some(&set), true)), Some(metadata)).await?;
+                self.send(Answer::RequestHeaders(headers_answer(Some(&set), true)), Some(metadata));
                 let mut pieces = body.chunks(MAX_CHUNK).peekable();
                 if pieces.peek().is_none() {
-                    return self.send(Answer::RequestBody(streamed_chunk(Vec::new(), end_of_stream)), None).await;
+                    return self.send(Answer::RequestBody(streamed_chunk(Vec::new(), end_of_stream)), None);
                 }
                 while let Some(piece) = pieces.next() {
                     let last = pieces.peek().is_none();
                     let answer = streamed_chunk(piece.to_vec(), last && end_of_stream);
-                    self.send(Answer::RequestBody(answer), None).await?;
+                    self.send(Answer::RequestBody(answer), None);
                 }
-                Ok(())
             }
         }
     }
 
     /// Answers the client directly (nothing is routed).
-    async fn immediate(&mut self, status: u16, kind: &str, message: &str) -> Result<(), Closed> {
+    fn immediate(&mut self, status: u16, kind: &str, message: &str) {
         let body = serde_json::to_vec(&ErrorBody::new(status, kind, message)).unwrap_or_default();
         let headers = HeaderMutation {
             set_headers: vec![set_header("content-type", "application/json"), set_header("x-kvgate-error", kind)],
@@ -364,15 +430,23 @@ impl Exchange {
             grpc_status: None,
             details: format!("kvgate_{}", status),
         };
-        self.send(Answer::ImmediateResponse(answer), None).await
+        self.send(Answer::ImmediateResponse(answer), None)
     }
 
-    async fn response_headers(&mut self, h: HttpHeaders, context: Option<&Metadata>) -> Result<(), Closed> {
-        let headers = h.headers.unwrap_or_default();
-        self.response_status = header(&headers, ":status").and_then(|s| s.parse().ok());
+    /// The proxy says which endpoint served (after its retries): the booking follows.
+    fn note_served(&self, context: Option<&Metadata>) {
         if let (Some(booking), Some(served)) = (&self.booking, served_endpoint(context)) {
             self.scorer.served(&booking.id, served);
         }
+    }
+
+    fn response_headers(&mut self, h: HttpHeaders, context: Option<&Metadata>) {
+        let headers = h.headers.unwrap_or_default();
+        self.response_status = header(&headers, ":status").and_then(|s| s.parse().ok());
+        if !self.saw_response {
+            self.note_served(context);
+        }
+        self.saw_response = true;
         // Bookings are settled before answering: once the proxy has the answer, the next
         // decision may already count on them.
         if h.end_of_stream {
@@ -381,10 +455,15 @@ impl Exchange {
             // No body will be seen: the headers are as close to the first token as it gets.
             self.first_token();
         }
-        self.send(Answer::ResponseHeaders(HeadersResponse::default()), None).await
+        self.send(Answer::ResponseHeaders(HeadersResponse::default()), None)
     }
 
-    async fn response_body(&mut self, b: HttpBody) -> Result<(), Closed> {
+    fn response_body(&mut self, b: HttpBody, context: Option<&Metadata>) {
+        if !self.saw_response {
+            // The first response message: the served endpoint (when the headers were skipped).
+            self.note_served(context);
+        }
+        self.saw_response = true;
         if !b.body.is_empty() {
             self.first_token();
             if self.booking.is_some()
@@ -400,7 +479,7 @@ impl Exchange {
             BodyMode::FullDuplex => Answer::ResponseBody(streamed_chunk(b.body, b.end_of_stream)),
             _ => Answer::ResponseBody(BodyResponse { response: Some(CommonResponse::default()) }),
         };
-        self.send(answer, None).await
+        self.send(answer, None)
     }
 
     fn first_token(&mut self) {
@@ -414,23 +493,43 @@ impl Exchange {
 
     /// The response is complete: `done` if it succeeded, else `cancelled`.
     fn response_ended(&mut self) {
+        self.response_over = true;
         if let Some(booking) = self.booking.take() {
-            let ok = self.response_status.is_some_and(|s| (200..300).contains(&s));
+            // A stream may see the body but not the headers (response_header_mode SKIP).
+            let ok = self.response_status.is_none_or(|s| (200..300).contains(&s));
             let event = if ok { LifecycleEvent::Done } else { LifecycleEvent::Cancelled };
             tracing::debug!(stream = self.stream, request_id = %booking.request_id, "ext_proc: response ended ({event:?})");
             self.scorer.report(&booking.id, event, self.output_tokens);
         }
     }
+}
 
+impl Drop for Exchange {
     /// The stream is over: a request still booked never finished (client gone, upstream
     /// reset, gateway gave up) and frees its booking.
-    fn finish(&mut self) {
-        if let Some(booking) = self.booking.take() {
-            tracing::debug!(stream = self.stream, request_id = %booking.request_id, "ext_proc: stream ended before the response");
-            self.scorer.report(&booking.id, LifecycleEvent::Cancelled, None);
+    fn drop(&mut self) {
+        let Some(booking) = self.booking.take() else { return };
+        if !booking.joined && !self.saw_response && self.modes.response == BodyMode::None {
+            // This stream was never to see the response (response_body_mode NONE): the booking
+            // ends with the reports of an observing stream, or by expiry.
+            if !self.shared.observers_seen.load(Ordering::Relaxed)
+                && !self.shared.unobserved_warned.swap(true, Ordering::Relaxed)
+            {
+                tracing::warn!(
+                    "ext_proc: the gateway sends the picker no response (response_body_mode NONE) and no observing \
+                     stream reports responses: bookings end only after load.request_ttl_seconds. Send the response \
+                     body (STREAMED or FULL_DUPLEX_STREAMED), or add an ext_proc filter in observability_mode."
+                );
+            }
+            return;
         }
+        tracing::debug!(stream = self.stream, request_id = %booking.request_id, "ext_proc: stream ended before the response");
+        self.scorer.report(&booking.id, LifecycleEvent::Cancelled, None);
     }
 }
+
+/// Bodies larger than this are parsed and tokenized on a blocking thread.
+const OFFLOAD_BYTES: usize = 64 << 10;
 
 /// A header's value (Envoy sends `raw_value`; older versions `value`).
 fn header(map: &HeaderMap, name: &str) -> Option<String> {
@@ -473,10 +572,28 @@ fn string_value(s: &str) -> Value {
     Value { kind: Some(Kind::StringValue(s.to_string())) }
 }
 
-/// `envoy.lb: {x-gateway-destination-endpoint: destinations}`.
-fn lb_metadata(destinations: &str) -> Struct {
-    let inner = Struct { fields: [(DESTINATION.to_string(), string_value(destinations))].into() };
-    Struct { fields: [(LB_NAMESPACE.to_string(), Value { kind: Some(Kind::StructValue(inner)) })].into() }
+/// The decision's dynamic metadata: `envoy.lb: {x-gateway-destination-endpoint:
+/// destinations}` (what the proxy routes on), `kvgate: {booking: id}` (what an observing
+/// stream reports for).
+fn decision_metadata(destinations: &str, booking: &str) -> Struct {
+    let namespace = |key: &str, value: &str| Value {
+        kind: Some(Kind::StructValue(Struct { fields: [(key.to_string(), string_value(value))].into() })),
+    };
+    Struct {
+        fields: [
+            (LB_NAMESPACE.to_string(), namespace(DESTINATION, destinations)),
+            (KVGATE_NAMESPACE.to_string(), namespace(BOOKING_KEY, booking)),
+        ]
+        .into(),
+    }
+}
+
+/// The booking named in the `kvgate` metadata (set by the stream that routed the request).
+fn joined_booking(context: Option<&Metadata>) -> Option<String> {
+    match &context?.filter_metadata.get(KVGATE_NAMESPACE)?.fields.get(BOOKING_KEY)?.kind {
+        Some(Kind::StringValue(id)) => Some(id.clone()),
+        _ => None,
+    }
 }
 
 /// The gateway's subset hint: `None` without one; the listed endpoints otherwise (a list of
@@ -545,6 +662,12 @@ mod tests {
         assert_eq!(served_endpoint(Some(&metadata(LB_NAMESPACE, DESTINATION, string_value("10.0.0.3:8000")))), None);
     }
 
+    impl Modes {
+        fn of_test(config: &ProtocolConfiguration) -> Result<Modes, String> {
+            Modes::of(config, false)
+        }
+    }
+
     #[test]
     fn modes_the_picker_cannot_serve_are_refused_with_the_reason() {
         let config = |request, response, without_waiting| ProtocolConfiguration {
@@ -552,14 +675,16 @@ mod tests {
             response_body_mode: response as i32,
             send_body_without_waiting_for_header_response: without_waiting,
         };
-        let full = Modes::of(&config(BodySendMode::FullDuplexStreamed, BodySendMode::FullDuplexStreamed, false));
+        let full = Modes::of_test(&config(BodySendMode::FullDuplexStreamed, BodySendMode::FullDuplexStreamed, false));
         assert_eq!(full.unwrap().request, BodyMode::FullDuplex);
-        assert!(Modes::of(&config(BodySendMode::Buffered, BodySendMode::None, false)).is_ok());
-        assert!(Modes::of(&config(BodySendMode::Streamed, BodySendMode::Streamed, true)).is_ok());
-        let waiting = Modes::of(&config(BodySendMode::Streamed, BodySendMode::Streamed, false));
+        assert!(Modes::of_test(&config(BodySendMode::Buffered, BodySendMode::None, false)).is_ok());
+        assert!(Modes::of_test(&config(BodySendMode::Streamed, BodySendMode::Streamed, true)).is_ok());
+        let waiting = Modes::of_test(&config(BodySendMode::Streamed, BodySendMode::Streamed, false));
         assert!(waiting.unwrap_err().contains("send_body_without_waiting_for_header_response"));
-        assert!(Modes::of(&config(BodySendMode::None, BodySendMode::None, false)).unwrap_err().contains("NONE"));
-        assert!(Modes::of(&config(BodySendMode::BufferedPartial, BodySendMode::None, false)).is_err());
+        assert!(Modes::of_test(&config(BodySendMode::None, BodySendMode::None, false)).unwrap_err().contains("NONE"));
+        assert!(Modes::of_test(&config(BodySendMode::BufferedPartial, BodySendMode::None, false)).is_err());
+        let observer = Modes::of(&config(BodySendMode::None, BodySendMode::Streamed, false), true);
+        assert_eq!(observer.unwrap().response, BodyMode::Streamed, "an observing stream needs no request body");
     }
 
     #[test]
@@ -572,8 +697,20 @@ mod tests {
         assert!(picked.clear_route_cache);
         let passed = common(None, false).header_mutation.unwrap();
         assert_eq!(passed.remove_headers, vec![DESTINATION.to_string()]);
-        let meta = lb_metadata("10.0.0.1:8000");
+        let meta = decision_metadata("10.0.0.1:8000", "epp-7");
         let Some(Kind::StructValue(lb)) = &meta.fields[LB_NAMESPACE].kind else { panic!("envoy.lb is a struct") };
         assert_eq!(lb.fields[DESTINATION], string_value("10.0.0.1:8000"));
+        let context = Metadata {
+            filter_metadata: meta
+                .fields
+                .into_iter()
+                .filter_map(|(k, v)| match v.kind {
+                    Some(Kind::StructValue(s)) => Some((k, s)),
+                    _ => None,
+                })
+                .collect(),
+            ..Default::default()
+        };
+        assert_eq!(joined_booking(Some(&context)).as_deref(), Some("epp-7"), "an observer finds the booking");
     }
 }

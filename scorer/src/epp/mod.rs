@@ -25,11 +25,11 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
+use futures::Stream;
+use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Identity, Server, ServerTlsConfig};
 use tonic::{Request, Response, Status, Streaming};
@@ -38,28 +38,36 @@ use tonic_health::ServingStatus;
 /// The gRPC service name gateways health-check.
 pub const SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
-/// The ext_proc service: one [`exchange`] task per stream.
+/// What the streams share.
+#[derive(Default)]
+pub struct Shared {
+    /// Streams opened so far (their ids, for logs).
+    streams: AtomicU64,
+    /// Some stream reported responses for a booking another stream made.
+    observers_seen: AtomicBool,
+    /// The warning about responses nobody reports was given.
+    unobserved_warned: AtomicBool,
+}
+
+/// The ext_proc service: one [`exchange::Exchange`] per stream, run by the task that serves
+/// the stream.
 struct Picker {
     scorer: Arc<Scorer>,
     settings: Arc<EppSection>,
-    streams: AtomicU64,
+    shared: Arc<Shared>,
 }
 
 #[tonic::async_trait]
 impl ExternalProcessor for Picker {
-    type ProcessStream = ReceiverStream<Result<ProcessingResponse, Status>>;
+    type ProcessStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
 
     async fn process(
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
-        // A few messages of slack: the picker answers each as it comes, and full-duplex
-        // bodies go back as several chunks.
-        let (tx, rx) = mpsc::channel(16);
-        let id = self.streams.fetch_add(1, Ordering::Relaxed);
-        let exchange = exchange::Exchange::new(self.scorer.clone(), self.settings.clone(), id, tx);
-        tokio::spawn(exchange.run(request.into_inner()));
-        Ok(Response::new(ReceiverStream::new(rx)))
+        let id = self.shared.streams.fetch_add(1, Ordering::Relaxed);
+        let exchange = exchange::Exchange::new(self.scorer.clone(), self.settings.clone(), self.shared.clone(), id);
+        Ok(Response::new(Box::pin(exchange.answers(request.into_inner()))))
     }
 }
 
@@ -109,9 +117,14 @@ pub async fn serve(
     });
     // A buffered body arrives as one message: allow the body limit plus the message's framing.
     let max_message = settings.body_limit_bytes + (64 << 10);
-    let picker = Picker { scorer, settings: Arc::new(settings), streams: AtomicU64::new(0) };
+    let picker = Picker { scorer, settings: Arc::new(settings), shared: Arc::default() };
     let service = ExternalProcessorServer::new(picker).max_decoding_message_size(max_message);
-    let mut server = Server::builder().http2_keepalive_interval(Some(Duration::from_secs(30)));
+    // Bodies come in a few large messages: windows wide enough that a 220 kB prompt needs no
+    // flow-control round trip.
+    let mut server = Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .initial_stream_window_size(Some(4 << 20))
+        .initial_connection_window_size(Some(32 << 20));
     let secured = identity.is_some();
     if let Some(identity) = identity {
         server = server.tls_config(ServerTlsConfig::new().identity(identity)).context("TLS configuration")?;

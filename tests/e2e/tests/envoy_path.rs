@@ -21,11 +21,15 @@ enum Path {
 }
 
 impl Path {
-    /// The scorer configuration this path needs.
-    fn scorer_config(self) -> String {
-        match self {
-            Path::Wasm => String::new(),
-            Path::Epp => format!("epp: {{listen: '127.0.0.1:{EPP_PORT}'}}\n"),
+    /// The scorer configuration this path needs. A body limit given to Envoy
+    /// (`--body-limit-bytes`) is the picker's too: in streamed mode Envoy holds a body only
+    /// in flow-controlled pieces, so the picker enforces the limit (413).
+    fn scorer_config(self, envoy_flags: &[&str]) -> String {
+        let limit = envoy_flags.windows(2).find(|w| w[0] == "--body-limit-bytes").map(|w| w[1]);
+        match (self, limit) {
+            (Path::Wasm, _) => String::new(),
+            (Path::Epp, None) => format!("epp: {{listen: '127.0.0.1:{EPP_PORT}'}}\n"),
+            (Path::Epp, Some(n)) => format!("epp: {{listen: '127.0.0.1:{EPP_PORT}', body_limit_bytes: {n}}}\n"),
         }
     }
 
@@ -115,7 +119,7 @@ async fn stack_at(path: Path, n: usize, envoy_flags: &[&str], time_scale: &str) 
     let mut config = format!(
         "tokenizer: {}\nhealth: {{scrape_interval_ms: 200, unhealthy_after: 2}}\n{}pods:\n",
         tokenizer.display(),
-        path.scorer_config()
+        path.scorer_config(envoy_flags)
     );
     for p in &pods {
         config.push_str(&format!(
@@ -345,7 +349,7 @@ fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
             pd_mode: "envoy".into(),
             body_limit_bytes: 8 << 20,
             picker: kvgate_scorer::envoy::Picker::Wasm,
-            epp_body_mode: kvgate_scorer::envoy::EppBodyMode::Buffered,
+            epp_body_mode: kvgate_scorer::envoy::EppBodyMode::Streamed,
             retries: 2,
         },
     )
@@ -369,7 +373,7 @@ fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
         pd_mode: "header".into(),
         body_limit_bytes: 1 << 20,
         picker: kvgate_scorer::envoy::Picker::Wasm,
-        epp_body_mode: kvgate_scorer::envoy::EppBodyMode::Buffered,
+        epp_body_mode: kvgate_scorer::envoy::EppBodyMode::Streamed,
         retries: 2,
     };
     let path = std::env::temp_dir().join(format!("kvgate-validate-{}.yaml", std::process::id()));

@@ -148,8 +148,7 @@ async fn the_gateways_subset_hint_limits_the_choice() {
             let filter = format!(
                 "          - name: envoy.filters.http.set_metadata\n            typed_config:\n              \"@type\": type.googleapis.com/envoy.extensions.filters.http.set_metadata.v3.Config\n              metadata:\n              - metadata_namespace: envoy.lb.subset_hint\n                value:\n                  x-gateway-destination-endpoint-subset: [{endpoints}]\n"
             );
-            let at =
-                bootstrap.find("          - name: envoy.filters.http.header_mutation").expect("the picker's filters");
+            let at = bootstrap.find("          - name: envoy.filters.http.ext_proc").expect("the picker's filter");
             format!("{}{filter}{}", &bootstrap[..at], &bootstrap[at..])
         }
     };
