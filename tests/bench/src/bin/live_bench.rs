@@ -12,7 +12,8 @@ use clap::Parser;
 use kvgate_bench::report::svg_bars;
 use kvgate_e2e::{Measured, percentile, send};
 use kvgate_test_harness::{
-    EnvoyProcess, ScorerProcess, Sim, free_port, qwen3_tokenizer, text, venv_bin, vllm_router_command, wait_child_ready,
+    EPP_PORT, EnvoyProcess, ScorerProcess, Sim, free_port, qwen3_tokenizer, text, venv_bin, vllm_router_command,
+    wait_child_ready,
 };
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -60,7 +61,8 @@ struct Args {
     /// The kvgate scorer's `policy:` (YAML), e.g. "{name: kv, miss_weight: 1}".
     #[arg(long, default_value = "{name: kv}")]
     kvgate_policy: String,
-    /// Routers to run (all by default): kvgate, vllm-router, sglang-router, envoy-round-robin.
+    /// Routers to run (all by default): kvgate, kvgate-epp, vllm-router, sglang-router,
+    /// envoy-round-robin.
     #[arg(long, value_delimiter = ',')]
     routers: Vec<String>,
     /// Seed of the workload's order.
@@ -75,17 +77,19 @@ struct Args {
 #[serde(rename_all = "kebab-case")]
 enum Kind {
     Kvgate,
+    KvgateEpp,
     VllmRouter,
     SglangRouter,
     EnvoyRoundRobin,
 }
 
 impl Kind {
-    const ALL: [Kind; 4] = [Kind::Kvgate, Kind::VllmRouter, Kind::SglangRouter, Kind::EnvoyRoundRobin];
+    const ALL: [Kind; 5] = [Kind::Kvgate, Kind::KvgateEpp, Kind::VllmRouter, Kind::SglangRouter, Kind::EnvoyRoundRobin];
 
     fn name(self) -> &'static str {
         match self {
             Kind::Kvgate => "kvgate",
+            Kind::KvgateEpp => "kvgate-epp",
             Kind::VllmRouter => "vllm-router",
             Kind::SglangRouter => "sglang-router",
             Kind::EnvoyRoundRobin => "envoy-round-robin",
@@ -94,7 +98,8 @@ impl Kind {
 
     fn label(self) -> &'static str {
         match self {
-            Kind::Kvgate => "Envoy + kvgate (kv)",
+            Kind::Kvgate => "Envoy + kvgate wasm filter (kv)",
+            Kind::KvgateEpp => "Envoy + kvgate Endpoint Picker (kv)",
             Kind::VllmRouter => "vllm-router kv_aware",
             Kind::SglangRouter => "sglang-router cache_aware",
             Kind::EnvoyRoundRobin => "Envoy round robin",
@@ -146,9 +151,15 @@ fn scorer_config(pods: &[Sim], policy: &str) -> String {
 async fn start(kind: Kind, pods: &[Sim], policy: &str) -> anyhow::Result<Gateway> {
     let none = Gateway { url: String::new(), pids: vec![], _scorer: None, _envoy: None, _peer: None, _config: None };
     Ok(match kind {
-        Kind::Kvgate => {
-            let scorer = ScorerProcess::start(&scorer_config(pods, policy)).await;
-            let envoy = EnvoyProcess::start(&scorer, &[]).await;
+        Kind::Kvgate | Kind::KvgateEpp => {
+            let (epp, picker) = match kind {
+                Kind::KvgateEpp => {
+                    (format!("epp: {{listen: '127.0.0.1:{EPP_PORT}', tls: {{mode: plaintext}}}}\n"), "epp")
+                }
+                _ => (String::new(), "wasm"),
+            };
+            let scorer = ScorerProcess::start(&format!("{epp}{}", scorer_config(pods, policy))).await;
+            let envoy = EnvoyProcess::start(&scorer, &["--picker", picker]).await;
             Gateway {
                 url: envoy.url.clone(),
                 pids: vec![envoy.pid(), scorer.pid()],
@@ -209,7 +220,7 @@ fn kinds(args: &Args) -> anyhow::Result<Vec<Kind>> {
         .iter()
         .map(|n| {
             Kind::ALL.into_iter().find(|k| k.name() == n).with_context(|| {
-                format!("unknown router {n:?} (kvgate, vllm-router, sglang-router, envoy-round-robin)")
+                format!("unknown router {n:?} (kvgate, kvgate-epp, vllm-router, sglang-router, envoy-round-robin)")
             })
         })
         .collect()

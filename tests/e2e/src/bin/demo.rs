@@ -1,10 +1,11 @@
-//! `kvgate-demo` (`make demo`): four simulated vLLM pods, the scorer and a real Envoy with the
-//! kvgate filter on loopback; a realistic mixed workload through Envoy; then the same
-//! workload through plain Envoy round robin on fresh pods; a report comparing the two.
+//! `kvgate-demo` (`make demo`): four simulated vLLM pods, the scorer and a real Envoy on
+//! loopback; a realistic mixed workload through Envoy asking kvgate through its wasm filter,
+//! then through its Endpoint Picker (ext_proc, as Gateway API Inference Extension gateways
+//! ask), then through plain Envoy round robin, each on freshly started pods; a report.
 
 use clap::Parser;
 use kvgate_e2e::{Measured, ms, percentile, send};
-use kvgate_test_harness::{EnvoyProcess, ScorerProcess, Sim, qwen3_tokenizer, text};
+use kvgate_test_harness::{EPP_PORT, EnvoyProcess, ScorerProcess, Sim, qwen3_tokenizer, text};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -45,6 +46,10 @@ struct Args {
     /// Requests with unique prompts.
     #[arg(long, default_value_t = 4)]
     unique: usize,
+    /// Which way into kvgate: `wasm` (the Envoy filter and scorer sidecar), `epp` (the
+    /// scorer's Endpoint Picker over ext_proc, as GIE gateways call it) or `both`.
+    #[arg(long, default_value = "both", value_parser = ["wasm", "epp", "both"])]
+    picker: String,
 }
 
 const MODEL: &str = "Qwen/Qwen3-8B";
@@ -282,31 +287,43 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn demo(args: &Args) -> anyhow::Result<Vec<Row>> {
-    println!("[1/4] starting pods, scorer and Envoy with the kvgate filter");
-    let mut pods = start_pods(args).await;
-    let scorer = ScorerProcess::start(&scorer_config(&pods, args, "")).await;
-    let envoy = EnvoyProcess::start(&scorer, &[]).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-
-    println!("[2/4] workload through Envoy + kvgate ({})", envoy.url);
-    let kvgate = workload(&envoy.url, args).await;
-    drop(envoy);
-
-    println!("[3/4] same workload through Envoy round robin (no filter), on freshly started pods");
-    for p in &mut pods {
-        p.restart().await;
+    let mut legs: Vec<(&str, &str)> = Vec::new();
+    if args.picker != "epp" {
+        legs.push(("Envoy + kvgate, wasm filter (kv policy)", "wasm"));
     }
-    let baseline_envoy = EnvoyProcess::start(&scorer, &["--baseline-round-robin"]).await;
-    let baseline = workload(&baseline_envoy.url, args).await;
-    drop(baseline_envoy);
-
-    println!("[4/4] report\n");
-    let rows = vec![summarize("Envoy + kvgate (kv policy)", &kvgate), summarize("Envoy round robin", &baseline)];
-    println!(
-        "TTFT p90: kvgate {} vs round robin {} ({:.2}×)\n",
-        ms(rows[0].ttft_p90),
-        ms(rows[1].ttft_p90),
-        rows[1].ttft_p90.as_secs_f64() / rows[0].ttft_p90.as_secs_f64().max(1e-9)
-    );
+    if args.picker != "wasm" {
+        legs.push(("Envoy + kvgate, Endpoint Picker (kv policy)", "epp"));
+    }
+    legs.push(("Envoy round robin", "none"));
+    let steps = legs.len() + 1;
+    println!("[1/{steps}] starting pods and the scorer (HTTP API for the filter, Endpoint Picker on gRPC)");
+    let mut pods = start_pods(args).await;
+    let epp = format!("epp: {{listen: '127.0.0.1:{EPP_PORT}'}}\n");
+    let scorer = ScorerProcess::start(&scorer_config(&pods, args, &epp)).await;
+    let mut rows = Vec::new();
+    for (i, (name, picker)) in legs.iter().enumerate() {
+        if i > 0 {
+            println!("    restarting the pods: every leg starts from cold caches");
+            for p in &mut pods {
+                p.restart().await;
+            }
+        }
+        let envoy = EnvoyProcess::start(&scorer, &["--picker", picker]).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        println!("[{}/{steps}] workload through {name} ({})", i + 2, envoy.url);
+        rows.push(summarize(name, &workload(&envoy.url, args).await));
+    }
+    println!("\nreport\n");
+    let baseline = rows.last().expect("the round-robin leg").ttft_p90;
+    for r in &rows[..rows.len() - 1] {
+        println!(
+            "TTFT p90: {} {} vs round robin {} ({:.2}×)",
+            r.name,
+            ms(r.ttft_p90),
+            ms(baseline),
+            baseline.as_secs_f64() / r.ttft_p90.as_secs_f64().max(1e-9)
+        );
+    }
+    println!();
     Ok(rows)
 }

@@ -27,6 +27,9 @@ struct Args {
     /// Only these cells, e.g. `short@1,long@24,220kB@64` (all by default).
     #[arg(long, value_delimiter = ',')]
     cells: Vec<String>,
+    /// The Endpoint Picker paths' ext_proc body mode (`kvgate-envoy-config --epp-body-mode`).
+    #[arg(long, default_value = "streamed", value_parser = ["streamed", "buffered", "full-duplex"])]
+    epp_body_mode: String,
 }
 
 /// A prompt size: its label, the words of its text, its cell name.
@@ -69,8 +72,8 @@ async fn main() -> anyhow::Result<()> {
     // as its own Deployment, TLS (the default): both are measured.
     let plaintext = ScorerProcess::start(&config.replace("'}\npods:", "', tls: {mode: plaintext}}\npods:")).await;
     let wasm = EnvoyProcess::start(&scorer, &["--picker", "wasm"]).await;
-    let epp_tls = EnvoyProcess::start(&scorer, &["--picker", "epp"]).await;
-    let epp = EnvoyProcess::start(&plaintext, &["--picker", "epp"]).await;
+    let epp_tls = EnvoyProcess::start(&scorer, &["--picker", "epp", "--epp-body-mode", &args.epp_body_mode]).await;
+    let epp = EnvoyProcess::start(&plaintext, &["--picker", "epp", "--epp-body-mode", &args.epp_body_mode]).await;
     let baseline = EnvoyProcess::start(&scorer, &["--picker", "none"]).await;
     let paths = [
         ("direct to the pod", pod.url.clone()),
