@@ -9,7 +9,8 @@ use std::net::SocketAddr;
 /// What the scorer's answer means for the request.
 #[derive(Debug, PartialEq)]
 pub enum Verdict {
-    /// Route to `destination` (`ip:port`), after a prefill leg on `prefill` when given.
+    /// Route to `destination` (`ip:port`, then the fallbacks: `ip:port,ip:port,…`), after a
+    /// prefill leg on `prefill` when given.
     Route { destination: String, pod: String, prefill: Option<String> },
     /// The request itself is bad (scorer said 400): tell the client.
     BadRequest(String),
@@ -28,7 +29,18 @@ pub fn interpret(status: Option<u16>, body: &[u8]) -> Verdict {
             Ok(r) if r.prefill.as_ref().is_some_and(|p| p.parse::<SocketAddr>().is_err()) => {
                 Verdict::Unavailable(format!("scorer chose prefill pod {:?}, which is not ip:port", r.prefill))
             }
-            Ok(r) => Verdict::Route { destination: r.decode, pod: r.pod, prefill: r.prefill },
+            Ok(r) if r.fallbacks.iter().any(|f| f.parse::<SocketAddr>().is_err()) => {
+                Verdict::Unavailable(format!("scorer named fallbacks {:?}, not all ip:port", r.fallbacks))
+            }
+            Ok(r) => {
+                // The pick, then where Envoy retries (override_host walks the list in order).
+                let mut destination = r.decode;
+                for f in &r.fallbacks {
+                    destination.push(',');
+                    destination.push_str(f);
+                }
+                Verdict::Route { destination, pod: r.pod, prefill: r.prefill }
+            }
             Err(e) => Verdict::Unavailable(format!("scorer answered an unreadable decision: {e}")),
         },
         Some(400) => Verdict::BadRequest(
@@ -100,6 +112,17 @@ mod tests {
         let bad_pd =
             br#"{"decode":"10.0.0.1:8000","prefill":"x","pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
         assert!(matches!(interpret(Some(200), bad_pd), Verdict::Unavailable(_)));
+        let listed = br#"{"decode":"10.0.0.1:8000","fallbacks":["10.0.0.2:8000","10.0.0.3:8000"],"pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
+        assert_eq!(
+            interpret(Some(200), listed),
+            Verdict::Route {
+                destination: "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000".into(),
+                pod: "p1".into(),
+                prefill: None
+            }
+        );
+        let bad_fallback = br#"{"decode":"10.0.0.1:8000","fallbacks":["evil:80"],"pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
+        assert!(matches!(interpret(Some(200), bad_fallback), Verdict::Unavailable(_)));
         let host = br#"{"decode":"evil.example:80","pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
         assert!(matches!(interpret(Some(200), host), Verdict::Unavailable(_)));
         assert!(matches!(interpret(Some(200), b"garbage"), Verdict::Unavailable(_)));

@@ -90,10 +90,10 @@ impl Shared {
         }
     }
 
-    fn report(&self, request_id: &str, event: LifecycleEvent, output_tokens: Option<u32>) {
+    fn report(&self, request_id: &str, event: LifecycleEvent, output_tokens: Option<u32>, served: Option<String>) {
         let full = {
             let mut reports = self.reports.borrow_mut();
-            reports.push(LifecycleReport { request_id: request_id.to_string(), event, output_tokens });
+            reports.push(LifecycleReport { request_id: request_id.to_string(), event, output_tokens, served });
             reports.len() >= self.config.lifecycle_batch_max
         };
         if full {
@@ -181,6 +181,8 @@ struct Request {
     body_size: usize,
     /// `:status` of the response, read when its headers pass.
     response_status: Option<u16>,
+    /// `upstream.address` when the response headers passed.
+    served: Option<String>,
     first_token: bool,
     response_complete: bool,
     output_tokens: Option<u32>,
@@ -356,7 +358,7 @@ impl Request {
     /// The prefill pod answered: hand its `kv_transfer_params` to the decode pod.
     fn on_prefilled(&mut self, status: Option<u16>, answer: &[u8], decode: &str) {
         let shared = self.shared.clone().expect("shared state");
-        shared.report(&self.request_id, LifecycleEvent::PrefillDone, None);
+        shared.report(&self.request_id, LifecycleEvent::PrefillDone, None, None);
         if status != Some(200) {
             return self.prefill_failed(&format!("prefill pod answered {status:?}"), decode);
         }
@@ -381,7 +383,7 @@ impl Request {
         incr(shared.metrics.pd_fallback, 1);
         log::warn!("kvgate: prefill leg of {} failed ({reason}); decoding with local prefill", self.request_id);
         if !matches!(self.phase, Phase::Prefilling { .. }) {
-            shared.report(&self.request_id, LifecycleEvent::PrefillDone, None);
+            shared.report(&self.request_id, LifecycleEvent::PrefillDone, None, None);
         }
         self.route_to(decode);
     }
@@ -439,6 +441,13 @@ impl HttpContext for Request {
 
     fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
         self.response_status = header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok());
+        if self.phase == Phase::Routed {
+            // The pod that answered: Envoy may have retried one of the pick's fallbacks.
+            self.served = hostcalls::get_property(vec!["upstream", "address"])
+                .ok()
+                .flatten()
+                .and_then(|a| String::from_utf8(a).ok());
+        }
         if end_of_stream {
             self.response_complete = true;
         }
@@ -449,7 +458,8 @@ impl HttpContext for Request {
         if self.phase == Phase::Routed {
             if !self.first_token && body_size > 0 {
                 self.first_token = true;
-                self.shared().report(&self.request_id, LifecycleEvent::FirstToken, None);
+                let served = self.served.take();
+                self.shared().report(&self.request_id, LifecycleEvent::FirstToken, None, served);
             }
             if let Some(n) = kvgate_route_api::completion_tokens(&buffer(BufferType::HttpResponseBody, body_size)) {
                 self.output_tokens = Some(n);
@@ -465,13 +475,13 @@ impl HttpContext for Request {
         // A decided request (or one whose decision may have been made before the client
         // left) releases its booking in the scorer.
         if let Phase::Prefilling { .. } = self.phase {
-            self.shared().report(&self.request_id, LifecycleEvent::PrefillDone, None);
+            self.shared().report(&self.request_id, LifecycleEvent::PrefillDone, None, None);
         }
         if !matches!(self.phase, Phase::Routed | Phase::Deciding | Phase::Prefilling { .. }) {
             return;
         }
         let ok = self.response_complete && self.response_status.is_some_and(|s| (200..300).contains(&s));
         let event = if ok { LifecycleEvent::Done } else { LifecycleEvent::Cancelled };
-        self.shared().report(&self.request_id, event, self.output_tokens);
+        self.shared().report(&self.request_id, event, self.output_tokens, None);
     }
 }

@@ -102,6 +102,10 @@ pub enum RoutePath {
 pub struct RouteResponse {
     /// `ip:port` of the pod that serves the request (decodes it, under disaggregation).
     pub decode: String,
+    /// The next-best pods, best first (`ip:port`): where Envoy retries when `decode`
+    /// refuses the connection (they follow it in the destination header).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub fallbacks: Vec<String>,
     /// `ip:port` of the pod that should prefill it first, when disaggregated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prefill: Option<String>,
@@ -186,6 +190,10 @@ pub enum LifecycleEvent {
 pub struct LifecycleReport {
     pub request_id: String,
     pub event: LifecycleEvent,
+    /// `ip:port` of the pod that answered (Envoy may have retried a fallback): reported
+    /// with the first token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub served: Option<String>,
     /// Completion tokens, when the response carried `usage`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_tokens: Option<u32>,
@@ -236,6 +244,7 @@ mod tests {
     fn wire_shapes_are_stable() {
         let r = RouteResponse {
             decode: "10.0.0.7:8000".into(),
+            fallbacks: Vec::new(),
             prefill: None,
             pod: "pod-a".into(),
             prefill_pod: None,
@@ -256,12 +265,19 @@ mod tests {
         )
         .unwrap();
         assert_eq!((pd.path, pd.prefill.as_deref()), (RoutePath::Pd, Some("p:1")));
+        assert!(pd.fallbacks.is_empty());
+        let with: RouteResponse = serde_json::from_str(
+            r#"{"decode":"d:1","fallbacks":["e:1","f:1"],"pod":"d","policy":"kv","prompt_tokens":1,"cached_tokens":0}"#,
+        )
+        .unwrap();
+        assert_eq!(with.fallbacks, ["e:1", "f:1"]);
         let batch: LifecycleBatch = serde_json::from_str(
-            r#"{"reports":[{"request_id":"a","event":"first_token"},{"request_id":"a","event":"done","output_tokens":5}]}"#,
+            r#"{"reports":[{"request_id":"a","event":"first_token","served":"10.0.0.8:8000"},{"request_id":"a","event":"done","output_tokens":5}]}"#,
         )
         .unwrap();
         assert_eq!(batch.reports[1].event, LifecycleEvent::Done);
         assert_eq!(batch.reports[1].output_tokens, Some(5));
+        assert_eq!(batch.reports[0].served.as_deref(), Some("10.0.0.8:8000"));
         let prefill: LifecycleReport = serde_json::from_str(r#"{"request_id":"a","event":"prefill_done"}"#).unwrap();
         assert_eq!(prefill.event, LifecycleEvent::PrefillDone);
         let e = serde_json::to_value(ErrorBody::new(503, "ServiceUnavailable", "no pod")).unwrap();

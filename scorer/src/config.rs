@@ -90,13 +90,17 @@ impl Default for LoadSection {
 pub struct HealthSection {
     pub scrape_interval_ms: u64,
     pub scrape_timeout_ms: u64,
-    /// Consecutive failed scrapes after which a pod stops being chosen.
+    /// Consecutive failed scrapes (timeouts, error statuses) after which a pod stops being
+    /// chosen; a refused connection takes it out at once.
     pub unhealthy_after: u32,
+    /// A pod without `/metrics` that was taken out (its pick refused the connection) is
+    /// tried again after this long.
+    pub retry_seconds: f64,
 }
 
 impl Default for HealthSection {
     fn default() -> Self {
-        Self { scrape_interval_ms: 1000, scrape_timeout_ms: 500, unhealthy_after: 3 }
+        Self { scrape_interval_ms: 1000, scrape_timeout_ms: 500, unhealthy_after: 3, retry_seconds: 2.0 }
     }
 }
 
@@ -144,10 +148,6 @@ pub struct EppSection {
     /// gRPC address of `envoy.service.ext_proc.v3.ExternalProcessor` and gRPC health.
     pub listen: SocketAddr,
     pub tls: EppTls,
-    /// Next-best pods named after the pick (`ip:port,ip:port,…`), which `override_host`
-    /// gateways retry in order; 0 for gateways that route with an ORIGINAL_DST cluster on
-    /// the header (llm-d's standalone Envoy), which accept a single endpoint only.
-    pub fallback_endpoints: usize,
     /// Largest request body buffered for a decision; larger ones are answered 413.
     pub body_limit_bytes: usize,
     /// Header naming the prefill pod of a disaggregated request (llm-d's decode sidecars).
@@ -159,7 +159,6 @@ impl Default for EppSection {
         Self {
             listen: SocketAddr::from(([0, 0, 0, 0], 9002)),
             tls: EppTls::SelfSigned,
-            fallback_endpoints: 2,
             body_limit_bytes: 8 << 20,
             prefiller_header: "x-prefiller-host-port".into(),
         }
@@ -300,6 +299,12 @@ pub struct Config {
     /// Seed of the policies' random choices (ties, sampling).
     #[serde(default)]
     pub seed: u64,
+    /// Next-best pods named after the pick (`ip:port,ip:port,…`), which Envoy's
+    /// `override_host` retries in order when a pod refuses the connection; 0 for gateways
+    /// that route with an ORIGINAL_DST cluster on the header (llm-d's standalone Envoy),
+    /// which accept a single endpoint only.
+    #[serde(default = "default_fallback_endpoints")]
+    pub fallback_endpoints: usize,
     #[serde(default)]
     pub index: IndexSection,
     #[serde(default)]
@@ -326,6 +331,10 @@ fn positive(v: f64) -> bool {
 
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 7070))
+}
+
+fn default_fallback_endpoints() -> usize {
+    2
 }
 
 fn default_block_size() -> usize {
@@ -512,15 +521,15 @@ impl Config {
         ] {
             Self::validate_policy(section, policy)?;
         }
+        if self.fallback_endpoints > 16 {
+            return invalid("fallback_endpoints", "at most 16 (a retry per endpoint)");
+        }
         if self.admin.listen == Some(self.listen) {
             return invalid("admin.listen", "must differ from listen");
         }
         if let Some(epp) = &self.epp {
             if epp.listen == self.listen || Some(epp.listen) == self.admin.listen {
                 return invalid("epp.listen", "must differ from listen and admin.listen");
-            }
-            if epp.fallback_endpoints > 16 {
-                return invalid("epp.fallback_endpoints", "at most 16 (a retry per endpoint)");
             }
             if epp.body_limit_bytes == 0 {
                 return invalid("epp.body_limit_bytes", "must be positive");
@@ -541,6 +550,9 @@ impl Config {
         }
         if !positive(self.load.request_ttl_seconds) {
             return invalid("load.request_ttl_seconds", "must be positive");
+        }
+        if !positive(self.health.retry_seconds) {
+            return invalid("health.retry_seconds", "must be positive");
         }
         if self.health.scrape_interval_ms == 0 || self.health.scrape_timeout_ms == 0 || self.health.unhealthy_after == 0
         {
@@ -567,11 +579,11 @@ mod tests {
         assert!(c.epp.is_none(), "no Endpoint Picker unless asked");
         let epp = Config::parse(&format!("epp: {{}}\n{MINIMAL}")).unwrap().epp.unwrap();
         assert_eq!(
-            (epp.listen.to_string(), epp.tls, epp.fallback_endpoints),
+            (epp.listen.to_string(), epp.tls, c.fallback_endpoints),
             ("0.0.0.0:9002".into(), EppTls::SelfSigned, 2)
         );
         let plain =
-            Config::parse(&format!("epp: {{tls: {{mode: plaintext}}, fallback_endpoints: 0}}\n{MINIMAL}")).unwrap();
+            Config::parse(&format!("epp: {{tls: {{mode: plaintext}}}}\nfallback_endpoints: 0\n{MINIMAL}")).unwrap();
         assert_eq!(plain.epp.unwrap().tls, EppTls::Plaintext);
     }
 
@@ -646,7 +658,7 @@ pods:
             ("discovery:\n  inference_pool: {namespace: ns, name: ''}\n", "discovery.inference_pool.name"),
             ("discovery:\n  inference_pool: {namespace: ns, name: p, port: 8000}\n", "port"),
             ("epp: {listen: '127.0.0.1:7070'}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "epp.listen"),
-            ("epp: {fallback_endpoints: 99}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "epp.fallback_endpoints"),
+            ("fallback_endpoints: 99\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "fallback_endpoints"),
             ("epp: {tls: {mode: sometimes}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "sometimes"),
             ("epp: {tls: {mode: files}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "cert"),
             ("epp: {prefiller_header: X-P}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "epp.prefiller_header"),

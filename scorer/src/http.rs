@@ -96,6 +96,7 @@ async fn route(
 fn route_response(pick: Pick) -> RouteResponse {
     RouteResponse {
         decode: pick.decode.address.clone(),
+        fallbacks: pick.fallbacks.iter().map(|p| p.address.clone()).collect(),
         prefill: pick.prefill.as_ref().map(|p| p.address.clone()),
         pod: pick.decode.name.clone(),
         prefill_pod: pick.prefill.as_ref().map(|p| p.name.clone()),

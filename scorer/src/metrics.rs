@@ -28,6 +28,8 @@ pub struct Metrics {
     pub bookings_expired: IntCounter,
     pub bookings_moved: IntCounter,
     pub epp_errors: IntCounterVec,
+    pub pods_down: IntCounterVec,
+    pub engine_restarts: IntCounterVec,
     pub output_tokens: IntCounter,
     pub scrape_failures: IntCounterVec,
     pub index_blocks: GaugeVec,
@@ -121,6 +123,14 @@ impl Metrics {
             ),
             &["kind"]
         ));
+        let pods_down = reg!(IntCounterVec::new(
+            Opts::new("pods_down_total", "Pods taken out of the choice, by why (back at their next good scrape)."),
+            &["pod", "reason"]
+        ));
+        let engine_restarts = reg!(IntCounterVec::new(
+            Opts::new("engine_restarts_total", "Engine restarts noticed by a new process start time (index cleared)."),
+            &["pod"]
+        ));
         let output_tokens =
             reg!(IntCounter::new("output_tokens_total", "Completion tokens of finished requests (from their usage)."));
         let scrape_failures = reg!(IntCounterVec::new(
@@ -163,6 +173,8 @@ impl Metrics {
             bookings_expired,
             bookings_moved,
             epp_errors,
+            pods_down,
+            engine_restarts,
             output_tokens,
             scrape_failures,
             index_blocks,

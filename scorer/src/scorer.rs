@@ -100,12 +100,57 @@ pub struct Pod {
     pub role: Role,
     /// Indexed from its KV events (else approximately).
     pub precise: bool,
+    /// Its `/metrics` are scraped: a scrape brings it back after it was down (without one,
+    /// it is tried again after `health.retry_seconds`).
+    pub scraped: bool,
+}
+
+/// What one scrape of a pod's `/metrics` found.
+#[derive(Clone, Copy, Debug)]
+pub enum Scrape {
+    /// Its load, and its engine's identity when the page has one
+    /// (`process_start_time_seconds`: a restart changes it).
+    Answered { load: ReportedLoad, started_at: Option<f64> },
+    /// The connection was refused or reset: nothing listens there (down at once).
+    Refused,
+    /// A timeout, an error status, a page without vLLM's metrics (down after
+    /// `health.unhealthy_after` in a row: a busy pod may be slow to answer).
+    Failed,
+}
+
+/// Why a pod stopped being chosen.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DownReason {
+    /// Its `/metrics` refused the connection.
+    ScrapeRefused,
+    /// `health.unhealthy_after` scrapes in a row failed.
+    ScrapesFailed,
+    /// The proxy served a request elsewhere than the pick (the pick refused the connection
+    /// or reset before answering, and a fallback answered).
+    NotServed,
+    /// Its KV-event stream disconnected.
+    EventsDisconnected,
+}
+
+impl DownReason {
+    fn label(self) -> &'static str {
+        match self {
+            DownReason::ScrapeRefused => "scrape_refused",
+            DownReason::ScrapesFailed => "scrapes_failed",
+            DownReason::NotServed => "not_served",
+            DownReason::EventsDisconnected => "events_disconnected",
+        }
+    }
 }
 
 /// What the scorer counts about a pod beyond what routing needs.
 #[derive(Default, Clone, Copy)]
 struct PodHealth {
     consecutive_failures: u32,
+    /// When it was marked down (seconds since start), while down.
+    down_since: Option<f64>,
+    /// The engine's `process_start_time_seconds`, as last scraped.
+    started_at: Option<f64>,
     events_received: u64,
     event_gaps: u64,
     batches_missed: u64,
@@ -184,7 +229,7 @@ impl Scorer {
             bookings: AtomicU64::new(0),
         };
         for p in &scorer.config.pods {
-            scorer.add_pod(&p.name, &p.address, p.role, p.kv_events.is_some());
+            scorer.add_pod(&p.name, &p.address, p.role, p.kv_events.is_some(), p.metrics.is_some());
         }
         scorer
     }
@@ -192,11 +237,18 @@ impl Scorer {
     /// Adds a pod (healthy: scraping demotes it after consecutive failures) and returns its
     /// id. `has_events`: it publishes KV events, so it is indexed precisely when the
     /// tokenizer is exact (the fallback's token ids could never match an engine's).
-    pub fn add_pod(&self, name: &str, address: &str, role: Role, has_events: bool) -> PodId {
+    pub fn add_pod(&self, name: &str, address: &str, role: Role, has_events: bool, scraped: bool) -> PodId {
         let precise = has_events && self.tokenizer.is_exact();
         let mut core = self.lock();
         let id = core.router.add_pod(role, precise);
-        core.pods.push(Arc::new(Pod { id, name: name.to_string(), address: address.to_string(), role, precise }));
+        core.pods.push(Arc::new(Pod {
+            id,
+            name: name.to_string(),
+            address: address.to_string(),
+            role,
+            precise,
+            scraped,
+        }));
         core.health.push(PodHealth::default());
         // Configured and discovered addresses are `ip:port` (validated); a later pod at the
         // same address (discovery re-adding it with another role) takes it over.
@@ -346,7 +398,13 @@ impl Scorer {
         let mut core = self.lock();
         let unknown = reports
             .iter()
-            .filter(|r| !self.report_locked(&mut core, &r.request_id, r.event, r.output_tokens, now))
+            .filter(|r| {
+                // Where it was served comes with the first token: the booking follows first.
+                if let Some(served) = r.served.as_deref().and_then(|a| a.parse().ok()) {
+                    self.served_locked(&mut core, &r.request_id, served, now);
+                }
+                !self.report_locked(&mut core, &r.request_id, r.event, r.output_tokens, now)
+            })
             .count();
         drop(core);
         self.metrics.lifecycle_unknown.inc_by(unknown as u64);
@@ -389,12 +447,55 @@ impl Scorer {
     /// off the pick): the booking follows.
     pub fn served(&self, request_id: &str, address: SocketAddr) {
         let now = self.now();
-        let mut core = self.lock();
+        self.served_locked(&mut self.lock(), request_id, address, now);
+    }
+
+    fn served_locked(&self, core: &mut Core, request_id: &str, address: SocketAddr, now: f64) {
         let Some(&pod) = core.by_address.get(&address) else { return };
-        if let Ok(true) = core.router.served(request_id, pod, now) {
-            drop(core);
+        if let Ok(Some(picked)) = core.router.served(request_id, pod, now) {
             self.metrics.bookings_moved.inc();
+            // The pick did not answer (refused, or reset before a response): the first
+            // failed connection heard of takes it out until it proves alive again.
+            self.pod_down(core, picked, DownReason::NotServed, now);
         }
+    }
+
+    /// Takes a pod out of the choice (its bookings released): it comes back with a
+    /// successful scrape (unscraped pods: after `health.retry_seconds`).
+    fn pod_down(&self, core: &mut Core, pod: PodId, reason: DownReason, now: f64) {
+        if !core.router.is_healthy(pod) {
+            return;
+        }
+        core.router.unhealthy(pod);
+        core.health[pod.index()].down_since = Some(now);
+        let name = &core.pods[pod.index()].name;
+        tracing::warn!(pod = %name, reason = reason.label(), "pod is down: not chosen until it answers again");
+        self.metrics.pods_down.with_label_values(&[name, reason.label()]).inc();
+        self.metrics.pod_healthy.with_label_values(&[name]).set(0.0);
+    }
+
+    /// The pod's KV-event stream disconnected (its engine stopped, or the network broke).
+    pub fn events_disconnected(&self, pod: PodId) {
+        let now = self.now();
+        let mut core = self.lock();
+        if core.router.is_present(pod) {
+            self.pod_down(&mut core, pod, DownReason::EventsDisconnected, now);
+        }
+    }
+
+    /// A pod back from down: its index cannot be trusted unless its engine is known to be
+    /// the same one (a restarted engine has an empty cache; forgetting costs less than
+    /// believing).
+    fn pod_up(&self, core: &mut Core, pod: PodId, same_engine: bool) {
+        let name = core.pods[pod.index()].name.clone();
+        core.health[pod.index()].down_since = None;
+        if same_engine {
+            tracing::info!(pod = %name, "pod is back (same engine): index kept");
+        } else {
+            core.router.clear_index(pod);
+            tracing::info!(pod = %name, "pod is back: index cleared, rebuilt from its events");
+        }
+        self.metrics.pod_healthy.with_label_values(&[&name]).set(1.0);
     }
 
     /// Applies one decoded event batch of a pod.
@@ -453,40 +554,67 @@ impl Scorer {
     }
 
     /// Result of one scrape of a pod's `/metrics`.
-    pub fn scraped(&self, pod: PodId, result: Option<ReportedLoad>) {
+    pub fn scraped(&self, pod: PodId, scrape: Scrape) {
+        let now = self.now();
         let mut core = self.lock();
         let core = &mut *core;
         if !core.router.is_present(pod) {
             return; // removed by discovery while this scrape was in flight
         }
-        let name = &core.pods[pod.index()].name;
         let was_healthy = core.router.is_healthy(pod);
-        let health = &mut core.health[pod.index()];
-        match result {
-            Some(reported) => {
-                if !was_healthy {
-                    tracing::info!(pod = %name, "pod is healthy again");
-                }
+        match scrape {
+            Scrape::Answered { load, started_at } => {
+                let health = &mut core.health[pod.index()];
                 health.consecutive_failures = 0;
-                core.router.reported(pod, reported);
+                let known = health.started_at;
+                health.started_at = started_at.or(known);
+                let same_engine = matches!((known, started_at), (Some(a), Some(b)) if a == b);
+                let restarted = matches!((known, started_at), (Some(a), Some(b)) if a != b);
+                core.router.reported(pod, load);
+                if !was_healthy {
+                    self.pod_up(core, pod, same_engine);
+                } else if restarted {
+                    // Restarted between two scrapes, unnoticed otherwise: its cache is empty.
+                    core.router.clear_index(pod);
+                    tracing::warn!(pod = %core.pods[pod.index()].name, "engine restarted (new process start time): index cleared");
+                    self.metrics.engine_restarts.with_label_values(&[&core.pods[pod.index()].name]).inc();
+                }
             }
-            None => {
-                self.metrics.scrape_failures.with_label_values(&[name]).inc();
+            Scrape::Refused => {
+                self.metrics.scrape_failures.with_label_values(&[&core.pods[pod.index()].name]).inc();
+                self.pod_down(core, pod, DownReason::ScrapeRefused, now);
+            }
+            Scrape::Failed => {
+                self.metrics.scrape_failures.with_label_values(&[&core.pods[pod.index()].name]).inc();
+                let health = &mut core.health[pod.index()];
                 health.consecutive_failures += 1;
-                if was_healthy && health.consecutive_failures >= self.config.health.unhealthy_after {
-                    tracing::warn!(pod = %name, failures = health.consecutive_failures, "pod is unhealthy: not chosen until it answers again");
-                    core.router.unhealthy(pod);
+                if health.consecutive_failures >= self.config.health.unhealthy_after {
+                    self.pod_down(core, pod, DownReason::ScrapesFailed, now);
                 }
             }
         }
-        let healthy = if core.router.is_healthy(pod) { 1.0 } else { 0.0 };
-        self.metrics.pod_healthy.with_label_values(&[name]).set(healthy);
     }
 
     /// Drops expired bookings and approximate entries.
     pub fn expire(&self) {
         let now = self.now();
-        let n = self.lock().router.expire(now);
+        let mut core = self.lock();
+        let n = core.router.expire(now);
+        // Pods nobody scrapes are tried again after a while (their next failure takes them
+        // out again).
+        let retry = self.config.health.retry_seconds;
+        let due: Vec<PodId> = core
+            .pods
+            .iter()
+            .filter(|p| !p.scraped && core.router.is_present(p.id))
+            .filter(|p| core.health[p.id.index()].down_since.is_some_and(|t| now - t >= retry))
+            .map(|p| p.id)
+            .collect();
+        for pod in due {
+            core.router.retry(pod);
+            self.pod_up(&mut core, pod, false);
+        }
+        drop(core);
         self.metrics.bookings_expired.inc_by(n as u64);
     }
 
@@ -542,5 +670,89 @@ impl Scorer {
         self.metrics.index_entries.with_label_values(&["block_pod_entries"]).set(entries as f64);
         self.metrics.index_entries.with_label_values(&["distinct_blocks"]).set(distinct as f64);
         views
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scorer(extra: &str) -> Scorer {
+        let config = Config::parse(&format!(
+            "{extra}pods:\n  - {{name: a, address: '10.0.0.1:8000', metrics: 'http://10.0.0.1:8000/metrics'}}\n  - {{name: b, address: '10.0.0.2:8000'}}\n"
+        ))
+        .unwrap();
+        Scorer::new(config, Tokenizer::fallback())
+    }
+
+    fn decide(s: &Scorer, id: &str) -> Pick {
+        let prepared = s.prepare(Api::Completions, br#"{"prompt": "abcdefgh", "max_tokens": 2}"#).unwrap();
+        s.decide(id, &prepared, &Limits { fallbacks: 1, ..Limits::default() }).unwrap()
+    }
+
+    fn report(id: &str, event: LifecycleEvent, served: Option<&str>) -> LifecycleReport {
+        LifecycleReport { request_id: id.into(), event, output_tokens: None, served: served.map(str::to_string) }
+    }
+
+    #[test]
+    fn a_report_served_elsewhere_moves_the_booking_and_takes_the_pick_out() {
+        let s = scorer("policy: {name: round-robin}\n");
+        let pick = decide(&s, "r1");
+        let other = pick.fallbacks[0].clone();
+        assert_eq!(s.lifecycle(&[report("r1", LifecycleEvent::FirstToken, Some(&other.address))]), 0);
+        assert_eq!(s.metrics.bookings_moved.get(), 1);
+        let views = s.pods_view();
+        let view = |name: &str| views.iter().find(|v| v.name == name).unwrap();
+        assert!(!view(&pick.decode.name).healthy, "the pick did not answer: out");
+        assert_eq!(view(&other.name).inflight_requests, 1);
+        assert_eq!(s.lifecycle(&[report("r1", LifecycleEvent::Done, None)]), 0);
+        // Only `other` is chosen now.
+        for i in 0..4 {
+            assert_eq!(decide(&s, &format!("x{i}")).decode.name, other.name);
+        }
+    }
+
+    #[test]
+    fn a_new_engine_identity_or_a_return_from_down_clears_the_index_unless_the_engine_is_the_same() {
+        let s = scorer("");
+        let a = PodId(0);
+        // `a` is indexed by what is routed there (no exact tokenizer here): one request.
+        let stored = |s: &Scorer| {
+            let prepared = s
+                .prepare(
+                    Api::Completions,
+                    &serde_json::to_vec(&serde_json::json!({"prompt": "x".repeat(256)})).unwrap(),
+                )
+                .unwrap();
+            let only_a: PodSet = [a].into_iter().collect();
+            let pick = s.decide("warm", &prepared, &Limits { subset: Some(&only_a), ..Limits::default() }).unwrap();
+            s.report("warm", LifecycleEvent::Done, None);
+            assert_eq!(pick.decode.id, a);
+        };
+        let blocks = |s: &Scorer| s.lock().router.pod_blocks(a);
+        let answered = |started_at| Scrape::Answered { load: ReportedLoad::default(), started_at: Some(started_at) };
+        s.scraped(a, answered(100.0));
+        stored(&s);
+        assert_eq!(blocks(&s), 4);
+        s.scraped(a, answered(100.0));
+        assert_eq!(blocks(&s), 4, "same engine: kept");
+        s.scraped(a, answered(200.0));
+        assert_eq!(blocks(&s), 0, "restarted between scrapes: cleared");
+        stored(&s);
+        s.scraped(a, Scrape::Refused);
+        assert!(!s.lock().router.is_healthy(a), "a refused connection takes it out at once");
+        s.scraped(a, answered(200.0));
+        assert_eq!(blocks(&s), 4, "back, the same engine: kept");
+        s.scraped(a, Scrape::Refused);
+        s.scraped(a, answered(300.0));
+        assert_eq!(blocks(&s), 0, "back as another engine: cleared");
+        assert!(s.lock().router.is_healthy(a));
+        // Slow scrapes: out only after `health.unhealthy_after` (3) in a row.
+        for _ in 0..2 {
+            s.scraped(a, Scrape::Failed);
+        }
+        assert!(s.lock().router.is_healthy(a));
+        s.scraped(a, Scrape::Failed);
+        assert!(!s.lock().router.is_healthy(a));
     }
 }

@@ -1,7 +1,8 @@
-//! Scraping a pod's vLLM `/metrics`: reported load, and health (consecutive failures make a
-//! pod unhealthy; one success brings it back).
+//! Scraping a pod's vLLM `/metrics`: reported load, the engine's identity (its process
+//! start time), and health (a refused connection takes the pod out at once, consecutive
+//! failures after `health.unhealthy_after`; one success brings it back).
 
-use crate::scorer::Scorer;
+use crate::scorer::{Scorer, Scrape};
 use kvgate_routing::pod_set::PodId;
 use kvgate_routing::policy::ReportedLoad;
 use std::sync::Arc;
@@ -21,11 +22,17 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: String) {
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         interval.tick().await;
-        let result = match client.get(&url).send().await {
-            Ok(r) if r.status().is_success() => r.text().await.ok().and_then(|text| parse(&text)),
-            _ => None,
+        let scrape = match client.get(&url).send().await {
+            Ok(r) if r.status().is_success() => match r.text().await.ok().and_then(|text| {
+                parse(&text).map(|load| Scrape::Answered { load, started_at: process_start_time(&text) })
+            }) {
+                Some(answered) => answered,
+                None => Scrape::Failed,
+            },
+            Err(e) if e.is_connect() => Scrape::Refused,
+            _ => Scrape::Failed,
         };
-        scorer.scraped(pod, result);
+        scorer.scraped(pod, scrape);
     }
 }
 
@@ -59,6 +66,12 @@ pub fn parse(text: &str) -> Option<ReportedLoad> {
     seen.then_some(load)
 }
 
+/// `process_start_time_seconds` (the Prometheus client's process collector, which vLLM
+/// exposes): a restarted engine has a new one.
+pub fn process_start_time(text: &str) -> Option<f64> {
+    text.lines().find_map(|l| l.strip_prefix("process_start_time_seconds ")?.trim().parse().ok())
+}
+
 /// The value of label `key` in `name{k="v",...}`.
 fn label<'a>(name_labels: &'a str, key: &str) -> Option<&'a str> {
     let labels = name_labels.split_once('{')?.1.strip_suffix('}')?;
@@ -88,5 +101,7 @@ mod tests {
         );
         assert_eq!(parse("vllm:gpu_cache_usage_perc 0.9\n").unwrap().kv_cache_usage, 0.9, "pre-0.11 name");
         assert_eq!(parse("<html>not metrics</html>"), None);
+        assert_eq!(process_start_time("# HELP x\nprocess_start_time_seconds 1.7954e9\n"), Some(1.7954e9));
+        assert_eq!(process_start_time(text), None);
     }
 }

@@ -7,7 +7,8 @@
 //! does not return every missing batch — the pod's index is cleared and rebuilt from the
 //! events that follow: kvgate would rather forget blocks a pod still holds (costing some
 //! affinity) than believe in blocks it evicted (sending requests where the cache is cold).
-//! A sequence restarting at 0 means the engine restarted: its index is cleared too.
+//! A sequence restarting at 0 means the engine restarted: its index is cleared too, as when
+//! the publisher disconnects and the subscription resumes (see [`run`]).
 //!
 //! No queue sits between the socket and the index: the SUB socket reads only as fast as
 //! batches are applied, so a flood backs up into the publisher's bounded queue, which drops
@@ -15,24 +16,33 @@
 
 use crate::scorer::Scorer;
 use bytes::Bytes;
+use futures::StreamExt;
 use kvgate_routing::events::decode_batch;
 use kvgate_routing::pod_set::PodId;
 use kvgate_routing::sequence::{SequenceTracker, Sequencing};
 use std::sync::Arc;
 use std::time::Duration;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocket, ZmqMessage};
 
 const END_SEQ: [u8; 8] = [0xff; 8];
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Runs until the process stops, reconnecting after errors.
+///
+/// The socket is watched: when the publisher disconnects (its engine stopped, or the network
+/// broke) the pod is taken out at once and the subscriber reconnects itself, every
+/// 100 ms to 1 s, rather than leaving it to the socket's own retry. The stream it then
+/// finds may be another engine's — a restart whose first batches were missed looks like a
+/// continuation — so the pod's index is cleared and rebuilt from it, and its sequence
+/// numbers are judged afresh.
 pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Option<String>) {
     let name = scorer.pod(pod).name.clone();
     let mut backoff = Duration::from_millis(100);
+    let mut tracker = SequenceTracker::default();
+    let mut resumed = false;
     loop {
-        // Once connected, the socket reconnects and resubscribes by itself when the publisher
-        // restarts; its new sequence (from 0) then clears the pod's index (a restart).
         let mut socket = SubSocket::new();
+        let mut monitor = socket.monitor();
         let connected = async {
             socket.connect(&endpoint).await?;
             socket.subscribe("").await
@@ -43,19 +53,35 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
             backoff = (backoff * 2).min(Duration::from_secs(1));
             continue;
         }
-        tracing::info!(pod = %name, %endpoint, "kv events: subscribed");
-        backoff = Duration::from_millis(100);
-        let mut tracker = SequenceTracker::default();
-        loop {
-            let message = match socket.recv().await {
-                Ok(m) => m,
-                Err(e) => {
-                    tracing::warn!(pod = %name, "kv events: receive failed ({e}); reconnecting");
-                    break;
-                }
-            };
-            handle(&scorer, pod, &mut tracker, replay.as_deref(), message).await;
+        if resumed {
+            tracing::info!(pod = %name, %endpoint, "kv events: subscribed again; index rebuilt from this stream");
+            scorer.resync(pod);
+            tracker = SequenceTracker::default();
+        } else {
+            tracing::info!(pod = %name, %endpoint, "kv events: subscribed");
         }
+        backoff = Duration::from_millis(100);
+        loop {
+            tokio::select! {
+                message = socket.recv() => match message {
+                    Ok(message) => handle(&scorer, pod, &mut tracker, replay.as_deref(), message).await,
+                    Err(e) => {
+                        tracing::warn!(pod = %name, "kv events: receive failed ({e}); reconnecting");
+                        break;
+                    }
+                },
+                event = monitor.next() => match event {
+                    Some(SocketEvent::Disconnected(_)) | None => {
+                        tracing::warn!(pod = %name, %endpoint, "kv events: publisher disconnected; reconnecting");
+                        scorer.events_disconnected(pod);
+                        break;
+                    }
+                    Some(_) => {}
+                },
+            }
+        }
+        resumed = true;
+        tokio::time::sleep(backoff).await;
     }
 }
 

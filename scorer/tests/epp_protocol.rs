@@ -27,7 +27,7 @@ use tonic_health::pb::health_client::HealthClient;
 async fn picker(extra: &str) -> (ScorerProcess, [String; 3]) {
     let pods = [0, 1, 2].map(|_| format!("127.0.0.1:{}", free_port()));
     let config = format!(
-        "epp: {{listen: '127.0.0.1:{EPP_PORT}', tls: {{mode: plaintext}}, fallback_endpoints: 1{extra}}}\npods:\n{}",
+        "fallback_endpoints: 1\nepp: {{listen: '127.0.0.1:{EPP_PORT}', tls: {{mode: plaintext}}{extra}}}\npods:\n{}",
         pods.iter().enumerate().map(|(i, a)| format!("  - {{name: p{i}, address: '{a}'}}\n")).collect::<String>()
     );
     (ScorerProcess::start(&config).await, pods)

@@ -167,6 +167,49 @@ async fn a_dead_pod_is_excluded_until_it_answers_again() {
 }
 
 #[tokio::test]
+async fn a_pod_down_ten_seconds_returns_with_what_it_really_caches() {
+    let mut pods = pods(2, &[]).await;
+    let scorer = ScorerProcess::start(&config(&pods, true, "")).await;
+    tokio::time::sleep(Duration::from_millis(500)).await; // subscriptions settle
+    let warm = text("A prefix pod-0 caches before it dies", 300);
+    pods[0].post_json("/v1/completions", &json!({"prompt": warm, "max_tokens": 1})).await;
+    indexed(&scorer, "pod-0", 20).await;
+
+    let killed = std::time::Instant::now();
+    pods[0].kill();
+    // Its event stream disconnects and its scrape is refused: out at once.
+    scorer.wait_pod("pod-0", Duration::from_secs(2), |p| p["healthy"] == false).await;
+    assert!(killed.elapsed() < Duration::from_secs(1), "down within a second: {:?}", killed.elapsed());
+    tokio::time::sleep(Duration::from_secs(10)).await;
+
+    // Back with an empty cache, and busy at once: its first batches are published before
+    // the scorer has resubscribed, so the stream it finds does not start at sequence 0.
+    pods[0].restart().await;
+    let back = std::time::Instant::now();
+    let fresh = text("What pod-0 caches after its restart", 300);
+    pods[0].post_json("/v1/completions", &json!({"prompt": fresh, "max_tokens": 1})).await;
+    // Within 2 s: healthy, and nothing of the old cache believed.
+    let pod = scorer.wait_pod("pod-0", Duration::from_secs(2), |p| p["healthy"] == true).await;
+    assert!(back.elapsed() < Duration::from_secs(2), "{pod}");
+    let (status, d) = scorer.route("/v1/completions", "old", &json!({"prompt": warm, "max_tokens": 1}), true).await;
+    assert_eq!(status, 200, "{d}");
+    let old = d["explain"].as_array().unwrap().iter().find(|e| e["pod"] == "pod-0").unwrap().clone();
+    assert_eq!(old["cached_tokens"], 0, "the evicted-by-restart prefix is not predicted: {old}");
+    // And what it caches now is indexed (its stream is followed again).
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, d) = scorer.route("/v1/completions", "new", &json!({"prompt": fresh, "max_tokens": 1}), true).await;
+        let now = d["explain"].as_array().unwrap().iter().find(|e| e["pod"] == "pod-0").unwrap().clone();
+        if now["cached_tokens"].as_u64().unwrap() > 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the restarted pod's events are never indexed: {now}");
+        pods[0].post_json("/v1/completions", &json!({"prompt": fresh, "max_tokens": 1})).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test]
 async fn pods_without_events_are_indexed_by_what_was_routed() {
     let pods = pods(3, &[]).await;
     let scorer = ScorerProcess::start(&config(&pods, false, "")).await;

@@ -401,12 +401,12 @@ impl Router {
     }
 
     /// The proxy reports which pod served `request_id` (after its retries): a booking made
-    /// for another pod moves there, recomputed for what that pod has cached. Returns whether
-    /// it moved.
-    pub fn served(&mut self, request_id: &str, pod: PodId, now: f64) -> Result<bool, UnknownRequest> {
+    /// for another pod moves there, recomputed for what that pod has cached. Returns the pod
+    /// it was booked on when it moved.
+    pub fn served(&mut self, request_id: &str, pod: PodId, now: f64) -> Result<Option<PodId>, UnknownRequest> {
         let booked = self.load.pod_of(request_id).ok_or_else(|| UnknownRequest(request_id.to_string()))?;
         if booked == pod || pod.index() >= self.pods.len() {
-            return Ok(false);
+            return Ok(None);
         }
         let (chain, prompt_tokens) = match self.load.booked_prompt(request_id) {
             Some((chain, tokens)) => (chain.to_vec(), tokens),
@@ -418,7 +418,7 @@ impl Router {
         if !self.pods[pod.index()].precise {
             self.approx.record(pod, &chain, now);
         }
-        Ok(true)
+        Ok(Some(booked))
     }
 
     /// Applies one decoded event batch of a pod.
@@ -426,9 +426,19 @@ impl Router {
         self.index.apply(pod, batch);
     }
 
-    /// The pod's index can no longer be trusted: forget it, rebuild from what follows.
+    /// The pod's cache can no longer be trusted (lost events, a restarted engine): forget
+    /// what it holds — indexed or routed there — and rebuild from what follows.
     pub fn clear_index(&mut self, pod: PodId) {
         self.index.clear_pod(pod);
+        self.approx.clear_pod(pod);
+    }
+
+    /// A pod nobody scrapes is given another chance (healthy, load unknown).
+    pub fn retry(&mut self, pod: PodId) {
+        let state = &mut self.pods[pod.index()];
+        if state.present {
+            state.healthy = true;
+        }
     }
 
     /// The pod answered a scrape with its load.
@@ -592,8 +602,8 @@ mod tests {
         let c = chain(7, 320);
         let first = r.route(&RouteRequest::new("a", &c, 320, Some(4)), 0.0).unwrap();
         let other = if first.decode.pod == pods[0] { pods[1] } else { pods[0] };
-        assert_eq!(r.served("a", first.decode.pod, 0.1), Ok(false), "served where booked: nothing moves");
-        assert_eq!(r.served("a", other, 0.1), Ok(true));
+        assert_eq!(r.served("a", first.decode.pod, 0.1), Ok(None), "served where booked: nothing moves");
+        assert_eq!(r.served("a", other, 0.1), Ok(Some(first.decode.pod)));
         assert_eq!(r.load().load(first.decode.pod, 0.1), crate::load::PodLoad::default());
         let moved = r.load().load(other, 0.1);
         assert_eq!((moved.inflight_requests, moved.queued_prefill_tokens), (1, 320));

@@ -119,7 +119,13 @@ impl Registry {
                         scorer.remove_pod(old.id);
                     }
                     let name = address.to_string();
-                    let id = scorer.add_pod(&name, &name, pod.role, pod.endpoints.kv_events.is_some());
+                    let id = scorer.add_pod(
+                        &name,
+                        &name,
+                        pod.role,
+                        pod.endpoints.kv_events.is_some(),
+                        pod.endpoints.metrics.is_some(),
+                    );
                     tracing::info!(pod = %address, role = ?pod.role, "discovery: new pod");
                     let tasks = Some(spawn_pod_tasks(scorer, id, &pod.endpoints));
                     self.pods.insert(*address, Entry { id, pod: pod.clone(), tasks });

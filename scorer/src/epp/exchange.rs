@@ -367,7 +367,7 @@ impl Exchange {
         let decided = prepared.and_then(|prepared| {
             let subset = subset.map(|addresses| self.scorer.pods_at(&addresses));
             let limits =
-                Limits { subset: subset.as_ref(), fallbacks: self.settings.fallback_endpoints, explain: false };
+                Limits { subset: subset.as_ref(), fallbacks: self.scorer.config.fallback_endpoints, explain: false };
             self.scorer.decide(&booking_id, &prepared, &limits)
         });
         let pick = match decided {

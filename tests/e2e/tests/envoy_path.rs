@@ -64,6 +64,8 @@ on_both_paths!(
     a_pod_killed_mid_stream_fails_cleanly_and_is_avoided,
     a_scorer_slower_than_the_timeout_is_treated_as_down,
     a_scorer_answering_garbage_is_treated_as_down,
+    a_pod_killed_costs_no_request_that_had_not_started,
+    a_pick_that_refuses_connections_is_retried_on_its_fallback_and_the_booking_follows,
 );
 
 struct Stack {
@@ -551,4 +553,63 @@ async fn a_scorer_answering_garbage_is_treated_as_down(path: Path) {
         assert_eq!(open.stat("wasmcustom.kvgate_routed").await, 0, "no garbage decision was followed");
     }
     assert_eq!(failed_open(path, &open).await, 6);
+}
+
+async fn a_pod_killed_costs_no_request_that_had_not_started(path: Path) {
+    // Scrapes far apart: the scorer cannot know the pod died before the first requests do.
+    let mut s = stack(path, 2, &[]).await;
+    let system = text("Instructions every request shares, so that one pod holds them", 300);
+    let body = |i: usize| chat(&system, &format!("question {i}"), i.is_multiple_of(2));
+    let first = send(&s.envoy, "/v1/chat/completions", &body(0), &[]).await;
+    let victim = first.pod.expect("x-kvgate-pod");
+    s.scorer.wait_idle(Duration::from_secs(5)).await;
+    s.pods.iter_mut().find(|p| p.pod_id == victim).unwrap().kill();
+    // The prefix draws every request to the dead pod: each is retried on its fallback by
+    // Envoy (connection refused), and the first report of it takes the pod out.
+    for i in 1..=12 {
+        let a = send(&s.envoy, "/v1/chat/completions", &body(i), &[]).await;
+        assert_eq!(a.status, 200, "request {i} after the kill: {}", a.body);
+        assert_ne!(a.pod.as_deref(), Some(victim.as_str()));
+    }
+    let down = s.scorer.wait_pod(&victim, Duration::from_secs(5), |p| p["healthy"] == false).await;
+    assert_eq!(down["inflight_requests"], 0, "its bookings were released");
+    s.scorer.wait_idle(Duration::from_secs(5)).await;
+    let metrics = reqwest::get(format!("{}/metrics", s.scorer.url)).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains(&format!("kvgate_pods_down_total{{pod=\"{victim}\"")), "{metrics}");
+}
+
+async fn a_pick_that_refuses_connections_is_retried_on_its_fallback_and_the_booking_follows(path: Path) {
+    let pod = Sim::start("pod-0", &["--tokenizer", qwen3_tokenizer().to_str().unwrap(), "--time-scale", "0.02"]).await;
+    // `dead` is an address nothing listens on, without metrics or events: only a refused
+    // connection reported by the proxy tells the scorer. Round robin picks it in turn (the
+    // `kv` policy would see through it: an unknown pod counts as a full cache).
+    let dead = format!("127.0.0.1:{}", kvgate_test_harness::free_port());
+    let config = format!(
+        "policy: {{name: round-robin}}\nhealth: {{retry_seconds: 0.3}}\n{}pods:\n  - {{name: pod-0, address: '127.0.0.1:{}', metrics: '{}/metrics'}}\n  - {{name: dead, address: '{dead}'}}\n",
+        path.scorer_config(&[]),
+        pod.port,
+        pod.url
+    );
+    let scorer = ScorerProcess::start(&config).await;
+    let envoy = EnvoyProcess::start(&scorer, &path.envoy_flags(&[])).await;
+    for i in 0..16 {
+        let body = json!({"prompt": format!("question number {i} about retries"), "max_tokens": 2});
+        let a = send(&envoy, "/v1/completions", &body, &[]).await;
+        assert_eq!((a.status, a.pod.as_deref()), (200, Some("pod-0")), "{}", a.body);
+        scorer.wait_idle(Duration::from_secs(5)).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let picked_dead = scorer_metric(&scorer, "kvgate_decisions_total{pod=\"dead\",policy=\"round-robin\"}").await;
+    assert!(picked_dead >= 2, "the dead pod was picked (and tried again after retry_seconds): {picked_dead}");
+    assert_eq!(
+        scorer_metric(&scorer, "kvgate_bookings_moved_total").await,
+        picked_dead,
+        "every such booking moved to the pod that served"
+    );
+    assert_eq!(
+        scorer_metric(&scorer, "kvgate_pods_down_total{pod=\"dead\",reason=\"not_served\"}").await,
+        picked_dead,
+        "each time, the report took it out"
+    );
+    assert!(envoy.stat("cluster.kvgate_pods.upstream_rq_retry").await >= picked_dead);
 }

@@ -1,9 +1,10 @@
 //! What only the Endpoint Picker path has, through a real Envoy (ext_proc over gRPC, TLS with
 //! the picker's self-signed certificate) in front of simulated pods: every body mode a gateway
-//! may use, retries onto the pick's fallbacks, the gateway's subset hint, and a destination no
-//! client can choose. The tests shared with the wasm path are in `envoy_path.rs`.
+//! may use, the gateway's subset hint, and a destination no client can choose. The tests
+//! shared with the wasm path (retries onto the pick's fallbacks among them) are in
+//! `envoy_path.rs`.
 
-use kvgate_test_harness::{EPP_PORT, EnvoyProcess, ScorerProcess, Sim, free_port, qwen3_tokenizer, text};
+use kvgate_test_harness::{EPP_PORT, EnvoyProcess, ScorerProcess, Sim, qwen3_tokenizer, text};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -104,31 +105,6 @@ async fn every_body_mode_relays_bodies_and_streams_unchanged() {
     scorer.wait_idle(Duration::from_secs(5)).await;
     assert_eq!(scorer_metric(&scorer, "kvgate_lifecycle_unknown_total").await, 0.0);
     assert_eq!(scorer_metric(&scorer, "kvgate_lifecycle_reports_total{event=\"done\"}").await, 12.0);
-}
-
-#[tokio::test]
-async fn a_pick_that_refuses_connections_is_retried_on_its_fallback_and_the_booking_follows() {
-    // `dead` is an address nothing listens on, without metrics: the scorer keeps it eligible.
-    let dead = format!("127.0.0.1:{}", free_port());
-    // Round robin picks it every other time (the `kv` policy would see through it: an
-    // unknown pod counts as a full cache).
-    let (_pods, scorer) =
-        pods_and_picker(1, "policy: {name: round-robin}\n", &format!("  - {{name: dead, address: '{dead}'}}\n")).await;
-    let envoy = EnvoyProcess::start(&scorer, &["--picker", "epp"]).await;
-    for i in 0..16 {
-        let body = json!({"model": MODEL, "prompt": format!("question number {i} about retries"), "max_tokens": 2});
-        let (status, pod, body) = post(&envoy, "/v1/completions", &body, &[]).await;
-        assert_eq!((status, pod.as_deref()), (200, Some("pod-0")), "{body}");
-        scorer.wait_idle(Duration::from_secs(5)).await;
-    }
-    let picked_dead = scorer_metric(&scorer, "kvgate_decisions_total{pod=\"dead\",policy=\"round-robin\"}").await;
-    assert_eq!(picked_dead, 8.0, "the dead pod was picked every other time");
-    assert_eq!(
-        scorer_metric(&scorer, "kvgate_bookings_moved_total").await,
-        picked_dead,
-        "every such booking moved to the pod that served"
-    );
-    assert!(envoy.stat("cluster.kvgate_pods.upstream_rq_retry").await >= picked_dead as u64);
 }
 
 #[tokio::test]

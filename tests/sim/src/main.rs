@@ -212,6 +212,10 @@ async fn main() -> anyhow::Result<()> {
             num_blocks: args.num_blocks,
             max_model_len: args.max_model_len,
             default_max_tokens: args.default_max_tokens,
+            started_at: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs_f64())
+                .unwrap_or_default(),
         },
         filler_text,
         publisher: publisher_stats,

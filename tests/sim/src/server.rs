@@ -52,6 +52,9 @@ pub struct PodInfo {
     pub num_blocks: usize,
     pub max_model_len: usize,
     pub default_max_tokens: u32,
+    /// Unix time the process started: `process_start_time_seconds`, as vLLM's Prometheus
+    /// client exposes it (a restart changes it).
+    pub started_at: f64,
 }
 
 impl PodInfo {
@@ -618,6 +621,12 @@ async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         pod.pod_id
     );
     metric("kvgate_sim:pod_info", "gauge", "Simulated pod identity.", &role, 1.0);
+    // Unlabelled, as the Prometheus client's process collector writes it.
+    let _ = writeln!(
+        out,
+        "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {:?}",
+        pod.started_at
+    );
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], out)
 }
 
