@@ -14,6 +14,8 @@ pub enum Verdict {
     Route { destination: String, pod: String, prefill: Option<String> },
     /// The request itself is bad (scorer said 400): tell the client.
     BadRequest(String),
+    /// Refused for overload (scorer said 429): tell the client to retry later.
+    Shed(String),
     /// The scorer is down, slow, failing, or answered nonsense: the failure mode decides.
     Unavailable(String),
 }
@@ -43,14 +45,18 @@ pub fn interpret(status: Option<u16>, body: &[u8]) -> Verdict {
             }
             Err(e) => Verdict::Unavailable(format!("scorer answered an unreadable decision: {e}")),
         },
-        Some(400) => Verdict::BadRequest(
-            serde_json::from_slice::<ErrorBody>(body)
-                .map(|e| e.error.message)
-                .unwrap_or_else(|_| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned()),
-        ),
+        Some(400) => Verdict::BadRequest(error_message(body)),
+        Some(429) => Verdict::Shed(error_message(body)),
         Some(code) => Verdict::Unavailable(format!("scorer answered {code}")),
         None => Verdict::Unavailable("no answer from the scorer".into()),
     }
+}
+
+/// The message of an error answer (its raw start when it is not the JSON error shape).
+fn error_message(body: &[u8]) -> String {
+    serde_json::from_slice::<ErrorBody>(body)
+        .map(|e| e.error.message)
+        .unwrap_or_else(|_| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned())
 }
 
 /// The prefill leg of a disaggregated request (vLLM's NIXL flow): the client's request
@@ -129,6 +135,8 @@ mod tests {
         let bad = br#"{"error":{"message":"'prompt' is required","type":"BadRequestError","code":400}}"#;
         assert_eq!(interpret(Some(400), bad), Verdict::BadRequest("'prompt' is required".into()));
         assert_eq!(interpret(Some(400), b"plain"), Verdict::BadRequest("plain".into()));
+        let shed = br#"{"error":{"message":"every pod is saturated","type":"TooManyRequests","code":429}}"#;
+        assert_eq!(interpret(Some(429), shed), Verdict::Shed("every pod is saturated".into()));
         for code in [503, 504, 500, 302] {
             assert!(matches!(interpret(Some(code), b""), Verdict::Unavailable(_)));
         }

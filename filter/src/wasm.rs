@@ -5,7 +5,8 @@
 use crate::config::{FailureMode, FilterConfig, PdMode};
 use crate::logic::{self, Verdict};
 use kvgate_route_api::{
-    HEADER_API_PATH, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, LifecycleEvent, LifecycleReport, ROUTE_PATH,
+    HEADER_API_PATH, HEADER_OBJECTIVE, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, LifecycleEvent,
+    LifecycleReport, ROUTE_PATH,
 };
 use proxy_wasm::hostcalls;
 use proxy_wasm::traits::{Context, HttpContext, RootContext};
@@ -32,6 +33,7 @@ struct Metrics {
     pd_prefill_ok: u32,
     pd_fallback: u32,
     pd_header: u32,
+    shed: u32,
 }
 
 impl Metrics {
@@ -49,6 +51,7 @@ impl Metrics {
             pd_prefill_ok: m(MetricType::Counter, "kvgate_pd_prefill_ok"),
             pd_fallback: m(MetricType::Counter, "kvgate_pd_fallback"),
             pd_header: m(MetricType::Counter, "kvgate_pd_header"),
+            shed: m(MetricType::Counter, "kvgate_shed"),
         }
     }
 }
@@ -183,6 +186,8 @@ struct Request {
     response_status: Option<u16>,
     /// `upstream.address` when the response headers passed.
     served: Option<String>,
+    /// `Retry-After` of the scorer's 429.
+    retry_after: Option<String>,
     first_token: bool,
     response_complete: bool,
     output_tokens: Option<u32>,
@@ -207,8 +212,16 @@ fn now() -> SystemTime {
 
 /// Answers the client directly with a JSON error.
 fn respond(status: u16, kind: &str, message: &str) {
+    respond_with(status, kind, message, None)
+}
+
+/// A JSON error, with `Retry-After` when given.
+fn respond_with(status: u16, kind: &str, message: &str, retry_after: Option<&str>) {
     let body = logic::error_body(status, kind, message);
-    let headers = vec![("content-type", "application/json"), ("x-kvgate-error", kind)];
+    let mut headers = vec![("content-type", "application/json"), ("x-kvgate-error", kind)];
+    if let Some(seconds) = retry_after {
+        headers.push(("retry-after", seconds));
+    }
     if let Err(e) = hostcalls::send_http_response(u32::from(status), headers, Some(&body)) {
         log::warn!("kvgate: cannot send the {status} answer: {e:?}");
     }
@@ -244,7 +257,7 @@ impl Request {
     fn ask_scorer(&mut self, body: &[u8]) -> Action {
         let shared = self.shared.clone().expect("shared state");
         let config = &shared.config;
-        let headers = vec![
+        let mut headers = vec![
             (":method", "POST"),
             (":path", ROUTE_PATH),
             (":authority", config.scorer_authority.as_str()),
@@ -252,6 +265,10 @@ impl Request {
             (HEADER_API_PATH, self.api_path.as_str()),
             ("content-type", "application/json"),
         ];
+        let objective = header(MapType::HttpRequestHeaders, HEADER_OBJECTIVE);
+        if let Some(objective) = objective.as_deref() {
+            headers.push((HEADER_OBJECTIVE, objective));
+        }
         let timeout = Duration::from_millis(config.scorer_timeout_ms);
         match hostcalls::dispatch_http_call(&config.scorer_cluster, headers, Some(body), vec![], timeout) {
             Ok(_) => {
@@ -271,6 +288,9 @@ impl Context for Request {
         } else {
             header(MapType::HttpCallResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok())
         };
+        if status == Some(429) {
+            self.retry_after = header(MapType::HttpCallResponseHeaders, "retry-after");
+        }
         let body = buffer(BufferType::HttpCallResponseBody, body_size);
         match self.phase.clone() {
             Phase::Deciding => self.on_decision(status, &body),
@@ -311,6 +331,11 @@ impl Request {
                 incr(self.shared().metrics.scorer_bad_request, 1);
                 self.phase = Phase::Settled;
                 respond(400, "BadRequestError", &message);
+            }
+            Verdict::Shed(message) => {
+                incr(self.shared().metrics.shed, 1);
+                self.phase = Phase::Settled;
+                respond_with(429, "TooManyRequests", &message, self.retry_after.as_deref());
             }
             Verdict::Unavailable(reason) => {
                 if self.fail(&reason) == Action::Continue {

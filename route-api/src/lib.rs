@@ -7,7 +7,9 @@
 //! does not re-encode it); the request's metadata travels in headers:
 //! [`HEADER_REQUEST_ID`] and [`HEADER_API_PATH`]. The scorer answers 200 with a
 //! [`RouteResponse`], 400 with an [`ErrorBody`] for a request it cannot parse, 503 with an
-//! [`ErrorBody`] when no pod is eligible. `?explain=1` adds per-pod figures.
+//! [`ErrorBody`] when no pod is eligible, 429 with an [`ErrorBody`] and `Retry-After` when
+//! the request was refused for overload (it may first wait in the scorer for room).
+//! `?explain=1` adds per-pod figures.
 //!
 //! **Lifecycle** — `POST /v1/lifecycle` with a [`LifecycleBatch`]: the filter reports each
 //! routed request's first token and end, batched, so the scorer can release its bookings.
@@ -81,6 +83,9 @@ pub fn completion_tokens(chunk: &[u8]) -> Option<u32> {
 pub const HEADER_REQUEST_ID: &str = "x-request-id";
 /// The client's API path (`/v1/completions` or `/v1/chat/completions`).
 pub const HEADER_API_PATH: &str = "x-kvgate-api-path";
+/// The request's objective (the Gateway API Inference Extension's InferenceObjective
+/// convention), which sets its priority under overload; forwarded from the client.
+pub const HEADER_OBJECTIVE: &str = "x-gateway-inference-objective";
 /// Path of the route call on the scorer.
 pub const ROUTE_PATH: &str = "/v1/route";
 /// Path of the lifecycle call on the scorer.

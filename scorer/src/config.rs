@@ -25,7 +25,8 @@ fn invalid<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T,
 use kvgate_routing::index::IndexConfig;
 use kvgate_routing::load::LoadConfig;
 pub use kvgate_routing::router::Role;
-use kvgate_routing::router::RouterConfig;
+use kvgate_routing::router::{RouterConfig, Saturation};
+use std::collections::BTreeMap;
 
 /// One vLLM pod.
 #[derive(Clone, Debug, Deserialize)]
@@ -180,6 +181,66 @@ pub enum EppTls {
     Plaintext,
 }
 
+/// Overload: when every eligible pod is saturated, requests wait in the scorer (by
+/// priority, first come first served within one) until a pod has room or their wait runs
+/// out (429 with `Retry-After`); sheddable ones (negative priority) are refused at once.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdmissionSection {
+    /// A pod is saturated at this many waiting requests it reports…
+    pub max_waiting: Option<f64>,
+    /// …or this KV-cache usage it reports (0–1)…
+    pub max_kv_usage: Option<f64>,
+    /// …or this many uncached prompt tokens kvgate has sent it and not seen start…
+    pub max_queued_prefill_tokens: Option<u64>,
+    /// …or this many requests kvgate has in flight there.
+    pub max_inflight_requests: Option<u32>,
+    /// Share (0–1) of `max_queued_prefill_tokens` and `max_inflight_requests` kept for
+    /// requests above the default priority: interactive traffic finds room while a burst
+    /// of ordinary requests waits.
+    pub headroom: f64,
+    /// Requests waiting at most; a newcomer beyond it is refused, or takes the place of a
+    /// waiter of lower priority.
+    pub queue_limit: usize,
+    /// Longest wait for room (then 429); Envoy's timeouts toward the scorer are rendered
+    /// this much longer.
+    pub max_wait_ms: u64,
+    /// Priority of each objective named in `x-gateway-inference-objective` (the Gateway
+    /// API Inference Extension's InferenceObjective); negative = sheddable.
+    pub objectives: BTreeMap<String, i32>,
+    /// Priority of requests naming no known objective.
+    pub default_priority: i32,
+}
+
+impl Default for AdmissionSection {
+    fn default() -> Self {
+        Self {
+            max_waiting: None,
+            max_kv_usage: None,
+            max_queued_prefill_tokens: None,
+            max_inflight_requests: None,
+            headroom: 0.0,
+            queue_limit: 1024,
+            max_wait_ms: 5000,
+            objectives: BTreeMap::new(),
+            default_priority: 0,
+        }
+    }
+}
+
+impl AdmissionSection {
+    /// When a pod has no room.
+    pub fn saturation(&self) -> Saturation {
+        Saturation {
+            max_waiting: self.max_waiting,
+            max_kv_usage: self.max_kv_usage,
+            max_queued_prefill_tokens: self.max_queued_prefill_tokens,
+            max_inflight_requests: self.max_inflight_requests,
+            headroom: self.headroom,
+        }
+    }
+}
+
 /// Where pods come from besides the static `pods:` list.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -319,6 +380,8 @@ pub struct Config {
     pub discovery: DiscoverySection,
     /// Serve the Endpoint Picker protocol (absent: only the HTTP API of the wasm filter).
     pub epp: Option<EppSection>,
+    /// Queue requests while every pod is saturated (absent: route at once, always).
+    pub admission: Option<AdmissionSection>,
     /// Static pods (may be empty when discovery finds them).
     #[serde(default)]
     pub pods: Vec<PodConfig>,
@@ -359,6 +422,7 @@ impl Config {
             decode_policy: self.pd.decode_policy.clone(),
             pd_threshold_tokens: self.pd.threshold_tokens,
             seed: self.seed,
+            saturation: self.admission.as_ref().map(AdmissionSection::saturation),
         }
     }
 
@@ -521,6 +585,27 @@ impl Config {
         ] {
             Self::validate_policy(section, policy)?;
         }
+        if let Some(a) = &self.admission {
+            if !(0.0..1.0).contains(&a.headroom) {
+                return invalid("admission.headroom", "must be in [0, 1)");
+            }
+            if (Saturation { headroom: 0.0, ..a.saturation() }) == Saturation::default() {
+                return invalid(
+                    "admission",
+                    "set when a pod is saturated: max_waiting, max_kv_usage, max_queued_prefill_tokens or \
+                     max_inflight_requests",
+                );
+            }
+            if a.max_kv_usage.is_some_and(|u| !(u > 0.0 && u <= 1.0)) {
+                return invalid("admission.max_kv_usage", "must be in (0, 1]");
+            }
+            if a.max_waiting.is_some_and(|w| !(w.is_finite() && w >= 0.0)) {
+                return invalid("admission.max_waiting", "must be a number >= 0");
+            }
+            if a.queue_limit == 0 || a.max_wait_ms == 0 {
+                return invalid("admission", "queue_limit and max_wait_ms must be positive");
+            }
+        }
         if self.fallback_endpoints > 16 {
             return invalid("fallback_endpoints", "at most 16 (a retry per endpoint)");
         }
@@ -662,6 +747,12 @@ pods:
             ("epp: {tls: {mode: sometimes}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "sometimes"),
             ("epp: {tls: {mode: files}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "cert"),
             ("epp: {prefiller_header: X-P}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "epp.prefiller_header"),
+            ("admission: {queue_limit: 4}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "saturated"),
+            ("admission: {max_kv_usage: 1.5}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "admission.max_kv_usage"),
+            (
+                "admission: {max_waiting: 4, objectives: {gold: high}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
+                "high",
+            ),
         ];
         for (yaml, needle) in cases {
             let err = Config::parse(yaml).expect_err(yaml).to_string();

@@ -86,10 +86,13 @@ fn section(out: String, begin: &str, end: &str, keep: bool) -> String {
 
 /// Renders the bootstrap YAML.
 pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String> {
+    // A request may wait in the scorer's admission queue for room: the decision's timeout
+    // covers that wait.
+    let timeout_ms = options.scorer_timeout_ms + config.admission.as_ref().map_or(0, |a| a.max_wait_ms);
     let filter = serde_json::json!({
         "scorer_cluster": "kvgate_scorer",
         "failure_mode": options.failure_mode,
-        "scorer_timeout_ms": options.scorer_timeout_ms,
+        "scorer_timeout_ms": timeout_ms,
         "pd_mode": options.pd_mode,
         "destination_header": "x-gateway-destination-endpoint",
     });
@@ -164,7 +167,7 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
         ("${EPP_RESPONSE_HEADER_MODE}", response_headers.to_string()),
         ("${EPP_RESPONSE_BODY_MODE}", response_mode.to_string()),
         ("${EPP_RESPONSE_TRAILER_MODE}", response_trailers.to_string()),
-        ("${EPP_MESSAGE_TIMEOUT}", format!("{}s", options.scorer_timeout_ms as f64 / 1000.0)),
+        ("${EPP_MESSAGE_TIMEOUT}", format!("{}s", timeout_ms as f64 / 1000.0)),
         ("${EPP_IP}", epp_address.map(|a| a.ip().to_string()).unwrap_or_default()),
         ("${EPP_PORT}", epp_address.map(|a| a.port().to_string()).unwrap_or_default()),
         ("${OVERRIDE_HOST_SOURCE}", override_source.to_string()),
@@ -247,6 +250,12 @@ mod tests {
         let tls = Config::parse("epp: {}\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n").unwrap();
         let out = render(&tls, &EnvoyOptions { picker: Picker::Epp, ..options() }).unwrap();
         assert!(out.contains("UpstreamTlsContext") && out.contains("sni: kvgate-epp"));
+        let queued = Config::parse(
+            "admission: {max_waiting: 8, max_wait_ms: 3000}\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n",
+        )
+        .unwrap();
+        let wasm = render(&queued, &options()).unwrap();
+        assert!(wasm.contains("\"scorer_timeout_ms\":3050"), "the decision may wait in the queue: {wasm}");
     }
 
     #[test]

@@ -9,8 +9,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use bytes::Bytes;
 use kvgate_route_api::{
-    Api, ErrorBody, HEADER_API_PATH, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, ROUTE_PATH, RoutePath,
-    RouteResponse,
+    Api, ErrorBody, HEADER_API_PATH, HEADER_OBJECTIVE, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, ROUTE_PATH,
+    RoutePath, RouteResponse,
 };
 use serde::Deserialize;
 use std::sync::Arc;
@@ -73,21 +73,28 @@ async fn route(
         return error(StatusCode::BAD_REQUEST, "BadRequestError", format!("missing header {HEADER_API_PATH}"));
     };
     let explain = scorer.config.admin.debug_endpoints && matches!(query.explain.as_deref(), Some("1" | "true"));
+    let objective = header(HEADER_OBJECTIVE).map(str::to_string);
     let decided = match Api::from_path(path) {
-        Some(api) => scorer
-            .prepare(api, &body)
-            .and_then(|prepared| scorer.decide(&request_id, &prepared, &Limits { explain, ..Limits::default() })),
+        Some(api) => match scorer.prepare(api, &body) {
+            Ok(prepared) => {
+                let limits = Limits { explain, fallbacks: scorer.config.fallback_endpoints, ..Limits::default() };
+                scorer.decide_admitted(&request_id, &prepared, &limits, objective.as_deref()).await
+            }
+            Err(e) => Err(e),
+        },
         None => Err(RouteError::BadRequest(format!("kvgate routes {:?}, not {path:?}", Api::PATHS))),
     };
     match decided {
         Ok(pick) => Json(route_response(pick)).into_response(),
         Err(e) => {
-            let (status, kind) = match e {
-                RouteError::BadRequest(_) => (StatusCode::BAD_REQUEST, "BadRequestError"),
-                RouteError::NoPod => (StatusCode::SERVICE_UNAVAILABLE, "ServiceUnavailable"),
-            };
+            let (code, kind) = e.status();
+            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
             scorer.metrics.route_errors.with_label_values(&[status.as_str()]).inc();
-            error(status, kind, e.to_string())
+            let mut response = error(status, kind, e.to_string());
+            if let Some(seconds) = e.retry_after() {
+                response.headers_mut().insert(axum::http::header::RETRY_AFTER, seconds.into());
+            }
+            response
         }
     }
 }

@@ -2,6 +2,7 @@
 //! and the generation of the matching Envoy configuration. The routing logic itself lives in
 //! `kvgate-routing`; see `README.md` beside this crate for the design.
 
+pub mod admission;
 pub mod config;
 pub mod discovery;
 pub mod envoy;

@@ -29,6 +29,9 @@ pub struct Metrics {
     pub bookings_moved: IntCounter,
     pub epp_errors: IntCounterVec,
     pub pods_down: IntCounterVec,
+    pub admission_waiting: prometheus::Gauge,
+    pub admission_wait_seconds: Histogram,
+    pub admission_refused: IntCounterVec,
     pub engine_restarts: IntCounterVec,
     pub output_tokens: IntCounter,
     pub scrape_failures: IntCounterVec,
@@ -127,6 +130,21 @@ impl Metrics {
             Opts::new("pods_down_total", "Pods taken out of the choice, by why (back at their next good scrape)."),
             &["pod", "reason"]
         ));
+        let admission_waiting = reg!(prometheus::Gauge::new(
+            "admission_waiting",
+            "Requests waiting for a pod with room (admission queue)."
+        ));
+        let admission_wait_seconds = reg!(Histogram::with_opts(
+            HistogramOpts::new("admission_wait_seconds", "Time requests waited in the admission queue before a pod.")
+                .buckets(vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0])
+        ));
+        let admission_refused = reg!(IntCounterVec::new(
+            Opts::new(
+                "admission_refused_total",
+                "Requests refused for overload (429), by why: sheddable, queue_full, deadline."
+            ),
+            &["reason"]
+        ));
         let engine_restarts = reg!(IntCounterVec::new(
             Opts::new("engine_restarts_total", "Engine restarts noticed by a new process start time (index cleared)."),
             &["pod"]
@@ -174,6 +192,9 @@ impl Metrics {
             bookings_moved,
             epp_errors,
             pods_down,
+            admission_waiting,
+            admission_wait_seconds,
+            admission_refused,
             engine_restarts,
             output_tokens,
             scrape_failures,

@@ -5,6 +5,7 @@
 //! `kvgate-routing`; this module holds it behind one mutex, taken briefly per decision and per event batch. The
 //! expensive part of a decision — tokenization — happens before the lock.
 
+use crate::admission::{Queue, Refused};
 use crate::config::{Config, Role};
 use crate::metrics::Metrics;
 use crate::prompt::{self, PromptError};
@@ -16,7 +17,7 @@ use kvgate_routing::index::PodIndexStats;
 use kvgate_routing::load::Lifecycle;
 use kvgate_routing::pod_set::{PodId, PodSet};
 use kvgate_routing::policy::ReportedLoad;
-use kvgate_routing::router::{RouteRequest, Router};
+use kvgate_routing::router::{RouteRequest, Router, Unroutable};
 use kvgate_tokenize::Tokenizer;
 use serde::Serialize;
 use std::net::SocketAddr;
@@ -31,11 +32,45 @@ pub enum RouteError {
     BadRequest(String),
     #[error("no healthy pod can serve this request")]
     NoPod,
+    /// Every pod is saturated (only with `admission`): the request should wait.
+    #[error("every pod is saturated")]
+    Saturated,
+    /// Refused for overload: retry after this many seconds.
+    #[error("{reason}")]
+    Shed { retry_after_seconds: u64, reason: &'static str },
+}
+
+impl RouteError {
+    /// The HTTP status and error type the client gets.
+    pub fn status(&self) -> (u16, &'static str) {
+        match self {
+            RouteError::BadRequest(_) => (400, "BadRequestError"),
+            RouteError::NoPod => (503, "ServiceUnavailable"),
+            RouteError::Saturated | RouteError::Shed { .. } => (429, "TooManyRequests"),
+        }
+    }
+
+    /// `Retry-After` seconds, for a request refused for overload.
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            RouteError::Shed { retry_after_seconds, .. } => Some(*retry_after_seconds),
+            _ => None,
+        }
+    }
 }
 
 impl From<PromptError> for RouteError {
     fn from(e: PromptError) -> Self {
         RouteError::BadRequest(e.0)
+    }
+}
+
+/// The client's message for a request refused for overload.
+fn shed_message(reason: &str) -> &'static str {
+    match reason {
+        "sheddable" => "every pod is saturated and this request is sheddable: retry later",
+        "queue_full" => "every pod is saturated and the admission queue is full: retry later",
+        _ => "every pod is saturated and no room appeared in time: retry later",
     }
 }
 
@@ -56,6 +91,8 @@ pub struct Limits<'a> {
     pub fallbacks: usize,
     /// Collect every candidate's figures (`?explain=1`).
     pub explain: bool,
+    /// Leave the admission headroom free (no more than the default priority).
+    pub leave_headroom: bool,
 }
 
 /// A decision with its pods resolved: what each entry path maps to its own wire format.
@@ -176,6 +213,8 @@ pub struct Scorer {
     core: Mutex<Core>,
     started: Instant,
     bookings: AtomicU64,
+    /// Requests waiting for a pod with room (with `admission`).
+    queue: Option<Queue>,
 }
 
 /// One entry of `GET /v1/pods`.
@@ -221,12 +260,13 @@ impl Scorer {
             by_address: AHashMap::new(),
         };
         let scorer = Self {
-            config,
             metrics: Metrics::new(),
             tokenizer,
             core: Mutex::new(core),
             started: Instant::now(),
             bookings: AtomicU64::new(0),
+            queue: config.admission.as_ref().map(|a| Queue::new(a.queue_limit)),
+            config,
         };
         for p in &scorer.config.pods {
             scorer.add_pod(&p.name, &p.address, p.role, p.kv_events.is_some(), p.metrics.is_some());
@@ -332,11 +372,15 @@ impl Scorer {
         let request = RouteRequest {
             subset: limits.subset,
             fallbacks: limits.fallbacks,
+            leave_headroom: limits.leave_headroom,
             ..RouteRequest::new(request_id, &prepared.chain, prepared.prompt_tokens, prepared.max_output_tokens)
         };
         let now = self.now();
         let mut core = self.lock();
-        let routed = core.router.route(&request, now).map_err(|_| RouteError::NoPod)?;
+        let routed = core.router.route(&request, now).map_err(|e| match e {
+            Unroutable::NoPod => RouteError::NoPod,
+            Unroutable::Saturated => RouteError::Saturated,
+        })?;
         let pod = |id: PodId| core.pods[id.index()].clone();
         let decode = pod(routed.decode.pod);
         let prefill = routed.prefill.map(|p| pod(p.pod));
@@ -391,6 +435,80 @@ impl Scorer {
         })
     }
 
+    /// [`Scorer::decide`], waiting in the admission queue while every pod is saturated: the
+    /// request gets a pod when one has room, in the order of priority (from `objective`,
+    /// the request's `x-gateway-inference-objective`) then arrival; sheddable requests
+    /// (negative priority) are refused at once, the others once `admission.max_wait_ms` has
+    /// passed or when the queue is full of more important ones.
+    pub async fn decide_admitted(
+        &self,
+        request_id: &str,
+        prepared: &Prepared,
+        limits: &Limits<'_>,
+        objective: Option<&str>,
+    ) -> Result<Pick, RouteError> {
+        let (Some(queue), Some(admission)) = (&self.queue, &self.config.admission) else {
+            return self.decide(request_id, prepared, limits);
+        };
+        let priority =
+            objective.and_then(|o| admission.objectives.get(o)).copied().unwrap_or(admission.default_priority);
+        let arrived = Instant::now();
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(admission.max_wait_ms);
+        let retry_after_seconds = admission.max_wait_ms.div_ceil(1000).max(1);
+        let shed = |reason: &'static str| {
+            self.metrics.admission_refused.with_label_values(&[reason]).inc();
+            Err(RouteError::Shed { retry_after_seconds, reason: shed_message(reason) })
+        };
+        let limits = &Limits { leave_headroom: priority <= admission.default_priority, ..*limits };
+        let ticket = queue.ticket(priority);
+        let mut waited = false;
+        // A newcomer goes behind those waiting with its priority or above.
+        let mut try_now = !queue.ahead_of(priority);
+        loop {
+            if try_now {
+                match self.decide(request_id, prepared, limits) {
+                    Err(RouteError::Saturated) => {}
+                    decided => {
+                        if waited {
+                            self.metrics.admission_wait_seconds.observe(arrived.elapsed().as_secs_f64());
+                        }
+                        if decided.is_ok() && !queue.is_empty() {
+                            queue.wake_first(); // there may be room for the next one too
+                        }
+                        return decided;
+                    }
+                }
+            }
+            try_now = true;
+            if priority < 0 {
+                return shed("sheddable");
+            }
+            let woken = match queue.wait(ticket) {
+                Ok(woken) => woken,
+                Err(Refused::QueueFull) => return shed("queue_full"),
+            };
+            self.metrics.admission_waiting.set(queue.len() as f64);
+            waited = true;
+            match tokio::time::timeout_at(deadline, woken).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return shed("queue_full"), // a more important request took the place
+                Err(_) => {
+                    queue.leave(ticket);
+                    self.metrics.admission_waiting.set(queue.len() as f64);
+                    return shed("deadline");
+                }
+            }
+            self.metrics.admission_waiting.set(queue.len() as f64);
+        }
+    }
+
+    /// Room may have appeared on some pod: the first waiter tries again.
+    fn room_may_have_appeared(&self) {
+        if let Some(queue) = &self.queue {
+            queue.wake_first();
+        }
+    }
+
     /// Applies a batch of lifecycle reports (the filter's); returns how many named no
     /// in-flight request.
     pub fn lifecycle(&self, reports: &[LifecycleReport]) -> usize {
@@ -408,6 +526,7 @@ impl Scorer {
             .count();
         drop(core);
         self.metrics.lifecycle_unknown.inc_by(unknown as u64);
+        self.room_may_have_appeared();
         unknown
     }
 
@@ -419,6 +538,7 @@ impl Scorer {
         if !known {
             self.metrics.lifecycle_unknown.inc();
         }
+        self.room_may_have_appeared();
         known
     }
 
@@ -571,6 +691,7 @@ impl Scorer {
                 let same_engine = matches!((known, started_at), (Some(a), Some(b)) if a == b);
                 let restarted = matches!((known, started_at), (Some(a), Some(b)) if a != b);
                 core.router.reported(pod, load);
+                self.room_may_have_appeared();
                 if !was_healthy {
                     self.pod_up(core, pod, same_engine);
                 } else if restarted {
@@ -616,6 +737,7 @@ impl Scorer {
         }
         drop(core);
         self.metrics.bookings_expired.inc_by(n as u64);
+        self.room_may_have_appeared();
     }
 
     /// True when some pod can take requests.
@@ -696,8 +818,11 @@ mod tests {
 
     #[test]
     fn a_report_served_elsewhere_moves_the_booking_and_takes_the_pick_out() {
-        let s = scorer("policy: {name: round-robin}\n");
+        let s = scorer("policy: {name: round-robin}\nhealth: {retry_seconds: 0.1}\n");
+        decide(&s, "r0"); // round robin: the next pick is `b`, which nobody scrapes
+        s.lifecycle(&[report("r0", LifecycleEvent::Done, None)]);
         let pick = decide(&s, "r1");
+        assert!(!pick.decode.scraped);
         let other = pick.fallbacks[0].clone();
         assert_eq!(s.lifecycle(&[report("r1", LifecycleEvent::FirstToken, Some(&other.address))]), 0);
         assert_eq!(s.metrics.bookings_moved.get(), 1);
@@ -710,6 +835,11 @@ mod tests {
         for i in 0..4 {
             assert_eq!(decide(&s, &format!("x{i}")).decode.name, other.name);
         }
+        // Nobody scrapes it: it is tried again after `health.retry_seconds`.
+        std::thread::sleep(std::time::Duration::from_millis(150));
+        s.expire();
+        let picked: Vec<String> = (0..4).map(|i| decide(&s, &format!("y{i}")).decode.name.clone()).collect();
+        assert!(picked.contains(&pick.decode.name), "{picked:?}");
     }
 
     #[test]

@@ -78,6 +78,7 @@ fn main() {
         decode_policy: PolicyConfig::default(),
         pd_threshold_tokens: 1024,
         seed: 1,
+        saturation: None,
     });
     let pods: Vec<PodId> = (0..PODS).map(|_| router.add_pod(Role::Both, true)).collect();
     let mut salt = 0;

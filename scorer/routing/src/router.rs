@@ -50,6 +50,8 @@ pub struct RouterConfig {
     pub pd_threshold_tokens: u32,
     /// Seed of the policies' random choices.
     pub seed: u64,
+    /// When pods have no room (absent: never saturated).
+    pub saturation: Option<Saturation>,
 }
 
 /// One request, as the router needs it: its block chain (kvgate's own hashes) and sizes.
@@ -64,6 +66,9 @@ pub struct RouteRequest<'a> {
     pub subset: Option<&'a PodSet>,
     /// How many next-best pods to name after the pick, for the proxy's retries.
     pub fallbacks: usize,
+    /// The request must leave the saturation headroom free (it has no more than the
+    /// default priority).
+    pub leave_headroom: bool,
 }
 
 impl<'a> RouteRequest<'a> {
@@ -74,7 +79,7 @@ impl<'a> RouteRequest<'a> {
         prompt_tokens: u32,
         max_output_tokens: Option<u32>,
     ) -> Self {
-        Self { request_id, chain, prompt_tokens, max_output_tokens, subset: None, fallbacks: 0 }
+        Self { request_id, chain, prompt_tokens, max_output_tokens, subset: None, fallbacks: 0, leave_headroom: false }
     }
 }
 
@@ -106,10 +111,50 @@ impl Routed {
     }
 }
 
-/// No healthy pod can take the request's decode.
+/// Why a request cannot be routed now.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
-#[error("no healthy pod can serve this request")]
-pub struct NoPod;
+pub enum Unroutable {
+    /// No healthy pod can take the request's decode.
+    #[error("no healthy pod can serve this request")]
+    NoPod,
+    /// Every eligible pod is saturated (see [`Saturation`]): the request should wait.
+    #[error("every pod is saturated")]
+    Saturated,
+}
+
+/// When a pod has no room for another request: beyond any of these, it is not chosen, and a
+/// request finding every pod so waits in the scorer's admission queue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Saturation {
+    /// Waiting requests the pod reports (`vllm:num_requests_waiting`).
+    pub max_waiting: Option<f64>,
+    /// KV-cache usage the pod reports (0–1).
+    pub max_kv_usage: Option<f64>,
+    /// Uncached prompt tokens kvgate has sent there and not seen start (its own bookings:
+    /// no scrape lag).
+    pub max_queued_prefill_tokens: Option<u64>,
+    /// Requests kvgate has in flight there (its own bookings): the concurrency beyond
+    /// which a pod's steps, and so everyone's time to first token, grow.
+    pub max_inflight_requests: Option<u32>,
+    /// Share (0–1) of the two limits above that only requests of higher than default
+    /// priority may use: room kept for them while the rest wait.
+    pub headroom: f64,
+}
+
+impl Saturation {
+    /// Whether `c` has no room — for a request that must leave the headroom free, when
+    /// `leave_headroom`.
+    pub fn saturated(&self, c: &Candidate, leave_headroom: bool) -> bool {
+        let reported = |f: fn(&ReportedLoad) -> f64, max: Option<f64>| matches!((c.reported, max), (Some(r), Some(m)) if f(&r) >= m);
+        let share = if leave_headroom { 1.0 - self.headroom } else { 1.0 };
+        let own = |value: f64, max: f64| value >= (max * share).max(1.0);
+        reported(|r| r.waiting, self.max_waiting)
+            || reported(|r| r.kv_cache_usage, self.max_kv_usage)
+            || self.max_queued_prefill_tokens.is_some_and(|m| own(c.load.queued_prefill_tokens as f64, m as f64))
+            || self.max_inflight_requests.is_some_and(|m| own(f64::from(c.load.inflight_requests), f64::from(m)))
+    }
+}
 
 struct PodState {
     role: Role,
@@ -124,6 +169,7 @@ struct PodState {
 pub struct Router {
     block_size: u32,
     pd_threshold_tokens: u32,
+    saturation: Option<Saturation>,
     pods: Vec<PodState>,
     index: KvIndex,
     approx: ApproxIndex,
@@ -165,6 +211,7 @@ impl Router {
         Self {
             block_size: config.index.block_size as u32,
             pd_threshold_tokens: config.pd_threshold_tokens,
+            saturation: config.saturation,
             pods: Vec::new(),
             index: KvIndex::new(config.index.clone()),
             approx: ApproxIndex::new(config.approximate_ttl_seconds, config.index.max_blocks_per_pod),
@@ -247,16 +294,24 @@ impl Router {
     }
 
     /// Chooses the pod(s) for one request at time `now` and books the choice.
-    pub fn route(&mut self, request: &RouteRequest<'_>, now: f64) -> Result<Routed, NoPod> {
+    pub fn route(&mut self, request: &RouteRequest<'_>, now: f64) -> Result<Routed, Unroutable> {
         // The subset limits where the proxy sends the request: the decode pod and its
         // fallbacks. A prefill pod is reached by the decode side (or the filter's leg).
-        let decoders = self.eligible(|r| r.decodes(), request.subset);
+        let mut decoders = self.eligible(|r| r.decodes(), request.subset);
         if decoders.is_empty() {
-            return Err(NoPod);
+            return Err(Unroutable::NoPod);
         }
         let prefillers = self.eligible(|r| r == Role::Prefill, None);
         let input = RouteInput { prompt_tokens: request.prompt_tokens, block_size: self.block_size };
-        let direct = self.candidates(&decoders, request, now, None);
+        let mut direct = self.candidates(&decoders, request, now, None);
+        if let Some(saturation) = self.saturation {
+            // Only pods with room; none: the request waits (the scorer's admission queue).
+            direct.retain(|c| !saturation.saturated(c, request.leave_headroom));
+            if direct.is_empty() {
+                return Err(Unroutable::Saturated);
+            }
+            decoders = direct.iter().map(|c| c.pod).collect();
+        }
         let best_cached = direct.iter().map(|c| c.cached_tokens).max().unwrap_or(0);
         let uncached_tokens = request.prompt_tokens - best_cached;
         let prefill_pods = !prefillers.is_empty();
@@ -474,7 +529,11 @@ mod tests {
     use crate::hash::{root_hash, sequence_hashes};
 
     fn router(threshold: u32) -> Router {
-        Router::new(&RouterConfig {
+        Router::new(&test_config(threshold))
+    }
+
+    fn test_config(threshold: u32) -> RouterConfig {
+        RouterConfig {
             index: IndexConfig { block_size: 16, max_blocks_per_pod: 1 << 20 },
             approximate_ttl_seconds: 60.0,
             load: LoadConfig {
@@ -488,7 +547,8 @@ mod tests {
             decode_policy: PolicyConfig::LeastLoaded,
             pd_threshold_tokens: threshold,
             seed: 7,
-        })
+            saturation: None,
+        }
     }
 
     fn chain(seed: u32, tokens: u32) -> Vec<SequenceHash> {
@@ -540,7 +600,7 @@ mod tests {
         r.unhealthy(decode[1]);
         assert!(!r.ready());
         let none = r.route(&RouteRequest::new("x", &short, 64, None), 2.0);
-        assert_eq!(none.unwrap_err(), NoPod);
+        assert_eq!(none.unwrap_err(), Unroutable::NoPod);
         r.reported(decode[1], ReportedLoad::default());
         r.remove_pod(decode[0]);
         r.reported(decode[0], ReportedLoad::default());
@@ -591,7 +651,7 @@ mod tests {
         assert_eq!(
             r.route(&RouteRequest { subset: Some(&nobody), ..RouteRequest::new("q4", &warm, 256, None) }, 0.3)
                 .unwrap_err(),
-            NoPod
+            Unroutable::NoPod
         );
     }
 
@@ -610,5 +670,44 @@ mod tests {
         // The prefix is being computed where it was served: the next request follows it there.
         assert_eq!(r.route(&RouteRequest::new("b", &c, 320, Some(4)), 0.3).unwrap().decode.pod, other);
         assert!(r.served("zzz", other, 0.3).is_err());
+    }
+
+    #[test]
+    fn saturated_pods_are_skipped_and_a_saturated_fleet_makes_the_request_wait() {
+        let mut r = Router::new(&RouterConfig {
+            saturation: Some(Saturation { max_queued_prefill_tokens: Some(1000), ..Saturation::default() }),
+            ..test_config(1024)
+        });
+        let pods = [r.add_pod(Role::Both, false), r.add_pod(Role::Both, false)];
+        let c = |seed| chain(seed, 640);
+        let first = r.route(&RouteRequest::new("a", &c(1), 640, None), 0.0).unwrap().decode.pod;
+        let second = r.route(&RouteRequest::new("b", &c(2), 640, None), 0.0).unwrap().decode.pod;
+        assert_ne!(first, second, "640 queued is below the limit, but the policy spreads");
+        // Both pods now queue 640 tokens; one more each reaches 1280 ≥ 1000.
+        let third = r.route(&RouteRequest::new("c", &c(3), 640, None), 0.0).unwrap().decode.pod;
+        let fourth = r.route(&RouteRequest::new("d", &c(4), 640, None), 0.0).unwrap().decode.pod;
+        assert_ne!(third, fourth, "a pod with room is chosen over a saturated one");
+        assert_eq!(r.route(&RouteRequest::new("e", &c(5), 640, None), 0.0).unwrap_err(), Unroutable::Saturated);
+        // A first token frees prefill room on its pod.
+        r.report("a", Lifecycle::FirstToken, false, 1.0).unwrap();
+        assert_eq!(r.route(&RouteRequest::new("e", &c(5), 640, None), 1.0).unwrap().decode.pod, first);
+        assert!(pods.contains(&first));
+    }
+
+    #[test]
+    fn headroom_is_kept_for_higher_priorities() {
+        let mut r = Router::new(&RouterConfig {
+            saturation: Some(Saturation { max_inflight_requests: Some(4), headroom: 0.5, ..Saturation::default() }),
+            ..test_config(1024)
+        });
+        r.add_pod(Role::Both, false);
+        let c = chain(9, 64);
+        let ordinary = |id| RouteRequest { leave_headroom: true, ..RouteRequest::new(id, &c, 64, None) };
+        r.route(&ordinary("a"), 0.0).unwrap();
+        r.route(&ordinary("b"), 0.0).unwrap();
+        assert_eq!(r.route(&ordinary("c"), 0.0).unwrap_err(), Unroutable::Saturated, "half the pod is kept");
+        r.route(&RouteRequest::new("p1", &c, 64, None), 0.0).unwrap();
+        r.route(&RouteRequest::new("p2", &c, 64, None), 0.0).unwrap();
+        assert_eq!(r.route(&RouteRequest::new("p3", &c, 64, None), 0.0).unwrap_err(), Unroutable::Saturated);
     }
 }

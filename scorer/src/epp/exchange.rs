@@ -24,7 +24,7 @@
 
 use super::Shared;
 use crate::config::EppSection;
-use crate::scorer::{Limits, RouteError, Scorer};
+use crate::scorer::{Limits, Scorer};
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -38,7 +38,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use futures::Stream;
-use kvgate_route_api::{Api, ErrorBody, LifecycleEvent, completion_tokens};
+use kvgate_route_api::{Api, ErrorBody, HEADER_OBJECTIVE, LifecycleEvent, completion_tokens};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -125,7 +125,15 @@ enum RequestSide {
     /// Not routed: headers answered, body (if any) relayed.
     PassThrough,
     /// Routed: collecting the body.
-    Buffering { api: Api, request_id: String, subset: Option<Vec<SocketAddr>>, body: Vec<u8>, chunks: usize },
+    Buffering {
+        api: Api,
+        request_id: String,
+        /// `x-gateway-inference-objective`: the request's priority under overload.
+        objective: Option<String>,
+        subset: Option<Vec<SocketAddr>>,
+        body: Vec<u8>,
+        chunks: usize,
+    },
     /// Answered (pick, or an immediate response).
     Done,
 }
@@ -291,7 +299,8 @@ impl Exchange {
                 return self.immediate(503, "ServiceUnavailable", &why);
             }
         };
-        self.request = RequestSide::Buffering { api, request_id, subset, body: Vec::new(), chunks: 0 };
+        let objective = header(&headers, HEADER_OBJECTIVE);
+        self.request = RequestSide::Buffering { api, request_id, objective, subset, body: Vec::new(), chunks: 0 };
         if self.modes.request == BodyMode::Buffered {
             // The gateway sends the body only after this answer; the pick follows with it.
             self.send(Answer::RequestHeaders(headers_answer(None, false)), None);
@@ -339,7 +348,7 @@ impl Exchange {
 
     /// The body is complete: pick, answer, hand the body back.
     async fn decide(&mut self, end_of_stream: bool) {
-        let RequestSide::Buffering { api, request_id, subset, body, chunks } =
+        let RequestSide::Buffering { api, request_id, objective, subset, body, chunks } =
             std::mem::replace(&mut self.request, RequestSide::Done)
         else {
             return;
@@ -364,21 +373,25 @@ impl Exchange {
             let prepared = self.scorer.prepare(api, &body);
             (body, prepared)
         };
-        let decided = prepared.and_then(|prepared| {
-            let subset = subset.map(|addresses| self.scorer.pods_at(&addresses));
-            let limits =
-                Limits { subset: subset.as_ref(), fallbacks: self.scorer.config.fallback_endpoints, explain: false };
-            self.scorer.decide(&booking_id, &prepared, &limits)
-        });
+        let decided = match prepared {
+            Ok(prepared) => {
+                let subset = subset.map(|addresses| self.scorer.pods_at(&addresses));
+                let limits = Limits {
+                    subset: subset.as_ref(),
+                    fallbacks: self.scorer.config.fallback_endpoints,
+                    ..Limits::default()
+                };
+                self.scorer.decide_admitted(&booking_id, &prepared, &limits, objective.as_deref()).await
+            }
+            Err(e) => Err(e),
+        };
         let pick = match decided {
             Ok(pick) => pick,
             Err(e) => {
-                let (status, kind) = match e {
-                    RouteError::BadRequest(_) => (400, "BadRequestError"),
-                    RouteError::NoPod => (503, "ServiceUnavailable"),
-                };
+                let (status, kind) = e.status();
                 self.scorer.metrics.route_errors.with_label_values(&[&status.to_string()]).inc();
-                return self.immediate(status, kind, &e.to_string());
+                let retry_after = e.retry_after().map(|s| s.to_string());
+                return self.immediate_with(status, kind, &e.to_string(), retry_after.as_deref());
             }
         };
         let destinations = pick.destinations();
@@ -418,11 +431,17 @@ impl Exchange {
 
     /// Answers the client directly (nothing is routed).
     fn immediate(&mut self, status: u16, kind: &str, message: &str) {
+        self.immediate_with(status, kind, message, None)
+    }
+
+    /// An immediate answer, with `Retry-After` when given.
+    fn immediate_with(&mut self, status: u16, kind: &str, message: &str, retry_after: Option<&str>) {
         let body = serde_json::to_vec(&ErrorBody::new(status, kind, message)).unwrap_or_default();
-        let headers = HeaderMutation {
-            set_headers: vec![set_header("content-type", "application/json"), set_header("x-kvgate-error", kind)],
-            remove_headers: Vec::new(),
-        };
+        let mut set_headers = vec![set_header("content-type", "application/json"), set_header("x-kvgate-error", kind)];
+        if let Some(seconds) = retry_after {
+            set_headers.push(set_header("retry-after", seconds));
+        }
+        let headers = HeaderMutation { set_headers, remove_headers: Vec::new() };
         let answer = ImmediateResponse {
             status: Some(HttpStatus { code: i32::from(status) }),
             headers: Some(headers),
