@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: setup build test lint audit licenses bench bench-cluster bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak
+.PHONY: setup build test lint audit licenses bench bench-cluster bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos
 
 setup:
 	@bash tests/tools/setup.sh
@@ -82,6 +82,12 @@ fuzz:
 soak: setup wasm
 	$(CARGO) build --workspace --release --bins
 	./target/release/kvgate-soak --seconds $${SOAK_SECONDS:-120}
+
+# Faults one after the other under a steady streaming load, through the real stack on both
+# entry paths; one line per phase; fails when a fault cost a client error it should not.
+chaos: setup wasm
+	$(CARGO) build --workspace --release --bins
+	./target/release/kvgate-chaos $(CHAOS_ARGS)
 
 # Routing quality in virtual time: every workload x every policy (and SGLang's cache_aware
 # rule) on simulated engines; results in target/bench/cluster/.

@@ -77,11 +77,21 @@ pub struct LoadSection {
     pub decode_tokens_per_second: f64,
     /// A booking without a `done` report is dropped after this long.
     pub request_ttl_seconds: f64,
+    /// Bookings at least this old that a pod's engine does not account for (its scraped
+    /// running + waiting requests are fewer) are dropped, oldest first: their end was never
+    /// reported (a lifecycle batch lost while the scorer was frozen, a gateway replica
+    /// gone). 0 turns this off (then only `request_ttl_seconds` drops them).
+    pub reconcile_after_seconds: f64,
 }
 
 impl Default for LoadSection {
     fn default() -> Self {
-        Self { default_output_tokens: 256, decode_tokens_per_second: 50.0, request_ttl_seconds: 600.0 }
+        Self {
+            default_output_tokens: 256,
+            decode_tokens_per_second: 50.0,
+            request_ttl_seconds: 600.0,
+            reconcile_after_seconds: 10.0,
+        }
     }
 }
 
@@ -632,6 +642,9 @@ impl Config {
         }
         if !positive(self.load.decode_tokens_per_second) {
             return invalid("load.decode_tokens_per_second", "must be positive");
+        }
+        if !(self.load.reconcile_after_seconds.is_finite() && self.load.reconcile_after_seconds >= 0.0) {
+            return invalid("load.reconcile_after_seconds", "must be >= 0 (0: off)");
         }
         if !positive(self.load.request_ttl_seconds) {
             return invalid("load.request_ttl_seconds", "must be positive");

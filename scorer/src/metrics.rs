@@ -26,6 +26,7 @@ pub struct Metrics {
     pub lifecycle_reports: IntCounterVec,
     pub lifecycle_unknown: IntCounter,
     pub bookings_expired: IntCounter,
+    pub bookings_reconciled: IntCounter,
     pub bookings_moved: IntCounter,
     pub epp_errors: IntCounterVec,
     pub pods_down: IntCounterVec,
@@ -115,6 +116,10 @@ impl Metrics {
             reg!(IntCounter::new("lifecycle_unknown_total", "Lifecycle reports naming no in-flight request."));
         let bookings_expired =
             reg!(IntCounter::new("bookings_expired_total", "In-flight bookings dropped after their TTL."));
+        let bookings_reconciled = reg!(IntCounter::new(
+            "bookings_reconciled_total",
+            "In-flight bookings dropped because the pod's engine no longer accounted for them."
+        ));
         let bookings_moved = reg!(IntCounter::new(
             "bookings_moved_total",
             "Bookings moved to the pod that served after the proxy retried elsewhere."
@@ -189,6 +194,7 @@ impl Metrics {
             lifecycle_reports,
             lifecycle_unknown,
             bookings_expired,
+            bookings_reconciled,
             bookings_moved,
             epp_errors,
             pods_down,

@@ -193,6 +193,9 @@ struct PodHealth {
     batches_missed: u64,
     batches_stale: u64,
     decode_errors: u64,
+    /// Times the index was cleared because the engine changed (a return from down, a new
+    /// start time): the subscriber then catches up from the new engine's replay buffer.
+    engine_changes: u64,
 }
 
 struct Core {
@@ -612,7 +615,7 @@ impl Scorer {
         if same_engine {
             tracing::info!(pod = %name, "pod is back (same engine): index kept");
         } else {
-            core.router.clear_index(pod);
+            Self::engine_changed(core, pod);
             tracing::info!(pod = %name, "pod is back: index cleared, rebuilt from its events");
         }
         self.metrics.pod_healthy.with_label_values(&[&name]).set(1.0);
@@ -673,6 +676,18 @@ impl Scorer {
         self.lock().router.clear_index(pod);
     }
 
+    /// The pod's engine may be another one than its index was built from: forget it all.
+    fn engine_changed(core: &mut Core, pod: PodId) {
+        core.router.clear_index(pod);
+        core.health[pod.index()].engine_changes += 1;
+    }
+
+    /// How many times the pod's engine was found changed ([`Scorer::resync`] aside): a
+    /// subscriber that sees this grow judges the stream afresh, catching up from replay.
+    pub fn engine_changes(&self, pod: PodId) -> u64 {
+        self.lock().health[pod.index()].engine_changes
+    }
+
     /// Result of one scrape of a pod's `/metrics`.
     pub fn scraped(&self, pod: PodId, scrape: Scrape) {
         let now = self.now();
@@ -691,12 +706,20 @@ impl Scorer {
                 let same_engine = matches!((known, started_at), (Some(a), Some(b)) if a == b);
                 let restarted = matches!((known, started_at), (Some(a), Some(b)) if a != b);
                 core.router.reported(pod, load);
+                let reconcile_after = self.config.load.reconcile_after_seconds;
+                if reconcile_after > 0.0 {
+                    let dropped = core.router.reconcile(pod, now - reconcile_after);
+                    if dropped > 0 {
+                        self.metrics.bookings_reconciled.inc_by(dropped as u64);
+                        tracing::debug!(pod = %core.pods[pod.index()].name, dropped, "bookings the engine does not hold dropped");
+                    }
+                }
                 self.room_may_have_appeared();
                 if !was_healthy {
                     self.pod_up(core, pod, same_engine);
                 } else if restarted {
                     // Restarted between two scrapes, unnoticed otherwise: its cache is empty.
-                    core.router.clear_index(pod);
+                    Self::engine_changed(core, pod);
                     tracing::warn!(pod = %core.pods[pod.index()].name, "engine restarted (new process start time): index cleared");
                     self.metrics.engine_restarts.with_label_values(&[&core.pods[pod.index()].name]).inc();
                 }

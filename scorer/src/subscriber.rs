@@ -26,6 +26,8 @@ use zeromq::{DealerSocket, Socket, SocketEvent, SocketRecv, SocketSend, SubSocke
 
 const END_SEQ: [u8; 8] = [0xff; 8];
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// One connection attempt to a publisher.
+const CONNECT_ATTEMPT: Duration = Duration::from_millis(300);
 
 /// Runs until the process stops, reconnecting after errors.
 ///
@@ -39,6 +41,7 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
     let name = scorer.pod(pod).name.clone();
     let mut backoff = Duration::from_millis(100);
     let mut tracker = SequenceTracker::default();
+    let mut engine_changes = scorer.engine_changes(pod);
     let mut resumed = false;
     loop {
         let mut socket = SubSocket::new();
@@ -47,7 +50,13 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
             socket.connect(&endpoint).await?;
             socket.subscribe("").await
         };
-        if let Err(e) = connected.await {
+        // The socket library retries a refused connection itself, backing off up to 30 s:
+        // each attempt here is cut short so the pace stays this loop's (≤ 1 s apart).
+        let connected = match tokio::time::timeout(CONNECT_ATTEMPT, connected).await {
+            Ok(result) => result,
+            Err(_) => Err(zeromq::ZmqError::Other("connection attempt timed out")),
+        };
+        if let Err(e) = connected {
             tracing::debug!(pod = %name, %endpoint, "kv events: cannot connect ({e}); retrying in {backoff:?}");
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(1));
@@ -64,7 +73,16 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
         loop {
             tokio::select! {
                 message = socket.recv() => match message {
-                    Ok(message) => handle(&scorer, pod, &mut tracker, replay.as_deref(), message).await,
+                    Ok(message) => {
+                        let changes = scorer.engine_changes(pod);
+                        if changes != engine_changes {
+                            // The index was cleared for a new engine: this stream is judged
+                            // afresh, its history caught up from the replay buffer.
+                            engine_changes = changes;
+                            tracker = SequenceTracker::default();
+                        }
+                        handle(&scorer, pod, &mut tracker, replay.as_deref(), message).await
+                    }
                     Err(e) => {
                         tracing::warn!(pod = %name, "kv events: receive failed ({e}); reconnecting");
                         break;
@@ -101,7 +119,13 @@ async fn handle(scorer: &Scorer, pod: PodId, tracker: &mut SequenceTracker, repl
         scorer.event_decode_error(pod);
         return;
     };
+    let joining = tracker.expected().is_none();
     match tracker.observe(seq) {
+        Sequencing::InOrder if joining && seq > 0 => {
+            if let Some(endpoint) = replay {
+                catch_up(scorer, pod, endpoint, seq).await;
+            }
+        }
         Sequencing::InOrder => {}
         Sequencing::Stale => {
             scorer.event_stale(pod);
@@ -147,6 +171,38 @@ fn apply(scorer: &Scorer, pod: PodId, payload: &[u8]) {
             scorer.event_decode_error(pod);
         }
     }
+}
+
+/// The first batch of a subscription is `seq` > 0: the engine ran before kvgate listened
+/// (the scorer restarted, or the engine published before the subscription was up). Its
+/// replay buffer holds what was published before; the longest unbroken run of batches
+/// ending just before `seq` is applied, so the pod's cache is known at once. A buffer that
+/// no longer reaches back to the engine's start gives a part of it — blocks stored since,
+/// minus those removed since: never a block the pod does not hold.
+async fn catch_up(scorer: &Scorer, pod: PodId, endpoint: &str, seq: u64) {
+    let name = &scorer.pod(pod).name;
+    let outcome = match fetch_replay(endpoint, 0).await {
+        Ok(mut batches) => {
+            batches.retain(|(s, _)| *s < seq);
+            batches.sort_by_key(|(s, _)| *s);
+            batches.dedup_by_key(|(s, _)| *s);
+            // The unbroken run that ends at seq − 1.
+            let mut from = batches.len();
+            while from > 0 && batches[from - 1].0 + (batches.len() - from) as u64 + 1 == seq {
+                from -= 1;
+            }
+            for (_, payload) in &batches[from..] {
+                apply(scorer, pod, payload);
+            }
+            tracing::info!(pod = %name, batches = batches.len() - from, "kv events: joined at {seq}; caught up from the replay buffer");
+            if from == 0 && batches.first().is_some_and(|(s, _)| *s == 0) { "caught_up" } else { "caught_up_partly" }
+        }
+        Err(e) => {
+            tracing::warn!(pod = %name, "kv events: replay on joining failed: {e}");
+            "failed"
+        }
+    };
+    scorer.metrics.kv_replays.with_label_values(&[name, outcome]).inc();
 }
 
 /// Applies replayed batches `missing_from..until` in order; true if none was missing.

@@ -151,6 +151,28 @@ async fn a_gap_is_filled_from_the_replay_socket() {
 }
 
 #[tokio::test]
+async fn a_scorer_joining_a_running_engine_catches_up_from_its_replay_buffer() {
+    // The engine published batches 0–2 before the scorer listened (a scorer restart).
+    let mut pod = FakePod::start().await;
+    for i in 0..3 {
+        pod.batch(i, store_block(i as usize), true).await;
+    }
+    let scorer = scorer_for(&pod, true).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let payload = Bytes::from(store_block(3));
+    pod.buffer.lock().unwrap().push((3, payload.clone()));
+    while scorer.pod("fake").await["events_received"] == 0 {
+        assert!(Instant::now() < deadline, "the scorer never received batch 3");
+        pod.raw(vec![Bytes::new(), Bytes::copy_from_slice(&3u64.to_be_bytes()), payload.clone()]).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let state = scorer.wait_pod("fake", Duration::from_secs(5), |p| p["cached_blocks"] == 4).await;
+    assert_eq!(state["event_gaps"], 0, "joining is not a gap");
+    assert_eq!(cached_tokens(&scorer).await, 64, "the blocks stored before it listened are known");
+    assert!(metric(&scorer, "kvgate_kv_replays_total{outcome=\"caught_up\",pod=\"fake\"} 1").await.is_some());
+}
+
+#[tokio::test]
 async fn a_gap_without_replay_clears_the_pod_and_garbage_is_dropped() {
     let mut pod = FakePod::start().await;
     let scorer = scorer_for(&pod, false).await;

@@ -207,6 +207,9 @@ async fn a_pod_down_ten_seconds_returns_with_what_it_really_caches() {
         pods[0].post_json("/v1/completions", &json!({"prompt": fresh, "max_tokens": 1})).await;
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // The subscriber reconnected on its own pace (not the socket library's growing backoff)
+    // and caught up with what the new engine published before it was back.
+    assert!(back.elapsed() < Duration::from_secs(2), "indexed {:?} after the return", back.elapsed());
 }
 
 #[tokio::test]

@@ -75,6 +75,7 @@ struct Inflight {
     partial_block: bool,
     output_tokens: u32,
     first_token_at: Option<f64>,
+    booked_at: f64,
     expires_at: f64,
 }
 
@@ -144,6 +145,7 @@ impl LoadTracker {
             partial_block,
             output_tokens: output,
             first_token_at: None,
+            booked_at: now,
             expires_at: now + self.config.request_ttl,
         };
         req.set_cached(booking.cached_tokens);
@@ -255,6 +257,22 @@ impl LoadTracker {
         stale.len()
     }
 
+    /// The pod's engine holds `engine_requests` requests (running + waiting): of its bookings
+    /// made before `booked_before`, those beyond that many cannot all be real — their end
+    /// was never reported. The oldest of them are dropped; returns how many.
+    pub fn reconcile(&mut self, pod: PodId, engine_requests: u32, booked_before: f64) -> usize {
+        let old = |id: &String| self.requests.get(id).filter(|r| r.booked_at < booked_before).map(|r| r.booked_at);
+        let inflight = &self.pods[pod.index()].inflight;
+        let count = inflight.iter().filter(|id| old(id).is_some()).count();
+        let Some(excess) = count.checked_sub(engine_requests as usize).filter(|&n| n > 0) else { return 0 };
+        let mut oldest: Vec<(f64, String)> = inflight.iter().filter_map(|id| Some((old(id)?, id.clone()))).collect();
+        oldest.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for (_, id) in &oldest[..excess] {
+            self.release(id);
+        }
+        excess
+    }
+
     /// Bookings dropped by [`LoadTracker::expire`] so far.
     pub fn expired_total(&self) -> u64 {
         self.expired
@@ -326,6 +344,26 @@ mod tests {
         assert_eq!(prefill_work(100, 40), (41.0 + 100.0) * 60.0 / 2.0);
         assert_eq!(prefill_work(10, 10), 0.0);
         assert_eq!(prefill_work(10, 20), 0.0);
+    }
+
+    #[test]
+    fn bookings_the_engine_does_not_hold_are_dropped_oldest_first() {
+        let (mut t, a, b) = tracker();
+        let c = chain(2);
+        let booking = |pod| Booking { pod, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None };
+        for (i, at) in [0.0, 1.0, 2.0, 9.5].into_iter().enumerate() {
+            t.book(&format!("a{i}"), &booking(a), at);
+        }
+        t.book("b0", &booking(b), 0.0);
+        // The engine holds 2 requests; three bookings are older than 5 s: the oldest goes.
+        assert_eq!(t.reconcile(a, 2, 5.0), 1);
+        assert_eq!(t.load(a, 10.0).inflight_requests, 3);
+        assert!(t.booked_prompt("a0").is_none() && t.booked_prompt("a1").is_some());
+        // Young bookings are never judged (the engine may not have them yet), nor other pods.
+        assert_eq!(t.reconcile(a, 0, 1.5), 1, "only a1 is older than 1.5 s");
+        assert_eq!(t.reconcile(a, 5, 100.0), 0);
+        assert_eq!(t.load(b, 10.0).inflight_requests, 1);
+        assert_eq!(t.load(a, 10.0).queued_prefill_tokens, 16, "the dropped ones' prefill is released");
     }
 
     #[test]

@@ -506,6 +506,15 @@ impl Router {
         state.reported = Some(reported);
     }
 
+    /// Drops bookings made before `booked_before` that the pod's last report does not
+    /// account for ([`LoadTracker::reconcile`]); returns how many.
+    pub fn reconcile(&mut self, pod: PodId, booked_before: f64) -> usize {
+        match self.pods[pod.index()].reported {
+            Some(r) => self.load.reconcile(pod, (r.running + r.waiting).max(0.0) as u32, booked_before),
+            None => 0,
+        }
+    }
+
     /// The pod is unhealthy: not chosen until it reports again; its in-flight bookings are
     /// released (they will not report back in any useful way).
     pub fn unhealthy(&mut self, pod: PodId) {

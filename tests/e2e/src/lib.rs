@@ -63,7 +63,7 @@ pub async fn send(client: &reqwest::Client, url: &str, body: &Value) -> Measured
 
 /// True once a chunk carries generated text: a non-empty `"content"` (chat) or `"text"`
 /// (completions) string. The role-only first chunk of a chat stream does not count.
-fn has_generated_text(buffer: &[u8]) -> bool {
+pub fn has_generated_text(buffer: &[u8]) -> bool {
     [&b"\"content\":\""[..], b"\"text\":\""].iter().any(|key| {
         buffer
             .windows(key.len())

@@ -185,8 +185,8 @@ async fn main() -> anyhow::Result<()> {
                     data_parallel_rank: Some(args.data_parallel_rank),
                 },
             };
-            let (tx, stats) = publisher::start(config).await?;
-            (Some(tx), Some(stats))
+            let publisher = publisher::start(config).await?;
+            (Some(publisher.batches), Some((publisher.stats, publisher.garbage)))
         }
         None => {
             if args.kv_events_replay_endpoint.is_some() {
@@ -218,7 +218,8 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_default(),
         },
         filler_text,
-        publisher: publisher_stats,
+        kv_garbage: publisher_stats.as_ref().map(|(_, garbage)| garbage.clone()),
+        publisher: publisher_stats.map(|(stats, _)| stats),
         log: Default::default(),
         http_errors: Default::default(),
         next_id: Default::default(),

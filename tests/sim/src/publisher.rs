@@ -33,6 +33,17 @@ pub struct PublisherConfig {
 pub struct PublisherStats {
     pub batches: AtomicU64,
     pub replay_requests: AtomicU64,
+    /// Malformed messages sent on request (`POST /sim/kv_events/garbage`).
+    pub garbage: AtomicU64,
+}
+
+/// The running publisher: cache changes in, and a way to put garbage on the wire.
+pub struct Publisher {
+    pub batches: mpsc::UnboundedSender<Vec<CacheChange>>,
+    /// Sends this many malformed messages, interleaved with the real stream (a fault drill:
+    /// a subscriber must count and drop them, its index unchanged).
+    pub garbage: mpsc::UnboundedSender<usize>,
+    pub stats: Arc<PublisherStats>,
 }
 
 const END_SEQ: [u8; 8] = [0xff; 8];
@@ -40,9 +51,7 @@ const END_SEQ: [u8; 8] = [0xff; 8];
 /// Binds (or connects) the sockets, then publishes every batch received on the returned
 /// channel until it closes. Binding errors are returned at once so a wrong endpoint stops
 /// the simulator at start-up.
-pub async fn start(
-    config: PublisherConfig,
-) -> anyhow::Result<(mpsc::UnboundedSender<Vec<CacheChange>>, Arc<PublisherStats>)> {
+pub async fn start(config: PublisherConfig) -> anyhow::Result<Publisher> {
     let mut publisher = PubSocket::new();
     if !config.connect {
         publisher
@@ -61,10 +70,11 @@ pub async fn start(
         }
         None => None,
     };
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (batches, rx) = mpsc::unbounded_channel();
+    let (garbage, garbage_rx) = mpsc::unbounded_channel();
     let stats = Arc::new(PublisherStats::default());
-    tokio::spawn(run(config, publisher, replay, rx, stats.clone()));
-    Ok((tx, stats))
+    tokio::spawn(run(config, publisher, replay, rx, garbage_rx, stats.clone()));
+    Ok(Publisher { batches, garbage, stats })
 }
 
 async fn run(
@@ -72,6 +82,7 @@ async fn run(
     mut publisher: PubSocket,
     mut replay: Option<RouterSocket>,
     mut batches: mpsc::UnboundedReceiver<Vec<CacheChange>>,
+    mut garbage: mpsc::UnboundedReceiver<usize>,
     stats: Arc<PublisherStats>,
 ) {
     if config.connect {
@@ -111,6 +122,26 @@ async fn run(
                 }
                 seq += 1;
                 stats.batches.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(count) = garbage.recv() => {
+                for i in 0..count {
+                    let (message, payload) = garbage_message(i, &topic, seq);
+                    if let Err(e) = publisher.send(message).await {
+                        tracing::warn!("kv events: publish failed: {e}");
+                    }
+                    if let Some(payload) = payload {
+                        // It took a sequence number: replay serves it as it was sent.
+                        if config.buffer_steps > 0 {
+                            if buffer.len() == config.buffer_steps {
+                                buffer.pop_front();
+                            }
+                            buffer.push_back((seq, payload));
+                        }
+                        seq += 1;
+                    }
+                    stats.garbage.fetch_add(1, Ordering::Relaxed);
+                    tokio::task::yield_now().await; // a drill, not a flood
+                }
             }
             request = recv_replay(&mut replay) => {
                 let router = replay.as_mut().expect("replay socket present when it yields");
@@ -172,6 +203,24 @@ async fn serve_replay(
     end.push(Bytes::new());
     if let Err(e) = router.send(frames(end)).await {
         tracing::warn!("kv events: replay end marker failed: {e}");
+    }
+}
+
+/// The `i`-th of a round of malformed messages: wrong frame counts, a sequence frame that is
+/// not 8 bytes, and payloads that are not event batches (random bytes, msgpack of another
+/// shape) under the next sequence number — which they take, returning the payload — so a
+/// subscriber must decode them to find out. None of it may change what it believes the pod
+/// caches: these messages carry no events.
+fn garbage_message(i: usize, topic: &Bytes, seq: u64) -> (ZmqMessage, Option<Bytes>) {
+    let seq = Bytes::copy_from_slice(&seq.to_be_bytes());
+    let noise: Bytes = (0..64u8).map(|b| b.wrapping_mul(37).wrapping_add(i as u8)).collect::<Vec<_>>().into();
+    // msgpack {"hello": [1, 2]}: well-formed, not a batch.
+    let other_shape = Bytes::from_static(b"\x81\xa5hello\x92\x01\x02");
+    match i % 4 {
+        0 => (frames(vec![noise]), None),
+        1 => (frames(vec![topic.clone(), Bytes::from_static(b"seq"), noise]), None),
+        2 => (frames(vec![topic.clone(), seq, noise.clone()]), Some(noise)),
+        _ => (frames(vec![topic.clone(), seq, other_shape.clone()]), Some(other_shape)),
     }
 }
 

@@ -100,6 +100,8 @@ pub struct AppState {
     /// Text of each filler token the engine generates.
     pub filler_text: HashMap<u32, String>,
     pub publisher: Option<Arc<PublisherStats>>,
+    /// Puts this many malformed messages on the event socket (`POST /sim/kv_events/garbage`).
+    pub kv_garbage: Option<tokio::sync::mpsc::UnboundedSender<usize>>,
     pub log: Mutex<VecDeque<RequestRecord>>,
     pub http_errors: AtomicU64,
     pub next_id: AtomicU64,
@@ -115,6 +117,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/sim/requests", get(request_log))
+        .route("/sim/kv_events/garbage", post(kv_garbage))
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such endpoint") })
         .layer(axum::middleware::from_fn_with_state(state.clone(), pod_header))
         .with_state(state)
@@ -479,6 +482,24 @@ async fn request_log(State(state): State<Arc<AppState>>) -> Json<Vec<RequestReco
     Json(state.log.lock().expect("request log lock").iter().cloned().collect())
 }
 
+#[derive(serde::Deserialize)]
+struct GarbageRequest {
+    messages: usize,
+}
+
+/// A fault drill: malformed messages on the KV-event socket, between real batches.
+async fn kv_garbage(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
+    let req: GarbageRequest = parse_body(&body)?;
+    let sender = state
+        .kv_garbage
+        .as_ref()
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, "this pod publishes no KV events"))?;
+    sender
+        .send(req.messages)
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the event publisher has stopped"))?;
+    Ok(Json(serde_json::json!({"messages": req.messages})))
+}
+
 async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let req: TokenizeRequest = parse_body(&body)?;
     state.pod.resolve_model(req.model.as_deref())?;
@@ -596,6 +617,11 @@ async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
             "kvgate_sim:kv_replay_requests",
             "Replay requests served.",
             state.publisher.as_ref().map_or(0, |p| p.replay_requests.load(Ordering::Relaxed)),
+        ),
+        counter(
+            "kvgate_sim:kv_event_garbage",
+            "Malformed messages put on the event socket on request (a fault drill).",
+            state.publisher.as_ref().map_or(0, |p| p.garbage.load(Ordering::Relaxed)),
         ),
     ];
     for (name, help, value) in counters {
