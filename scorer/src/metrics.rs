@@ -107,7 +107,10 @@ impl Metrics {
             &["pod"]
         ));
         let kv_replays = reg!(IntCounterVec::new(
-            Opts::new("kv_replays_total", "Replay attempts after gaps, by outcome."),
+            Opts::new(
+                "kv_replays_total",
+                "Replays after gaps (recovered, failed, unavailable) and on joining a stream (caught_up, caught_up_partly, failed)."
+            ),
             &["pod", "outcome"]
         ));
         let lifecycle_reports =

@@ -10,6 +10,10 @@
 //! A sequence restarting at 0 means the engine restarted: its index is cleared too, as when
 //! the publisher disconnects and the subscription resumes (see [`run`]).
 //!
+//! Joining: a subscription whose first batch is past 0 (the scorer restarted, or the engine
+//! published before the subscription was up) catches up from the replay buffer first
+//! ([`catch_up`]); so does the stream of an engine the scorer found changed.
+//!
 //! No queue sits between the socket and the index: the SUB socket reads only as fast as
 //! batches are applied, so a flood backs up into the publisher's bounded queue, which drops
 //! the excess; the drops come back here as gaps and are counted (`event_batches_missed`).
