@@ -106,12 +106,17 @@ async fn scorer_for(pod: &FakePod, with_replay: bool) -> ScorerProcess {
 
 /// Publishes batch 0 until the scorer has applied it (its SUB socket joins asynchronously).
 async fn first_batch(pod: &mut FakePod, scorer: &ScorerProcess) {
+    first_batch_at(pod, scorer, 0).await;
+}
+
+/// Publishes batch `seq` (storing block `seq`) until it is the first the scorer received.
+async fn first_batch_at(pod: &mut FakePod, scorer: &ScorerProcess, seq: u64) {
     let deadline = Instant::now() + Duration::from_secs(15);
-    let payload = Bytes::from(store_block(0));
-    pod.buffer.lock().unwrap().push((0, payload.clone()));
+    let payload = Bytes::from(store_block(seq as usize));
+    pod.buffer.lock().unwrap().push((seq, payload.clone()));
     while scorer.pod("fake").await["events_received"] == 0 {
-        assert!(Instant::now() < deadline, "the scorer never received batch 0");
-        pod.raw(vec![Bytes::new(), Bytes::copy_from_slice(&0u64.to_be_bytes()), payload.clone()]).await;
+        assert!(Instant::now() < deadline, "the scorer never received batch {seq}");
+        pod.raw(vec![Bytes::new(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()]).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
@@ -158,14 +163,7 @@ async fn a_scorer_joining_a_running_engine_catches_up_from_its_replay_buffer() {
         pod.batch(i, store_block(i as usize), true).await;
     }
     let scorer = scorer_for(&pod, true).await;
-    let deadline = Instant::now() + Duration::from_secs(15);
-    let payload = Bytes::from(store_block(3));
-    pod.buffer.lock().unwrap().push((3, payload.clone()));
-    while scorer.pod("fake").await["events_received"] == 0 {
-        assert!(Instant::now() < deadline, "the scorer never received batch 3");
-        pod.raw(vec![Bytes::new(), Bytes::copy_from_slice(&3u64.to_be_bytes()), payload.clone()]).await;
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    first_batch_at(&mut pod, &scorer, 3).await;
     let state = scorer.wait_pod("fake", Duration::from_secs(5), |p| p["cached_blocks"] == 4).await;
     assert_eq!(state["event_gaps"], 0, "joining is not a gap");
     assert_eq!(cached_tokens(&scorer).await, 64, "the blocks stored before it listened are known");

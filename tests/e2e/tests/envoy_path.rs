@@ -100,11 +100,7 @@ async fn failed_open(path: Path, envoy: &EnvoyProcess) -> u64 {
 
 /// The sum of a Prometheus metric's samples (all label sets) on the scorer.
 async fn scorer_metric(scorer: &ScorerProcess, name: &str) -> u64 {
-    let text = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(name) && matches!(l.as_bytes().get(name.len()), Some(b'{' | b' ')))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
+    scorer.metric(name).await as u64
 }
 
 async fn stack(path: Path, n: usize, envoy_flags: &[&str]) -> Stack {

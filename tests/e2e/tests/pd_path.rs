@@ -73,12 +73,6 @@ async fn metric(scorer: &ScorerProcess, line: &str) -> bool {
     text.lines().any(|l| l == line)
 }
 
-/// The value of one series (0 when the scorer has not exported it yet).
-async fn series(scorer: &ScorerProcess, name: &str) -> f64 {
-    let text = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
-    text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok()).unwrap_or(0.0)
-}
-
 #[tokio::test]
 async fn long_prompts_are_disaggregated_short_ones_go_direct() {
     let s = stack(2, 2, &[]).await;
@@ -184,10 +178,10 @@ async fn one_prefill_three_decode_and_a_dead_prefill_pod_degrades_to_direct() {
     s.scorer.wait_pod("prefill-0", Duration::from_secs(10), |p| p["healthy"] == false).await;
     // Once the pod is known down, a long prompt is sent straight to a decode pod.
     let direct = "kvgate_decisions_by_path_total{path=\"direct\"}";
-    let before = series(&s.scorer, direct).await;
+    let before = s.scorer.metric(direct).await;
     let (status, _) = complete(&s.envoy, "direct-now", &text("Final document", 500), false).await;
     assert_eq!(status, 200);
-    assert_eq!(series(&s.scorer, direct).await, before + 1.0);
+    assert_eq!(s.scorer.metric(direct).await, before + 1.0);
 }
 
 #[tokio::test]

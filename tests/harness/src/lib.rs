@@ -477,6 +477,17 @@ impl ScorerProcess {
         (status, r.json().await.expect("JSON answer"))
     }
 
+    /// The sum of a metric's samples in `/metrics` — every label set of `name`, or one
+    /// series when `name` carries its labels; 0 when absent or the scorer does not answer.
+    pub async fn metric(&self, name: &str) -> f64 {
+        let Ok(response) = reqwest::get(format!("{}/metrics", self.url)).await else { return 0.0 };
+        let text = response.text().await.unwrap_or_default();
+        text.lines()
+            .filter(|l| l.starts_with(name) && matches!(l.as_bytes().get(name.len()), Some(b'{' | b' ')))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+
     /// `GET /v1/pods`.
     pub async fn pods(&self) -> Vec<Value> {
         reqwest::get(format!("{}/v1/pods", self.url)).await.expect("pods").json().await.expect("json")

@@ -114,12 +114,7 @@ async fn run(
                 if let Err(e) = publisher.send(message).await {
                     tracing::warn!("kv events: publish failed: {e}");
                 }
-                if config.buffer_steps > 0 {
-                    if buffer.len() == config.buffer_steps {
-                        buffer.pop_front();
-                    }
-                    buffer.push_back((seq, payload));
-                }
+                keep_for_replay(&mut buffer, config.buffer_steps, seq, payload);
                 seq += 1;
                 stats.batches.fetch_add(1, Ordering::Relaxed);
             }
@@ -131,12 +126,7 @@ async fn run(
                     }
                     if let Some(payload) = payload {
                         // It took a sequence number: replay serves it as it was sent.
-                        if config.buffer_steps > 0 {
-                            if buffer.len() == config.buffer_steps {
-                                buffer.pop_front();
-                            }
-                            buffer.push_back((seq, payload));
-                        }
+                        keep_for_replay(&mut buffer, config.buffer_steps, seq, payload);
                         seq += 1;
                     }
                     stats.garbage.fetch_add(1, Ordering::Relaxed);
@@ -154,6 +144,16 @@ async fn run(
                 }
             }
         }
+    }
+}
+
+/// Keeps batch `seq` for the replay socket: the last `buffer_steps` batches.
+fn keep_for_replay(buffer: &mut VecDeque<(u64, Bytes)>, buffer_steps: usize, seq: u64, payload: Bytes) {
+    if buffer_steps > 0 {
+        if buffer.len() == buffer_steps {
+            buffer.pop_front();
+        }
+        buffer.push_back((seq, payload));
     }
 }
 

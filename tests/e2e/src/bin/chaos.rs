@@ -188,15 +188,6 @@ fn secs(d: Option<Duration>) -> String {
     d.map_or("never".into(), |d| format!("{:.2} s", d.as_secs_f64()))
 }
 
-async fn scorer_metric_sum(scorer: &ScorerProcess, name: &str) -> f64 {
-    let Ok(r) = reqwest::get(format!("{}/metrics", scorer.url)).await else { return 0.0 };
-    let text = r.text().await.unwrap_or_default();
-    text.lines()
-        .filter(|l| l.starts_with(name) && matches!(l.as_bytes().get(name.len()), Some(b'{' | b' ')))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 struct Phase {
     name: &'static str,
     /// What the phase must cost the clients, checked at the end.
@@ -345,17 +336,17 @@ async fn run(args: &Args, picker: &str) -> anyhow::Result<(String, bool)> {
 
     // 6. Garbage on every event socket, between real batches.
     let t = begin(&mut phases, "garbage on the event sockets", Rule::NoError);
-    let errors_before = scorer_metric_sum(&scorer, "kvgate_kv_event_decode_errors_total").await;
+    let errors_before = scorer.metric("kvgate_kv_event_decode_errors_total").await;
     const GARBAGE: usize = 100;
     for p in &pods {
         p.post_json("/sim/kv_events/garbage", &json!({"messages": GARBAGE})).await;
     }
     let expected = (GARBAGE * PODS) as f64;
     let counted = until(Duration::from_secs(10), || async {
-        scorer_metric_sum(&scorer, "kvgate_kv_event_decode_errors_total").await - errors_before >= expected
+        scorer.metric("kvgate_kv_event_decode_errors_total").await - errors_before >= expected
     })
     .await;
-    let dropped = scorer_metric_sum(&scorer, "kvgate_kv_event_decode_errors_total").await - errors_before;
+    let dropped = scorer.metric("kvgate_kv_event_decode_errors_total").await - errors_before;
     let back = right(&scorer, &pods, Duration::from_secs(10)).await;
     phases.last_mut().unwrap().recovery = format!(
         "{dropped:.0} of {expected:.0} malformed messages counted and dropped{}; index right {}",
@@ -381,10 +372,8 @@ async fn run(args: &Args, picker: &str) -> anyhow::Result<(String, bool)> {
         });
     }
     while burst.join_next().await.is_some() {}
-    let drained = until(Duration::from_secs(10), || async {
-        scorer_metric_sum(&scorer, "kvgate_admission_waiting").await == 0.0
-    })
-    .await;
+    let drained =
+        until(Duration::from_secs(10), || async { scorer.metric("kvgate_admission_waiting").await == 0.0 }).await;
     let (mut standard, mut refused) = (Vec::new(), [0usize; 2]);
     for r in records.lock().unwrap().iter().filter(|r| r.phase == burst_phase) {
         match (r.objective, r.outcome) {
