@@ -107,6 +107,8 @@ async fn run(
         engine.advance_to(model_now());
         if let Some(step) = engine.step() {
             tokio::time::sleep_until(wall_at(engine.now())).await;
+            // Before the outputs go: a client that reads /metrics on its answer sees its step.
+            *snapshot.lock().expect("snapshot lock") = take_snapshot(&engine);
             for output in step.outputs {
                 let id = output.id;
                 let finished = output.finished.is_some();
@@ -136,7 +138,6 @@ async fn run(
             }
             continue;
         }
-        *snapshot.lock().expect("snapshot lock") = take_snapshot(&engine);
     }
 }
 
