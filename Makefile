@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: setup build test lint audit licenses bench bench-cluster bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos
+.PHONY: profile setup build test lint audit licenses bench bench-cluster bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos
 
 setup:
 	@bash tests/tools/setup.sh
@@ -64,6 +64,12 @@ down:
 bench-overhead: setup wasm
 	$(CARGO) build --workspace --release --bins
 	./target/release/kvgate-overhead
+
+# Where a request's CPU goes: per process, Envoy by binary, the scorer by stage, flamegraphs;
+# results in target/profile/.
+profile: setup wasm
+	$(CARGO) build --workspace --release --bins
+	@bash tests/tools/profile.sh
 
 # One simulated pod on the documented defaults, for trying things by hand.
 sim: setup

@@ -10,7 +10,7 @@
 
 use clap::Parser;
 use kvgate_e2e::{ms, percentile, send};
-use kvgate_test_harness::{EPP_PORT, EnvoyProcess, ScorerProcess, Sim, qwen3_tokenizer, text};
+use kvgate_test_harness::{EPP_PORT, EnvoyProcess, ScorerProcess, Sim, cpu_time, qwen3_tokenizer, text};
 use serde_json::json;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,6 +30,14 @@ struct Args {
     /// The Endpoint Picker paths' ext_proc body mode (`kvgate-envoy-config --epp-body-mode`).
     #[arg(long, default_value = "streamed", value_parser = ["streamed", "buffered", "full-duplex"])]
     epp_body_mode: String,
+    /// Only these paths (`direct`, `rr`, `wasm`, `epp`, `epp-tls`; all by default) — for
+    /// profiling one path at a time (`make profile`).
+    #[arg(long, value_delimiter = ',', value_parser = ["direct", "rr", "wasm", "epp", "epp-tls"])]
+    paths: Vec<String>,
+    /// Samples the gateway's processes (Envoy and the scorer) with `perf record` into this
+    /// file while the measured rounds run (one path with a scorer, one cell; `make profile`).
+    #[arg(long)]
+    perf: Option<std::path::PathBuf>,
 }
 
 /// A prompt size: its label, the words of its text, its cell name.
@@ -75,18 +83,32 @@ async fn main() -> anyhow::Result<()> {
     let epp_tls = EnvoyProcess::start(&scorer, &["--picker", "epp", "--epp-body-mode", &args.epp_body_mode]).await;
     let epp = EnvoyProcess::start(&plaintext, &["--picker", "epp", "--epp-body-mode", &args.epp_body_mode]).await;
     let baseline = EnvoyProcess::start(&scorer, &["--picker", "none"]).await;
-    let paths = [
-        ("direct to the pod", pod.url.clone()),
-        ("Envoy round robin", baseline.url.clone()),
-        ("Envoy + kvgate (wasm filter)", wasm.url.clone()),
-        ("Envoy + kvgate (Endpoint Picker, h2c)", epp.url.clone()),
-        ("Envoy + kvgate (Endpoint Picker, TLS)", epp_tls.url.clone()),
-    ];
+    let path = |key, name, url: &str, envoy: Option<&EnvoyProcess>, scorer: Option<&ScorerProcess>| Path {
+        key,
+        name,
+        url: url.to_string(),
+        processes: [Some(std::process::id()), envoy.map(|e| e.pid()), scorer.map(|s| s.pid()), Some(pod.pid())],
+    };
+    let paths: Vec<Path> = [
+        path("direct", "direct to the pod", &pod.url, None, None),
+        path("rr", "Envoy round robin", &baseline.url, Some(&baseline), None),
+        path("wasm", "Envoy + kvgate (wasm filter)", &wasm.url, Some(&wasm), Some(&scorer)),
+        path("epp", "Envoy + kvgate (Endpoint Picker, h2c)", &epp.url, Some(&epp), Some(&plaintext)),
+        path("epp-tls", "Envoy + kvgate (Endpoint Picker, TLS)", &epp_tls.url, Some(&epp_tls), Some(&scorer)),
+    ]
+    .into_iter()
+    .filter(|p| args.paths.is_empty() || args.paths.iter().any(|k| k == p.key))
+    .collect();
+    anyhow::ensure!(!paths.is_empty(), "no path matches --paths {:?}", args.paths);
     let cells: Vec<(usize, usize)> = CELLS
         .into_iter()
         .filter(|(p, c)| args.cells.is_empty() || args.cells.contains(&format!("{}@{c}", PROMPTS[*p].name)))
         .collect();
     anyhow::ensure!(!cells.is_empty(), "no cell matches --cells {:?}", args.cells);
+    anyhow::ensure!(
+        args.perf.is_none() || (cells.len() == 1 && paths.len() == 1 && paths[0].processes[2].is_some()),
+        "--perf samples one cell of one path through a scorer"
+    );
     println!(
         "kvgate overhead: {} requests per path and cell in {} interleaved rounds; one near-instant pod",
         args.requests, args.rounds
@@ -95,42 +117,75 @@ async fn main() -> anyhow::Result<()> {
     let mut table = String::from(
         "| prompt | in flight | path | latency p50 | p90 | added p50 | req/s |\n|---|---|---|---|---|---|---|\n",
     );
+    let mut cpu_table = String::from(
+        "| prompt | in flight | path | client | Envoy | scorer | pod | gateway (Envoy + scorer) |\n|---|---|---|---|---|---|---|---|\n",
+    );
     for (p, in_flight) in cells {
         let prompt = &PROMPTS[p];
         let body = json!({"prompt": text("overhead", prompt.words), "max_tokens": 1});
-        for (_, url) in &paths {
+        for path in &paths {
             for _ in 0..5 {
-                let m = send(&client, &format!("{url}/v1/completions"), &body).await; // warm-up
-                anyhow::ensure!(m.status == 200, "{url} answered {} to the warm-up", m.status);
+                let m = send(&client, &format!("{}/v1/completions", path.url), &body).await; // warm-up
+                anyhow::ensure!(m.status == 200, "{} answered {} to the warm-up", path.url, m.status);
             }
         }
         let mut samples: Vec<Vec<Duration>> = vec![Vec::with_capacity(args.requests); paths.len()];
         let mut busy = vec![Duration::ZERO; paths.len()];
+        let mut cpu = vec![[Duration::ZERO; 4]; paths.len()];
         let per_round = args.requests / args.rounds;
+        let perf = match &args.perf {
+            Some(file) => Some(PerfRecord::start(file, &paths)?),
+            None => None,
+        };
         for round in 0..args.rounds {
             for k in (0..paths.len()).map(|i| (i + round) % paths.len()) {
-                let url = format!("{}/v1/completions", paths[k].1);
+                let url = format!("{}/v1/completions", paths[k].url);
+                let cpu_before = paths[k].cpu();
                 let started = Instant::now();
                 let statuses = burst(&client, &url, &body, per_round, in_flight, &mut samples[k]).await;
                 busy[k] += started.elapsed();
-                anyhow::ensure!(statuses.iter().all(|&s| s == 200), "{} failed: {statuses:?}", paths[k].0);
+                for (total, (after, before)) in cpu[k].iter_mut().zip(paths[k].cpu().into_iter().zip(cpu_before)) {
+                    *total += after.saturating_sub(before);
+                }
+                anyhow::ensure!(statuses.iter().all(|&s| s == 200), "{} failed: {statuses:?}", paths[k].name);
             }
             eprintln!("    {} at {in_flight} in flight: round {}/{}", prompt.label, round + 1, args.rounds);
         }
+        if let Some(perf) = perf {
+            perf.stop()?;
+        }
         let p50: Vec<Duration> = samples.iter_mut().map(|s| percentile(s, 0.5)).collect();
-        for (k, (name, _)) in paths.iter().enumerate() {
+        let sent = (per_round * args.rounds) as f64;
+        for (k, path) in paths.iter().enumerate() {
+            let name = path.name;
             let p90 = percentile(&mut samples[k], 0.9);
-            let added = if k == 0 { String::new() } else { format!("+{}", ms(p50[k].saturating_sub(p50[0]))) };
-            let rate = (per_round * args.rounds) as f64 / busy[k].as_secs_f64();
+            let added = match paths[0].key == "direct" && k > 0 {
+                true => format!("+{}", ms(p50[k].saturating_sub(p50[0]))),
+                false => String::new(),
+            };
+            let rate = sent / busy[k].as_secs_f64();
             table.push_str(&format!(
                 "| {} | {in_flight} | {name} | {} | {} | {added} | {rate:.0} |\n",
                 prompt.label,
                 ms(p50[k]),
                 ms(p90)
             ));
+            let per_request = |d: Duration| d.as_secs_f64() * 1e6 / sent;
+            let [client_cpu, envoy_cpu, scorer_cpu, pod_cpu] = cpu[k].map(per_request);
+            let shown = |us: f64, present: bool| if present { format!("{us:.0} µs") } else { "–".into() };
+            cpu_table.push_str(&format!(
+                "| {} | {in_flight} | {name} | {} | {} | {} | {} | {} |\n",
+                prompt.label,
+                shown(client_cpu, true),
+                shown(envoy_cpu, path.processes[1].is_some()),
+                shown(scorer_cpu, path.processes[2].is_some()),
+                shown(pod_cpu, true),
+                shown(envoy_cpu + scorer_cpu, path.processes[1].is_some()),
+            ));
         }
     }
     println!("\n{table}");
+    println!("CPU time per request, by process (every thread; /proc schedstat):\n\n{cpu_table}");
     Ok(())
 }
 
@@ -160,4 +215,48 @@ async fn burst(
         samples.push(m.total);
     }
     statuses
+}
+
+/// One way to the pod, and the processes whose CPU a request on it costs.
+struct Path {
+    key: &'static str,
+    name: &'static str,
+    url: String,
+    /// The client (this process), Envoy, the scorer, the pod.
+    processes: [Option<u32>; 4],
+}
+
+impl Path {
+    /// CPU used so far by each of the path's processes (zero for one it does not have).
+    fn cpu(&self) -> [Duration; 4] {
+        self.processes.map(|pid| pid.map(cpu_time).unwrap_or_default())
+    }
+}
+
+/// `perf record` of a path's Envoy and scorer, with DWARF call graphs (release builds keep
+/// no frame pointers).
+struct PerfRecord(std::process::Child);
+
+impl PerfRecord {
+    fn start(file: &std::path::Path, paths: &[Path]) -> anyhow::Result<PerfRecord> {
+        let pids: Vec<String> = paths[0].processes[1..3].iter().flatten().map(u32::to_string).collect();
+        let child = std::process::Command::new("perf")
+            .args(["record", "-q", "-F", "499", "--call-graph", "dwarf,16384", "-p", &pids.join(","), "-o"])
+            .arg(file)
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("cannot run perf (make profile installs it): {e}"))?;
+        std::thread::sleep(Duration::from_millis(500)); // perf attaches
+        Ok(PerfRecord(child))
+    }
+
+    fn stop(mut self) -> anyhow::Result<()> {
+        let status = std::process::Command::new("kill").args(["-INT", &self.0.id().to_string()]).status()?;
+        anyhow::ensure!(status.success(), "cannot stop perf");
+        let status = self.0.wait()?;
+        // perf writes its file on SIGINT, then ends by it.
+        use std::os::unix::process::ExitStatusExt;
+        anyhow::ensure!(status.success() || status.signal() == Some(2), "perf record failed: {status}");
+        Ok(())
+    }
 }
