@@ -33,7 +33,7 @@ pub enum FailureMode {
 pub struct FilterConfig {
     /// Envoy cluster of the scorer sidecar.
     pub scorer_cluster: String,
-    /// `:authority` of the calls to the scorer.
+    /// `:authority` of the lifecycle calls to the scorer (route calls go on the route stream).
     pub scorer_authority: String,
     /// Route-call timeout; beyond it the failure mode applies.
     pub scorer_timeout_ms: u64,

@@ -10,7 +10,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use kvgate_route_api::{
     Api, ErrorBody, HEADER_API_PATH, HEADER_OBJECTIVE, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, ROUTE_PATH,
-    RoutePath, RouteResponse,
+    ROUTE_STREAM_PATH, RoutePath, RouteResponse,
 };
 use serde::Deserialize;
 use std::sync::Arc;
@@ -22,7 +22,10 @@ pub const MAX_BODY_BYTES: usize = 64 << 20;
 /// The API on `listen`: route and lifecycle calls and the probes, plus the admin endpoints
 /// unless `admin.listen` moves them.
 pub fn router(scorer: Arc<Scorer>) -> Router {
-    let api = Router::new().route(ROUTE_PATH, post(route)).route(LIFECYCLE_PATH, post(lifecycle));
+    let api = Router::new()
+        .route(ROUTE_PATH, post(route))
+        .route(LIFECYCLE_PATH, post(lifecycle))
+        .route_service(ROUTE_STREAM_PATH, crate::route_stream::service(scorer.clone()));
     let api = if scorer.config.admin.listen.is_none() { api.merge(admin_routes(&scorer)) } else { api.merge(probes()) };
     api.fallback(|| async { error(StatusCode::NOT_FOUND, "NotFound", "no such endpoint") })
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -57,6 +60,59 @@ struct RouteQuery {
 
 static GENERATED_IDS: AtomicU64 = AtomicU64::new(0);
 
+/// What a route call is answered, on HTTP or on the route stream.
+pub struct RouteOutcome {
+    pub status: StatusCode,
+    /// A [`RouteResponse`] or an [`ErrorBody`], JSON.
+    pub body: Vec<u8>,
+    /// `Retry-After` seconds, with a 429.
+    pub retry_after: Option<u64>,
+}
+
+/// A route call: the request's id (one is made up when absent), API path, objective and
+/// body, as `POST /v1/route` and the route stream carry them.
+pub async fn answer_route(
+    scorer: &Scorer,
+    request_id: Option<&str>,
+    api_path: Option<&str>,
+    objective: Option<&str>,
+    body: &[u8],
+    explain: bool,
+) -> RouteOutcome {
+    let request_id = match request_id {
+        Some(id) if !id.is_empty() => id.to_string(),
+        _ => format!("kvgate-scorer-{}", GENERATED_IDS.fetch_add(1, Ordering::Relaxed)),
+    };
+    let decided = match api_path.map(|path| (path, Api::from_path(path))) {
+        None => Err(RouteError::BadRequest(format!("missing header {HEADER_API_PATH}"))),
+        Some((_, Some(api))) => match scorer.prepare(api, body) {
+            Ok(prepared) => {
+                let limits = Limits { explain, fallbacks: scorer.config.fallback_endpoints, ..Limits::default() };
+                scorer.decide_admitted(&request_id, &prepared, &limits, objective).await
+            }
+            Err(e) => Err(e),
+        },
+        Some((path, None)) => Err(RouteError::BadRequest(format!("kvgate routes {:?}, not {path:?}", Api::PATHS))),
+    };
+    match decided {
+        Ok(pick) => RouteOutcome {
+            status: StatusCode::OK,
+            body: serde_json::to_vec(&route_response(pick)).expect("a route answer serializes"),
+            retry_after: None,
+        },
+        Err(e) => {
+            let (code, kind) = e.status();
+            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+            scorer.metrics.route_errors.with_label_values(&[status.as_str()]).inc();
+            RouteOutcome {
+                status,
+                body: serde_json::to_vec(&ErrorBody::new(code, kind, e.to_string())).expect("an error serializes"),
+                retry_after: e.retry_after(),
+            }
+        }
+    }
+}
+
 async fn route(
     State(scorer): State<Arc<Scorer>>,
     Query(query): Query<RouteQuery>,
@@ -64,39 +120,22 @@ async fn route(
     body: Bytes,
 ) -> Response {
     let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    let request_id = match header(HEADER_REQUEST_ID) {
-        Some(id) if !id.is_empty() => id.to_string(),
-        _ => format!("kvgate-scorer-{}", GENERATED_IDS.fetch_add(1, Ordering::Relaxed)),
-    };
-    let Some(path) = header(HEADER_API_PATH) else {
-        scorer.metrics.route_errors.with_label_values(&["400"]).inc();
-        return error(StatusCode::BAD_REQUEST, "BadRequestError", format!("missing header {HEADER_API_PATH}"));
-    };
     let explain = scorer.config.admin.debug_endpoints && matches!(query.explain.as_deref(), Some("1" | "true"));
-    let objective = header(HEADER_OBJECTIVE).map(str::to_string);
-    let decided = match Api::from_path(path) {
-        Some(api) => match scorer.prepare(api, &body) {
-            Ok(prepared) => {
-                let limits = Limits { explain, fallbacks: scorer.config.fallback_endpoints, ..Limits::default() };
-                scorer.decide_admitted(&request_id, &prepared, &limits, objective.as_deref()).await
-            }
-            Err(e) => Err(e),
-        },
-        None => Err(RouteError::BadRequest(format!("kvgate routes {:?}, not {path:?}", Api::PATHS))),
-    };
-    match decided {
-        Ok(pick) => Json(route_response(pick)).into_response(),
-        Err(e) => {
-            let (code, kind) = e.status();
-            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-            scorer.metrics.route_errors.with_label_values(&[status.as_str()]).inc();
-            let mut response = error(status, kind, e.to_string());
-            if let Some(seconds) = e.retry_after() {
-                response.headers_mut().insert(axum::http::header::RETRY_AFTER, seconds.into());
-            }
-            response
-        }
+    let outcome = answer_route(
+        &scorer,
+        header(HEADER_REQUEST_ID),
+        header(HEADER_API_PATH),
+        header(HEADER_OBJECTIVE),
+        &body,
+        explain,
+    )
+    .await;
+    let mut response =
+        (outcome.status, [(axum::http::header::CONTENT_TYPE, "application/json")], outcome.body).into_response();
+    if let Some(seconds) = outcome.retry_after {
+        response.headers_mut().insert(axum::http::header::RETRY_AFTER, seconds.into());
     }
+    response
 }
 
 /// The route call's answer (the filter's wire contract).

@@ -13,6 +13,7 @@ pub struct Metrics {
     pub decision_seconds: Histogram,
     pub tokenize_seconds: HistogramVec,
     pub route_errors: IntCounterVec,
+    pub route_streams: prometheus::IntGauge,
     pub prompt_tokens: IntCounter,
     pub cached_tokens: IntCounter,
     pub kv_events: IntCounterVec,
@@ -81,6 +82,8 @@ impl Metrics {
         ));
         let route_errors =
             reg!(IntCounterVec::new(Opts::new("route_errors_total", "Route calls answered with an error."), &["code"]));
+        let route_streams =
+            reg!(prometheus::IntGauge::new("route_streams", "Route streams open (one per Envoy worker and filter)."));
         let prompt_tokens = reg!(IntCounter::new("routed_prompt_tokens_total", "Prompt tokens of routed requests."));
         let cached_tokens =
             reg!(IntCounter::new("routed_cached_tokens_total", "Of those, tokens cached on the chosen pod."));
@@ -184,6 +187,7 @@ impl Metrics {
             decision_seconds,
             tokenize_seconds,
             route_errors,
+            route_streams,
             prompt_tokens,
             cached_tokens,
             kv_events,

@@ -200,6 +200,12 @@ fn the_istio_envoyfilter_patches_assemble_into_a_bootstrap_envoy_accepts() {
     let plugin: Value =
         serde_json::from_str(wasm["typed_config"]["config"]["configuration"]["value"].as_str().unwrap()).unwrap();
     assert_eq!(plugin["scorer_cluster"], scorer_cluster["name"]);
+    let options =
+        &scorer_cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
+    assert!(
+        options["explicit_http_config"]["http2_protocol_options"].is_object(),
+        "the filter's route stream (gRPC) needs HTTP/2 to the scorer: {scorer_cluster}"
+    );
     assert_eq!(plugin["pods_cluster"], pods_cluster.as_str());
     let istio = documents("istio/gateway.yaml");
     let route = &find(&istio, "VirtualService", "kvgate")["spec"]["http"][0]["route"][0]["destination"];

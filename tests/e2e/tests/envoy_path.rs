@@ -164,6 +164,7 @@ fn cached_tokens(answer: &Answer) -> u64 {
 
 async fn shared_prefixes_converge_and_different_prefixes_spread(path: Path) {
     let s = stack(path, 3, &[]).await;
+    let opened_before = s.envoy.stat("wasmcustom.kvgate_route_stream_opened").await;
     let mut homes = Vec::new();
     for (k, topic) in ["harbor logistics", "tax law", "orbital mechanics"].iter().enumerate() {
         let system = text(&format!("You are an expert in {topic}"), 220);
@@ -196,7 +197,11 @@ async fn shared_prefixes_converge_and_different_prefixes_spread(path: Path) {
     assert_eq!(s.failed_open().await, 0);
     match path {
         Path::Wasm => {
-            assert!(s.envoy.stat("wasmcustom.kvgate_lifecycle_reports_sent").await >= 24, "first_token + done each")
+            assert!(s.envoy.stat("wasmcustom.kvgate_lifecycle_reports_sent").await >= 24, "first_token + done each");
+            // The 12 decisions travelled on the worker's route stream, opened once and kept.
+            assert!(scorer_metric(&s.scorer, "kvgate_route_streams").await >= 1, "a route stream is open");
+            assert!(s.envoy.stat("wasmcustom.kvgate_route_stream_opened").await >= 1);
+            assert_eq!(s.envoy.stat("wasmcustom.kvgate_route_stream_opened").await, opened_before, "never reopened");
         }
         // The picker reads the responses itself: a first token and a done for every request.
         Path::Epp => {
@@ -279,7 +284,8 @@ async fn scorer_down_fail_closed_answers_503_then_recovers(path: Path) {
 async fn bad_input_and_destination_spoofing_are_handled(path: Path) {
     let s = stack(path, 2, &["--body-limit-bytes", "65536"]).await;
     let client = reqwest::Client::new();
-    // Malformed JSON: 400 (from the filter without a call to the scorer, or from the picker).
+    // Malformed JSON: 400 from the scorer, which parses every body once (the filter only
+    // refuses what does not even open an object).
     let r = client.post(format!("{}/v1/completions", s.envoy.url)).body("{\"prompt\": ").send().await.unwrap();
     assert_eq!(r.status(), 400);
     let err: Value = r.json().await.unwrap();
@@ -288,11 +294,12 @@ async fn bad_input_and_destination_spoofing_are_handled(path: Path) {
     let a = send(&s.envoy, "/v1/completions", &json!({"max_tokens": 3}), &[]).await;
     assert_eq!(a.status, 400);
     assert!(a.body.contains("'prompt' is required"), "{}", a.body);
-    let reached = scorer_metric(&s.scorer, "kvgate_route_errors_total").await;
-    match path {
-        Path::Wasm => assert_eq!(reached, 1, "only the second reached the scorer"),
-        Path::Epp => assert_eq!(reached, 2, "the picker answers both"),
-    }
+    assert_eq!(scorer_metric(&s.scorer, "kvgate_route_errors_total").await, 2, "the scorer answered both");
+    // Not even an object: refused by the filter or the picker before any parse.
+    let r = client.post(format!("{}/v1/completions", s.envoy.url)).body("[1, 2]").send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let err: Value = r.json().await.unwrap();
+    assert!(err["error"]["message"].as_str().unwrap().contains("must be a JSON object"), "{err}");
     // Over the body limit: 413 from Envoy.
     let huge = json!({"prompt": "x".repeat(100_000)});
     assert_eq!(send(&s.envoy, "/v1/completions", &huge, &[]).await.status, 413);

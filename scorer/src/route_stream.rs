@@ -1,0 +1,85 @@
+//! The route stream: route calls as gRPC messages on one long-lived bidirectional stream
+//! (`kvgate.route.v1.Router/Route`) instead of one HTTP call each — what the filter uses.
+//! Each call is answered as `POST /v1/route` would answer it ([`http::answer_route`]), in
+//! its own task, so a call waiting for room (admission) holds up no other; answers go back
+//! in the order they are ready.
+
+use crate::http;
+use crate::scorer::Scorer;
+use futures::future::BoxFuture;
+use kvgate_route_api::{RouteAnswer, RouteCall};
+use std::convert::Infallible;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+/// Answers a caller may have ready before the transport takes them.
+const ANSWERS_QUEUED: usize = 1024;
+
+/// The stream's tower service, for the HTTP API's router (the same port, in HTTP/2).
+pub fn service(
+    scorer: Arc<Scorer>,
+) -> impl tower::Service<
+    axum::http::Request<axum::body::Body>,
+    Response = axum::response::Response,
+    Error = Infallible,
+    Future = BoxFuture<'static, Result<axum::response::Response, Infallible>>,
+> + Clone
++ Send
++ 'static {
+    tower::service_fn(move |request: axum::http::Request<axum::body::Body>| {
+        let scorer = scorer.clone();
+        let calls = tower::service_fn(move |calls| serve(scorer.clone(), calls));
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(tonic_prost::ProstCodec::<RouteAnswer, RouteCall>::default())
+                // A call carries the client's whole body (Envoy's own limit applies first).
+                .max_decoding_message_size(http::MAX_BODY_BYTES + (64 << 10));
+            Ok(grpc.streaming(calls, request).await.map(axum::body::Body::new))
+        }) as BoxFuture<'static, _>
+    })
+}
+
+/// One stream: reads calls until the caller ends it, answering each in its own task.
+async fn serve(
+    scorer: Arc<Scorer>,
+    request: Request<Streaming<RouteCall>>,
+) -> Result<Response<ReceiverStream<Result<RouteAnswer, Status>>>, Status> {
+    let mut calls = request.into_inner();
+    let (answers, receiver) = mpsc::channel(ANSWERS_QUEUED);
+    scorer.metrics.route_streams.inc();
+    tokio::spawn(async move {
+        loop {
+            let call = match calls.message().await {
+                Ok(Some(call)) => call,
+                Ok(None) => break,
+                Err(status) => {
+                    tracing::debug!("route stream ended: {status}");
+                    break;
+                }
+            };
+            let (scorer, answers) = (scorer.clone(), answers.clone());
+            tokio::spawn(async move {
+                let outcome = http::answer_route(
+                    &scorer,
+                    Some(&call.request_id),
+                    Some(&call.api_path),
+                    call.objective.as_deref(),
+                    &call.body,
+                    false,
+                )
+                .await;
+                let answer = RouteAnswer {
+                    call: call.call,
+                    status: u32::from(outcome.status.as_u16()),
+                    body: outcome.body,
+                    retry_after: outcome.retry_after,
+                };
+                // The caller gone: its lifecycle reports (or their absence) settle the booking.
+                let _ = answers.send(Ok(answer)).await;
+            });
+        }
+        scorer.metrics.route_streams.dec();
+    });
+    Ok(Response::new(ReceiverStream::new(receiver)))
+}
