@@ -234,7 +234,7 @@ impl Context for Root {
         if hostcalls::set_effective_context(id).is_ok() {
             let status = u16::try_from(answer.status).ok();
             let retry_after = answer.retry_after.map(|s| s.to_string());
-            on_decision(&shared, id, &call.flow, status, &answer.body, retry_after);
+            on_decision(&shared, id, &call, status, &answer.body, retry_after);
         }
     }
 
@@ -346,7 +346,6 @@ struct Flow {
     phase: Phase,
     request_id: String,
     api_path: String,
-    call_started: Option<SystemTime>,
     /// Size of the buffered request body.
     body_size: usize,
     /// `:status` of the response, read when its headers pass.
@@ -436,16 +435,15 @@ fn unavailable(shared: &Shared, flow: &RefCell<Flow>, reason: &str) {
 fn on_decision(
     shared: &Shared,
     id: u32,
-    flow_cell: &SharedFlow,
+    call: &Waiting,
     status: Option<u16>,
     body: &[u8],
     retry_after: Option<String>,
 ) {
+    let ms = now().duration_since(call.sent).map(|d| d.as_millis() as u64).unwrap_or(0);
+    let _ = hostcalls::record_metric(shared.metrics.callout_ms, ms);
+    let flow_cell = &call.flow;
     let mut flow = flow_cell.borrow_mut();
-    if let Some(started) = flow.call_started {
-        let ms = now().duration_since(started).map(|d| d.as_millis() as u64).unwrap_or(0);
-        let _ = hostcalls::record_metric(shared.metrics.callout_ms, ms);
-    }
     match logic::interpret(status, body) {
         Verdict::Route { destination, pod, prefill: None } => {
             log::debug!("kvgate: request {} → {pod} ({destination})", flow.request_id);
@@ -574,10 +572,12 @@ impl Request {
         if let Err(status) = hostcalls::send_grpc_stream_message(token, Some(&call.encode_to_vec()), false) {
             return fail(&shared, &mut flow, &format!("cannot send on the route stream: {status:?}"));
         }
-        let sent = now();
         flow.phase = Phase::Deciding;
-        flow.call_started = Some(sent);
-        shared.route_stream.borrow_mut().waiting.insert(self.context_id, Waiting { flow: self.flow.clone(), sent });
+        shared
+            .route_stream
+            .borrow_mut()
+            .waiting
+            .insert(self.context_id, Waiting { flow: self.flow.clone(), sent: now() });
         Action::Pause
     }
 }

@@ -20,6 +20,31 @@ pub struct Measured {
     pub text: String,
 }
 
+/// `n` copies of `body` sent to `url`, `in_flight` at a time; each measured, in sending order.
+pub async fn send_concurrently(
+    client: &reqwest::Client,
+    url: &str,
+    body: &Value,
+    n: usize,
+    in_flight: usize,
+) -> Vec<Measured> {
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(in_flight));
+    let tasks: Vec<_> = (0..n)
+        .map(|_| {
+            let (client, url, body, gate) = (client.clone(), url.to_string(), body.clone(), gate.clone());
+            tokio::spawn(async move {
+                let _permit = gate.acquire().await.expect("semaphore");
+                send(&client, &url, &body).await
+            })
+        })
+        .collect();
+    let mut measured = Vec::with_capacity(n);
+    for task in tasks {
+        measured.push(task.await.expect("request task"));
+    }
+    measured
+}
+
 /// Sends `body` to `url` and measures it. Streaming bodies are read chunk by chunk: TTFT is
 /// the arrival of the first chunk carrying generated text.
 pub async fn send(client: &reqwest::Client, url: &str, body: &Value) -> Measured {

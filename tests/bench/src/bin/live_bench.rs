@@ -10,7 +10,7 @@
 use anyhow::Context;
 use clap::Parser;
 use kvgate_bench::report::svg_bars;
-use kvgate_e2e::{Measured, percentile, send};
+use kvgate_e2e::{Measured, percentile, send, send_concurrently};
 use kvgate_test_harness::{
     EPP_PORT, EnvoyProcess, ScorerProcess, Sim, free_port, qwen3_tokenizer, text, venv_bin, vllm_router_command,
     wait_child_ready,
@@ -470,24 +470,10 @@ async fn overhead(args: &Args) -> anyhow::Result<Vec<OverheadResult>> {
             for _ in 0..10 {
                 send(&client, &url, &body).await; // warm-up
             }
-            let gate = Arc::new(Semaphore::new(args.concurrency));
             let started = Instant::now();
-            let tasks: Vec<_> = (0..args.overhead_requests)
-                .map(|_| {
-                    let (client, url, body, gate) = (client.clone(), url.clone(), body.clone(), gate.clone());
-                    tokio::spawn(async move {
-                        let _permit = gate.acquire().await.expect("semaphore");
-                        send(&client, &url, &body).await
-                    })
-                })
-                .collect();
-            let mut latencies = Vec::new();
-            let mut errors = 0;
-            for t in tasks {
-                let m = t.await.expect("request task");
-                errors += usize::from(m.status != 200);
-                latencies.push(m.total);
-            }
+            let measured = send_concurrently(&client, &url, &body, args.overhead_requests, args.concurrency).await;
+            let errors = measured.iter().filter(|m| m.status != 200).count();
+            let mut latencies: Vec<Duration> = measured.iter().map(|m| m.total).collect();
             let wall = started.elapsed();
             let p50 = ms(percentile(&mut latencies, 0.5));
             if gateway.is_none() {

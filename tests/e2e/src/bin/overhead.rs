@@ -9,12 +9,10 @@
 //! flight — the case where llm-d's picker adds over a second. Non-streaming, one output token.
 
 use clap::Parser;
-use kvgate_e2e::{ms, percentile, send};
+use kvgate_e2e::{ms, percentile, send, send_concurrently};
 use kvgate_test_harness::{EPP_PORT, EnvoyProcess, ScorerProcess, Sim, cpu_time, qwen3_tokenizer, text};
 use serde_json::json;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokio::sync::Semaphore;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -76,7 +74,7 @@ async fn main() -> anyhow::Result<()> {
         pod.events
     );
     let scorer = ScorerProcess::start(&config).await;
-    // The picker as a sidecar speaks plain h2c on loopback (as the filter's callout does);
+    // The picker as a sidecar speaks plain h2c on loopback (as the filter's route stream does);
     // as its own Deployment, TLS (the default): both are measured.
     let plaintext = ScorerProcess::start(&config.replace("'}\npods:", "', tls: {mode: plaintext}}\npods:")).await;
     let wasm = EnvoyProcess::start(&scorer, &["--picker", "wasm"]).await;
@@ -87,7 +85,9 @@ async fn main() -> anyhow::Result<()> {
         key,
         name,
         url: url.to_string(),
-        processes: [Some(std::process::id()), envoy.map(|e| e.pid()), scorer.map(|s| s.pid()), Some(pod.pid())],
+        envoy: envoy.map(|e| e.pid()),
+        scorer: scorer.map(|s| s.pid()),
+        pod: pod.pid(),
     };
     let paths: Vec<Path> = [
         path("direct", "direct to the pod", &pod.url, None, None),
@@ -106,7 +106,7 @@ async fn main() -> anyhow::Result<()> {
         .collect();
     anyhow::ensure!(!cells.is_empty(), "no cell matches --cells {:?}", args.cells);
     anyhow::ensure!(
-        args.perf.is_none() || (cells.len() == 1 && paths.len() == 1 && paths[0].processes[2].is_some()),
+        args.perf.is_none() || (cells.len() == 1 && paths.len() == 1 && paths[0].scorer.is_some()),
         "--perf samples one cell of one path through a scorer"
     );
     println!(
@@ -142,8 +142,10 @@ async fn main() -> anyhow::Result<()> {
                 let url = format!("{}/v1/completions", paths[k].url);
                 let cpu_before = paths[k].cpu();
                 let started = Instant::now();
-                let statuses = burst(&client, &url, &body, per_round, in_flight, &mut samples[k]).await;
+                let measured = send_concurrently(&client, &url, &body, per_round, in_flight).await;
                 busy[k] += started.elapsed();
+                samples[k].extend(measured.iter().map(|m| m.total));
+                let statuses: Vec<u16> = measured.iter().map(|m| m.status).collect();
                 for (total, (after, before)) in cpu[k].iter_mut().zip(paths[k].cpu().into_iter().zip(cpu_before)) {
                     *total += after.saturating_sub(before);
                 }
@@ -177,10 +179,10 @@ async fn main() -> anyhow::Result<()> {
                 "| {} | {in_flight} | {name} | {} | {} | {} | {} | {} |\n",
                 prompt.label,
                 shown(client_cpu, true),
-                shown(envoy_cpu, path.processes[1].is_some()),
-                shown(scorer_cpu, path.processes[2].is_some()),
+                shown(envoy_cpu, path.envoy.is_some()),
+                shown(scorer_cpu, path.scorer.is_some()),
                 shown(pod_cpu, true),
-                shown(envoy_cpu + scorer_cpu, path.processes[1].is_some()),
+                shown(envoy_cpu + scorer_cpu, path.envoy.is_some()),
             ));
         }
     }
@@ -189,47 +191,22 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `n` requests at `in_flight` at a time; latencies appended to `samples`; the statuses.
-async fn burst(
-    client: &reqwest::Client,
-    url: &str,
-    body: &serde_json::Value,
-    n: usize,
-    in_flight: usize,
-    samples: &mut Vec<Duration>,
-) -> Vec<u16> {
-    let gate = Arc::new(Semaphore::new(in_flight));
-    let tasks: Vec<_> = (0..n)
-        .map(|_| {
-            let (client, url, body, gate) = (client.clone(), url.to_string(), body.clone(), gate.clone());
-            tokio::spawn(async move {
-                let _permit = gate.acquire().await.expect("semaphore");
-                send(&client, &url, &body).await
-            })
-        })
-        .collect();
-    let mut statuses = Vec::with_capacity(n);
-    for t in tasks {
-        let m = t.await.expect("request task");
-        statuses.push(m.status);
-        samples.push(m.total);
-    }
-    statuses
-}
-
 /// One way to the pod, and the processes whose CPU a request on it costs.
 struct Path {
     key: &'static str,
     name: &'static str,
     url: String,
-    /// The client (this process), Envoy, the scorer, the pod.
-    processes: [Option<u32>; 4],
+    envoy: Option<u32>,
+    scorer: Option<u32>,
+    pod: u32,
 }
 
 impl Path {
-    /// CPU used so far by each of the path's processes (zero for one it does not have).
+    /// CPU used so far by the client (this process), Envoy, the scorer and the pod (zero
+    /// for a process the path does not have).
     fn cpu(&self) -> [Duration; 4] {
-        self.processes.map(|pid| pid.map(cpu_time).unwrap_or_default())
+        [Some(std::process::id()), self.envoy, self.scorer, Some(self.pod)]
+            .map(|pid| pid.map(cpu_time).unwrap_or_default())
     }
 }
 
@@ -239,7 +216,7 @@ struct PerfRecord(std::process::Child);
 
 impl PerfRecord {
     fn start(file: &std::path::Path, paths: &[Path]) -> anyhow::Result<PerfRecord> {
-        let pids: Vec<String> = paths[0].processes[1..3].iter().flatten().map(u32::to_string).collect();
+        let pids: Vec<String> = [paths[0].envoy, paths[0].scorer].iter().flatten().map(u32::to_string).collect();
         let child = std::process::Command::new("perf")
             .args(["record", "-q", "-F", "499", "--call-graph", "dwarf,16384", "-p", &pids.join(","), "-o"])
             .arg(file)
