@@ -392,9 +392,73 @@ pub struct Config {
     pub epp: Option<EppSection>,
     /// Queue requests while every pod is saturated (absent: route at once, always).
     pub admission: Option<AdmissionSection>,
+    /// Share in-flight bookings with the other gateway replicas over NATS (absent: this
+    /// replica decides on its own requests in flight only).
+    pub sync: Option<SyncSection>,
     /// Static pods (may be empty when discovery finds them).
     #[serde(default)]
     pub pods: Vec<PodConfig>,
+}
+
+/// Active-active replicas: each publishes its booking changes (decisions, first tokens,
+/// completions, moved bookings) on NATS and applies the others' as its own, so every
+/// replica decides on the whole fleet's requests in flight. A decision never waits for the
+/// bus; without it each replica routes on its own bookings (counted in metrics).
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SyncSection {
+    /// NATS server URL, e.g. `nats://nats.kvgate:4222` (several, comma-separated, for a
+    /// NATS cluster).
+    pub nats: String,
+    /// Subject prefix shared by the replicas of one fleet (`<prefix>.bookings`,
+    /// `<prefix>.snapshot.<replica>`): two fleets on one NATS use two prefixes.
+    #[serde(default = "default_subject_prefix")]
+    pub subject_prefix: String,
+    /// This replica's name, unique in the fleet (default: `$HOSTNAME`, the pod's name in
+    /// Kubernetes).
+    #[serde(default)]
+    pub replica_id: Option<String>,
+    /// A replica publishes at least this often (a heartbeat when it has nothing to say).
+    #[serde(default = "default_heartbeat_ms")]
+    pub heartbeat_ms: u64,
+    /// A replica not heard from for this long has left: its bookings are dropped.
+    #[serde(default = "default_replica_timeout_ms")]
+    pub replica_timeout_ms: u64,
+    /// At start, how long to wait at most for the other replicas' bookings before
+    /// `/readyz` answers ready (a replica that joins decides on the fleet's state).
+    #[serde(default = "default_join_wait_ms")]
+    pub join_wait_ms: u64,
+}
+
+fn default_subject_prefix() -> String {
+    "kvgate".into()
+}
+
+fn default_heartbeat_ms() -> u64 {
+    500
+}
+
+fn default_replica_timeout_ms() -> u64 {
+    3000
+}
+
+fn default_join_wait_ms() -> u64 {
+    2000
+}
+
+impl SyncSection {
+    /// The configured replica id, else `$HOSTNAME`, else one made of the process id.
+    pub fn replica(&self) -> String {
+        self.replica_id
+            .clone()
+            .or_else(|| std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()))
+            .unwrap_or_else(|| format!("replica-{}", std::process::id()))
+    }
+}
+
+/// A NATS subject token: no separators, wildcards or whitespace.
+fn subject_token(s: &str) -> bool {
+    !s.is_empty() && !s.chars().any(|c| c == '.' || c == '*' || c == '>' || c.is_whitespace())
 }
 
 /// A finite number above zero (NaN and infinities are not).
@@ -614,6 +678,20 @@ impl Config {
             }
             if a.queue_limit == 0 || a.max_wait_ms == 0 {
                 return invalid("admission", "queue_limit and max_wait_ms must be positive");
+            }
+        }
+        if let Some(sync) = &self.sync {
+            if !sync.nats.split(',').all(|u| u.trim().starts_with("nats://") || u.trim().starts_with("tls://")) {
+                return invalid("sync.nats", format!("{:?} must be nats:// or tls:// URLs", sync.nats));
+            }
+            if !sync.subject_prefix.split('.').all(subject_token) {
+                return invalid("sync.subject_prefix", "must be NATS subject tokens joined by '.', without wildcards");
+            }
+            if !subject_token(&sync.replica()) {
+                return invalid("sync.replica_id", "must be one NATS subject token (no '.', '*', '>' or spaces)");
+            }
+            if sync.heartbeat_ms == 0 || sync.replica_timeout_ms < 2 * sync.heartbeat_ms {
+                return invalid("sync.replica_timeout_ms", "must be at least twice a positive heartbeat_ms");
             }
         }
         if self.fallback_endpoints > 16 {

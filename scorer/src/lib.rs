@@ -14,3 +14,4 @@ pub mod route_stream;
 pub mod scorer;
 pub mod scrape;
 pub mod subscriber;
+pub mod sync;

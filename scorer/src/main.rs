@@ -76,6 +76,9 @@ async fn main() -> anyhow::Result<()> {
         tracing::info!(name = %dns.name, port = dns.port, role = ?dns.role, "discovering pods by DNS every {} s", dns.interval_seconds);
         tokio::spawn(discovery::dns::run(scorer.clone(), dns));
     }
+    if let Some(sync) = scorer.config.sync.clone() {
+        tokio::spawn(kvgate_scorer::sync::run(scorer.clone(), sync));
+    }
     let expiring = scorer.clone();
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));

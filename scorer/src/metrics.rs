@@ -43,6 +43,27 @@ pub struct Metrics {
     pub queued_prefill_tokens: GaugeVec,
     pub pod_healthy: GaugeVec,
     pub prefix_hit_ratio: CounterVec,
+    pub sync: SyncMetrics,
+}
+
+/// What sharing bookings with the other replicas (`sync`) did.
+pub struct SyncMetrics {
+    /// Booking updates published, applied from others, dropped (by why).
+    pub updates: IntCounterVec,
+    /// NATS messages published and received (updates, heartbeats, snapshot parts).
+    pub messages: IntCounterVec,
+    /// Sequence gaps in another replica's messages (lost updates: its snapshot follows).
+    pub gaps: IntCounter,
+    /// Snapshots of our bookings sent, and of others' applied.
+    pub snapshots: IntCounterVec,
+    /// Send-to-apply delay of other replicas' messages (clock offset between hosts included).
+    pub lag_seconds: Histogram,
+    /// Other replicas currently heard from.
+    pub replicas: prometheus::IntGauge,
+    /// Replicas dropped after `replica_timeout_ms` of silence (their bookings with them).
+    pub replicas_lost: IntCounter,
+    /// 1 while connected to NATS.
+    pub connected: prometheus::IntGauge,
 }
 
 fn buckets() -> Vec<f64> {
@@ -180,6 +201,35 @@ impl Metrics {
             Opts::new("prefix_hit_ratio_sum", "Σ cached/prompt tokens over decisions (÷ decisions = mean ratio)."),
             &["policy"]
         ));
+        let sync = SyncMetrics {
+            updates: reg!(IntCounterVec::new(
+                Opts::new(
+                    "sync_updates_total",
+                    "Booking updates shared with other replicas: sent, applied, dropped_bus_down, unknown_pod, \
+                     unknown_booking."
+                ),
+                &["outcome"]
+            )),
+            messages: reg!(IntCounterVec::new(
+                Opts::new("sync_messages_total", "NATS messages of the booking sync, sent and received."),
+                &["direction"]
+            )),
+            gaps: reg!(IntCounter::new("sync_gaps_total", "Sequence gaps in another replica's booking messages.")),
+            snapshots: reg!(IntCounterVec::new(
+                Opts::new("sync_snapshots_total", "Booking snapshots: sent (ours) and applied (another replica's)."),
+                &["direction"]
+            )),
+            lag_seconds: reg!(Histogram::with_opts(
+                HistogramOpts::new("sync_lag_seconds", "Delay from another replica's send to our apply.")
+                    .buckets(vec![1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0])
+            )),
+            replicas: reg!(prometheus::IntGauge::new("sync_replicas", "Other gateway replicas currently heard from.")),
+            replicas_lost: reg!(IntCounter::new(
+                "sync_replicas_lost_total",
+                "Replicas dropped after replica_timeout_ms of silence (their bookings dropped)."
+            )),
+            connected: reg!(prometheus::IntGauge::new("sync_connected", "1 while connected to NATS (with sync).")),
+        };
         Self {
             registry,
             decisions,
@@ -217,6 +267,7 @@ impl Metrics {
             queued_prefill_tokens,
             pod_healthy,
             prefix_hit_ratio,
+            sync,
         }
     }
 

@@ -9,12 +9,13 @@ use crate::admission::{Queue, Refused};
 use crate::config::{Config, Role};
 use crate::metrics::Metrics;
 use crate::prompt::{self, PromptError};
+use crate::sync::SyncState;
 use ahash::AHashMap;
 use kvgate_route_api::{Api, LifecycleEvent, LifecycleReport, PodExplain};
 use kvgate_routing::events::{EventBatch, KvEvent};
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::index::PodIndexStats;
-use kvgate_routing::load::Lifecycle;
+use kvgate_routing::load::{BookingUpdate, Lifecycle, Origin};
 use kvgate_routing::pod_set::{PodId, PodSet};
 use kvgate_routing::policy::ReportedLoad;
 use kvgate_routing::router::{RouteRequest, Router, Unroutable};
@@ -218,6 +219,8 @@ pub struct Scorer {
     bookings: AtomicU64,
     /// Requests waiting for a pod with room (with `admission`).
     queue: Option<Queue>,
+    /// What the booking sync's tasks share with the request paths (used with `sync`).
+    sync: SyncState,
 }
 
 /// One entry of `GET /v1/pods`.
@@ -256,12 +259,11 @@ impl Scorer {
     /// Builds the scorer. Without a real tokenizer every pod is indexed approximately: the
     /// fallback's token ids are not the engines', so their events could never match.
     pub fn new(config: Config, tokenizer: Tokenizer) -> Self {
-        let core = Core {
-            router: Router::new(&config.router_config()),
-            pods: Vec::new(),
-            health: Vec::new(),
-            by_address: AHashMap::new(),
-        };
+        let mut router = Router::new(&config.router_config());
+        if config.sync.is_some() {
+            router.share_bookings();
+        }
+        let core = Core { router, pods: Vec::new(), health: Vec::new(), by_address: AHashMap::new() };
         let scorer = Self {
             metrics: Metrics::new(),
             tokenizer,
@@ -269,6 +271,7 @@ impl Scorer {
             started: Instant::now(),
             bookings: AtomicU64::new(0),
             queue: config.admission.as_ref().map(|a| Queue::new(a.queue_limit)),
+            sync: SyncState::default(),
             config,
         };
         for p in &scorer.config.pods {
@@ -384,6 +387,7 @@ impl Scorer {
             Unroutable::NoPod => RouteError::NoPod,
             Unroutable::Saturated => RouteError::Saturated,
         })?;
+        self.bookings_changed();
         let pod = |id: PodId| core.pods[id.index()].clone();
         let decode = pod(routed.decode.pod);
         let prefill = routed.prefill.map(|p| pod(p.pod));
@@ -528,6 +532,7 @@ impl Scorer {
             })
             .count();
         drop(core);
+        self.bookings_changed();
         self.metrics.lifecycle_unknown.inc_by(unknown as u64);
         self.room_may_have_appeared();
         unknown
@@ -541,6 +546,7 @@ impl Scorer {
         if !known {
             self.metrics.lifecycle_unknown.inc();
         }
+        self.bookings_changed();
         self.room_may_have_appeared();
         known
     }
@@ -571,6 +577,56 @@ impl Scorer {
     pub fn served(&self, request_id: &str, address: SocketAddr) {
         let now = self.now();
         self.served_locked(&mut self.lock(), request_id, address, now);
+        self.bookings_changed();
+    }
+
+    /// Wakes the booking sync's publisher (with `sync`): bookings changed.
+    fn bookings_changed(&self) {
+        if self.config.sync.is_some() {
+            self.sync.wake.notify_one();
+        }
+    }
+
+    /// The booking sync's shared state.
+    pub fn sync_state(&self) -> &SyncState {
+        &self.sync
+    }
+
+    /// This replica's booking changes since the last call, and the pod table that names
+    /// their pods.
+    pub fn take_shared(&self) -> (Vec<BookingUpdate>, Vec<Arc<Pod>>) {
+        let mut core = self.lock();
+        (core.router.take_shared(), core.pods.clone())
+    }
+
+    /// At one instant: the changes not yet taken, then this replica's bookings as a
+    /// snapshot, and the pod table.
+    pub fn snapshot_shared(&self) -> (Vec<BookingUpdate>, Vec<BookingUpdate>, Vec<Arc<Pod>>) {
+        let mut core = self.lock();
+        (core.router.take_shared(), core.router.snapshot(), core.pods.clone())
+    }
+
+    /// Pods by the address the proxy routes to.
+    pub fn addresses(&self) -> AHashMap<SocketAddr, PodId> {
+        self.lock().by_address.clone()
+    }
+
+    /// Applies another replica's booking changes; returns how many named a booking this
+    /// replica does not hold (expired here, or reported before its booking arrived).
+    pub fn apply_shared(&self, origin: Origin, updates: &[BookingUpdate]) -> usize {
+        let now = self.now();
+        let mut core = self.lock();
+        let unknown = updates.iter().filter(|u| core.router.apply_shared(origin, u, now).is_err()).count();
+        drop(core);
+        self.room_may_have_appeared();
+        unknown
+    }
+
+    /// Forgets another replica's bookings; returns how many.
+    pub fn clear_origin(&self, origin: Origin) -> usize {
+        let n = self.lock().router.clear_origin(origin);
+        self.room_may_have_appeared();
+        n
     }
 
     fn served_locked(&self, core: &mut Core, request_id: &str, address: SocketAddr, now: f64) {
@@ -765,7 +821,8 @@ impl Scorer {
 
     /// True when some pod can take requests.
     pub fn ready(&self) -> bool {
-        self.lock().router.ready()
+        let joined = self.config.sync.is_none() || self.sync.joined.load(Ordering::Relaxed);
+        joined && self.lock().router.ready()
     }
 
     /// `GET /v1/pods`; also refreshes the gauges.

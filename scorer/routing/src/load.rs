@@ -12,6 +12,10 @@
 //!
 //! A booking whose lifecycle reports never arrive expires after a TTL, so nothing leaks.
 //! Time is a number of seconds supplied by the caller (no clock here).
+//!
+//! Bookings are keyed by [`BookingKey`]: the request, the leg of it booked (a disaggregated
+//! request holds its prefill pod too) and the gateway replica that made it — replicas that
+//! share their bookings apply each other's beside their own.
 
 use crate::hash::SequenceHash;
 use crate::pod_set::PodId;
@@ -34,6 +38,67 @@ pub struct LoadConfig {
 pub fn prefill_work(prompt: u64, cached: u64) -> f64 {
     let cached = cached.min(prompt);
     (cached + 1 + prompt) as f64 * (prompt - cached) as f64 / 2.0
+}
+
+/// The gateway replica that made a booking: [`Origin::LOCAL`] for this one, others numbered
+/// by whoever applies their bookings (their request ids may collide with ours).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Origin(pub u32);
+
+impl Origin {
+    pub const LOCAL: Origin = Origin(0);
+}
+
+/// Which part of a request a booking holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Leg {
+    /// The request itself, on the pod that serves it (decodes it, when disaggregated).
+    Serve,
+    /// The prefill leg of a disaggregated request, on its prefill pod.
+    Prefill,
+}
+
+/// What a booking is filed under.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct BookingKey {
+    pub origin: Origin,
+    pub leg: Leg,
+    pub request: Box<str>,
+}
+
+impl BookingKey {
+    /// This replica's booking of `request`'s `leg`.
+    pub fn local(request: &str, leg: Leg) -> Self {
+        Self { origin: Origin::LOCAL, leg, request: request.into() }
+    }
+}
+
+/// One change to a replica's in-flight bookings, as the other replicas apply it: what
+/// sharing bookings between gateway replicas sends (`Router::share_bookings`). Pods are this
+/// process's ids; whoever carries an update between processes names them portably.
+#[derive(Clone, Debug, PartialEq)]
+pub enum BookingUpdate {
+    Booked {
+        request: Box<str>,
+        leg: Leg,
+        pod: PodId,
+        prompt_tokens: u32,
+        cached_tokens: u32,
+        chain: Vec<SequenceHash>,
+        max_output_tokens: Option<u32>,
+    },
+    Reported {
+        request: Box<str>,
+        leg: Leg,
+        event: Lifecycle,
+    },
+    /// The proxy served the request elsewhere than the pick; `cached_tokens` there.
+    Moved {
+        request: Box<str>,
+        leg: Leg,
+        pod: PodId,
+        cached_tokens: u32,
+    },
 }
 
 /// One decision to book.
@@ -81,7 +146,7 @@ struct Inflight {
 
 #[derive(Default)]
 struct PodState {
-    inflight: Vec<String>,
+    inflight: Vec<BookingKey>,
     queued_prefill_tokens: u64,
     queued_prefill_work: f64,
     shared_blocks: AHashMap<SequenceHash, u32>,
@@ -110,7 +175,7 @@ pub enum Lifecycle {
 pub struct LoadTracker {
     config: LoadConfig,
     pods: Vec<PodState>,
-    requests: AHashMap<String, Inflight>,
+    requests: AHashMap<BookingKey, Inflight>,
     expired: u64,
 }
 
@@ -118,6 +183,12 @@ pub struct LoadTracker {
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 #[error("no in-flight request {0}")]
 pub struct UnknownRequest(pub String);
+
+impl UnknownRequest {
+    fn of(key: &BookingKey) -> Self {
+        Self(key.request.to_string())
+    }
+}
 
 impl LoadTracker {
     pub fn new(config: LoadConfig) -> Self {
@@ -130,10 +201,10 @@ impl LoadTracker {
         PodId(self.pods.len() as u32 - 1)
     }
 
-    /// Books a decision for `request_id` at time `now`. A request id already in flight is
-    /// released first (a retried request replaces its earlier booking).
-    pub fn book(&mut self, request_id: &str, booking: &Booking<'_>, now: f64) {
-        self.release(request_id);
+    /// Books a decision under `key` at time `now`. A key already in flight is released
+    /// first (a retried request replaces its earlier booking).
+    pub fn book(&mut self, key: &BookingKey, booking: &Booking<'_>, now: f64) {
+        self.release(key);
         let output = booking.max_output_tokens.unwrap_or(self.config.default_output_tokens);
         let partial_block = !(booking.prompt_tokens as usize).is_multiple_of(self.config.block_size);
         let mut req = Inflight {
@@ -149,14 +220,14 @@ impl LoadTracker {
             expires_at: now + self.config.request_ttl,
         };
         req.set_cached(booking.cached_tokens);
-        self.insert(request_id.to_string(), req);
+        self.insert(key.clone(), req);
     }
 
     /// Moves a booking to the pod that actually serves the request (the proxy retried
     /// elsewhere), where `cached_tokens` of its prompt are cached; its progress is kept.
     /// Returns the pod it was booked on.
-    pub fn rebook(&mut self, request_id: &str, pod: PodId, cached_tokens: u32) -> Result<PodId, UnknownRequest> {
-        let (id, mut req) = self.remove(request_id).ok_or_else(|| UnknownRequest(request_id.to_string()))?;
+    pub fn rebook(&mut self, key: &BookingKey, pod: PodId, cached_tokens: u32) -> Result<PodId, UnknownRequest> {
+        let (id, mut req) = self.remove(key).ok_or_else(|| UnknownRequest::of(key))?;
         let from = req.pod;
         req.pod = pod;
         req.set_cached(cached_tokens);
@@ -165,12 +236,12 @@ impl LoadTracker {
     }
 
     /// The prompt blocks and size of a booked request.
-    pub fn booked_prompt(&self, request_id: &str) -> Option<(&[SequenceHash], u32)> {
-        self.requests.get(request_id).map(|r| (r.prompt_blocks.as_slice(), r.prompt_tokens))
+    pub fn booked_prompt(&self, key: &BookingKey) -> Option<(&[SequenceHash], u32)> {
+        self.requests.get(key).map(|r| (r.prompt_blocks.as_slice(), r.prompt_tokens))
     }
 
     /// Adds a request's load to its pod.
-    fn insert(&mut self, request_id: String, req: Inflight) {
+    fn insert(&mut self, key: BookingKey, req: Inflight) {
         let pod = &mut self.pods[req.pod.index()];
         if req.first_token_at.is_none() {
             pod.queued_prefill_tokens += req.prefill_tokens;
@@ -180,8 +251,8 @@ impl LoadTracker {
             *pod.shared_blocks.entry(*h).or_insert(0) += 1;
         }
         pod.private_blocks += u64::from(req.partial_block);
-        pod.inflight.push(request_id.clone());
-        self.requests.insert(request_id, req);
+        pod.inflight.push(key.clone());
+        self.requests.insert(key, req);
     }
 
     /// Leading blocks of `chain` that requests in flight on `pod` hold: blocks being
@@ -196,9 +267,9 @@ impl LoadTracker {
     }
 
     /// Applies a lifecycle report.
-    pub fn report(&mut self, request_id: &str, event: Lifecycle, now: f64) -> Result<PodId, UnknownRequest> {
-        let Some(req) = self.requests.get_mut(request_id) else {
-            return Err(UnknownRequest(request_id.to_string()));
+    pub fn report(&mut self, key: &BookingKey, event: Lifecycle, now: f64) -> Result<PodId, UnknownRequest> {
+        let Some(req) = self.requests.get_mut(key) else {
+            return Err(UnknownRequest::of(key));
         };
         let pod = req.pod;
         match event {
@@ -210,18 +281,18 @@ impl LoadTracker {
                     state.queued_prefill_work -= req.prefill_work;
                 }
             }
-            Lifecycle::Done | Lifecycle::Cancelled => self.release(request_id),
+            Lifecycle::Done | Lifecycle::Cancelled => self.release(key),
         }
         Ok(pod)
     }
 
-    fn release(&mut self, request_id: &str) {
-        self.remove(request_id);
+    fn release(&mut self, key: &BookingKey) {
+        self.remove(key);
     }
 
     /// Takes a request's load off its pod and returns it.
-    fn remove(&mut self, request_id: &str) -> Option<(String, Inflight)> {
-        let (id, req) = self.requests.remove_entry(request_id)?;
+    fn remove(&mut self, key: &BookingKey) -> Option<(BookingKey, Inflight)> {
+        let (id, req) = self.requests.remove_entry(key)?;
         let pod = &mut self.pods[req.pod.index()];
         if req.first_token_at.is_none() {
             pod.queued_prefill_tokens -= req.prefill_tokens;
@@ -248,7 +319,7 @@ impl LoadTracker {
 
     /// Drops bookings older than the TTL; returns how many.
     pub fn expire(&mut self, now: f64) -> usize {
-        let stale: Vec<String> =
+        let stale: Vec<BookingKey> =
             self.requests.iter().filter(|(_, r)| r.expires_at <= now).map(|(id, _)| id.clone()).collect();
         for id in &stale {
             self.release(id);
@@ -261,11 +332,12 @@ impl LoadTracker {
     /// made before `booked_before`, those beyond that many cannot all be real — their end
     /// was never reported. The oldest of them are dropped; returns how many.
     pub fn reconcile(&mut self, pod: PodId, engine_requests: u32, booked_before: f64) -> usize {
-        let old = |id: &String| self.requests.get(id).filter(|r| r.booked_at < booked_before).map(|r| r.booked_at);
+        let old = |id: &BookingKey| self.requests.get(id).filter(|r| r.booked_at < booked_before).map(|r| r.booked_at);
         let inflight = &self.pods[pod.index()].inflight;
         let count = inflight.iter().filter(|id| old(id).is_some()).count();
         let Some(excess) = count.checked_sub(engine_requests as usize).filter(|&n| n > 0) else { return 0 };
-        let mut oldest: Vec<(f64, String)> = inflight.iter().filter_map(|id| Some((old(id)?, id.clone()))).collect();
+        let mut oldest: Vec<(f64, BookingKey)> =
+            inflight.iter().filter_map(|id| Some((old(id)?, id.clone()))).collect();
         oldest.sort_by(|a, b| a.0.total_cmp(&b.0));
         for (_, id) in &oldest[..excess] {
             self.release(id);
@@ -287,9 +359,34 @@ impl LoadTracker {
         self.pods[pod.index()] = PodState::default();
     }
 
+    /// Drops every booking another replica made (it left, or its bookings are about to be
+    /// replaced by a snapshot of them); returns how many.
+    pub fn clear_origin(&mut self, origin: Origin) -> usize {
+        let theirs: Vec<BookingKey> = self.requests.keys().filter(|k| k.origin == origin).cloned().collect();
+        for key in &theirs {
+            self.release(key);
+        }
+        theirs.len()
+    }
+
+    /// This replica's bookings as another replica would book them — `(key, booking, first
+    /// token seen)` — for a replica that joins or lost track of ours.
+    pub fn local_bookings(&self) -> impl Iterator<Item = (&BookingKey, Booking<'_>, bool)> {
+        self.requests.iter().filter(|(k, _)| k.origin == Origin::LOCAL).map(|(k, r)| {
+            let booking = Booking {
+                pod: r.pod,
+                prompt_tokens: r.prompt_tokens,
+                cached_tokens: r.prompt_tokens - r.prefill_tokens as u32,
+                chain: &r.prompt_blocks,
+                max_output_tokens: Some(r.output_tokens),
+            };
+            (k, booking, r.first_token_at.is_some())
+        })
+    }
+
     /// The pod a request was booked on.
-    pub fn pod_of(&self, request_id: &str) -> Option<PodId> {
-        self.requests.get(request_id).map(|r| r.pod)
+    pub fn pod_of(&self, key: &BookingKey) -> Option<PodId> {
+        self.requests.get(key).map(|r| r.pod)
     }
 
     /// Current predicted load of `pod` at time `now`.
@@ -334,6 +431,10 @@ mod tests {
         (t, a, b)
     }
 
+    fn k(request: impl AsRef<str>) -> BookingKey {
+        BookingKey::local(request.as_ref(), Leg::Serve)
+    }
+
     fn chain(n: u64) -> Vec<SequenceHash> {
         (0..n).map(SequenceHash).collect()
     }
@@ -352,13 +453,13 @@ mod tests {
         let c = chain(2);
         let booking = |pod| Booking { pod, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None };
         for (i, at) in [0.0, 1.0, 2.0, 9.5].into_iter().enumerate() {
-            t.book(&format!("a{i}"), &booking(a), at);
+            t.book(&k(format!("a{i}")), &booking(a), at);
         }
-        t.book("b0", &booking(b), 0.0);
+        t.book(&k("b0"), &booking(b), 0.0);
         // The engine holds 2 requests; three bookings are older than 5 s: the oldest goes.
         assert_eq!(t.reconcile(a, 2, 5.0), 1);
         assert_eq!(t.load(a, 10.0).inflight_requests, 3);
-        assert!(t.booked_prompt("a0").is_none() && t.booked_prompt("a1").is_some());
+        assert!(t.booked_prompt(&k("a0")).is_none() && t.booked_prompt(&k("a1")).is_some());
         // Young bookings are never judged (the engine may not have them yet), nor other pods.
         assert_eq!(t.reconcile(a, 0, 1.5), 1, "only a1 is older than 1.5 s");
         assert_eq!(t.reconcile(a, 5, 100.0), 0);
@@ -371,7 +472,7 @@ mod tests {
         let (mut t, a, b) = tracker();
         let c = chain(4);
         t.book(
-            "r1",
+            &k("r1"),
             &Booking { pod: a, prompt_tokens: 18, cached_tokens: 8, chain: &c, max_output_tokens: Some(8) },
             0.0,
         );
@@ -381,15 +482,15 @@ mod tests {
         // 4 prompt blocks + 1 partial + 8 output tokens = 2 blocks.
         assert_eq!(l.decode_blocks, 7.0);
         assert_eq!(t.load(b, 0.0), PodLoad::default());
-        t.report("r1", Lifecycle::FirstToken, 1.0).unwrap();
+        t.report(&k("r1"), Lifecycle::FirstToken, 1.0).unwrap();
         let l = t.load(a, 1.5);
         assert_eq!((l.queued_prefill_tokens, l.queued_prefill_work), (0, 0.0));
         // Half a second at 4 tok/s: 2 of 8 output tokens generated → 6/4 blocks left.
         assert_eq!(l.decode_blocks, 5.0 + 1.5);
         assert_eq!(t.load(a, 100.0).decode_blocks, 5.0, "output part decays to nothing");
-        t.report("r1", Lifecycle::Done, 2.0).unwrap();
+        t.report(&k("r1"), Lifecycle::Done, 2.0).unwrap();
         assert_eq!(t.load(a, 2.0), PodLoad::default());
-        assert_eq!(t.report("r1", Lifecycle::Done, 2.0), Err(UnknownRequest("r1".into())));
+        assert_eq!(t.report(&k("r1"), Lifecycle::Done, 2.0), Err(UnknownRequest("r1".into())));
     }
 
     #[test]
@@ -397,18 +498,18 @@ mod tests {
         let (mut t, a, _) = tracker();
         let long = chain(10);
         t.book(
-            "x",
+            &k("x"),
             &Booking { pod: a, prompt_tokens: 40, cached_tokens: 0, chain: &long, max_output_tokens: Some(4) },
             0.0,
         );
         t.book(
-            "y",
+            &k("y"),
             &Booking { pod: a, prompt_tokens: 24, cached_tokens: 24, chain: &long[..6], max_output_tokens: Some(4) },
             0.0,
         );
         // 10 distinct prompt blocks, no partials, 1 + 1 output blocks.
         assert_eq!(t.load(a, 0.0).decode_blocks, 12.0);
-        t.report("x", Lifecycle::Cancelled, 0.0).unwrap();
+        t.report(&k("x"), Lifecycle::Cancelled, 0.0).unwrap();
         assert_eq!(t.load(a, 0.0).decode_blocks, 7.0);
     }
 
@@ -416,10 +517,18 @@ mod tests {
     fn lost_reports_expire_and_rebooking_replaces() {
         let (mut t, a, b) = tracker();
         let c = chain(2);
-        t.book("r", &Booking { pod: a, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None }, 0.0);
-        t.book("r", &Booking { pod: b, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None }, 1.0);
+        t.book(
+            &k("r"),
+            &Booking { pod: a, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None },
+            0.0,
+        );
+        t.book(
+            &k("r"),
+            &Booking { pod: b, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None },
+            1.0,
+        );
         assert_eq!(t.load(a, 1.0), PodLoad::default(), "a retried request moves its booking");
-        assert_eq!(t.pod_of("r"), Some(b));
+        assert_eq!(t.pod_of(&k("r")), Some(b));
         assert_eq!(t.expire(30.0), 0);
         assert_eq!(t.expire(61.0), 1);
         assert_eq!(t.load(b, 61.0), PodLoad::default());
@@ -430,12 +539,20 @@ mod tests {
     fn clearing_a_pod_drops_its_bookings() {
         let (mut t, a, b) = tracker();
         let c = chain(2);
-        t.book("1", &Booking { pod: a, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None }, 0.0);
-        t.book("2", &Booking { pod: b, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None }, 0.0);
+        t.book(
+            &k("1"),
+            &Booking { pod: a, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None },
+            0.0,
+        );
+        t.book(
+            &k("2"),
+            &Booking { pod: b, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None },
+            0.0,
+        );
         t.clear_pod(a);
         assert_eq!(t.load(a, 0.0), PodLoad::default());
         assert_eq!(t.inflight(), 1);
-        assert!(t.report("1", Lifecycle::Done, 0.0).is_err());
+        assert!(t.report(&k("1"), Lifecycle::Done, 0.0).is_err());
     }
 
     #[test]
@@ -443,17 +560,17 @@ mod tests {
         let (mut t, a, b) = tracker();
         let c = chain(3);
         t.book(
-            "r",
+            &k("r"),
             &Booking { pod: a, prompt_tokens: 12, cached_tokens: 8, chain: &c, max_output_tokens: Some(8) },
             0.0,
         );
-        assert_eq!(t.rebook("r", b, 0), Ok(a));
+        assert_eq!(t.rebook(&k("r"), b, 0), Ok(a));
         assert_eq!(t.load(a, 0.0), PodLoad::default());
         assert_eq!(t.load(b, 0.0).queued_prefill_tokens, 12, "nothing cached on the pod that served");
-        t.report("r", Lifecycle::FirstToken, 1.0).unwrap();
-        t.rebook("r", a, 12).unwrap();
+        t.report(&k("r"), Lifecycle::FirstToken, 1.0).unwrap();
+        t.rebook(&k("r"), a, 12).unwrap();
         let l = t.load(a, 1.0);
         assert_eq!((l.inflight_requests, l.queued_prefill_tokens), (1, 0), "past its first token: no prefill queued");
-        assert_eq!(t.rebook("nope", a, 0), Err(UnknownRequest("nope".into())));
+        assert_eq!(t.rebook(&k("nope"), a, 0), Err(UnknownRequest("nope".into())));
     }
 }

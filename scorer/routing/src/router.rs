@@ -14,7 +14,9 @@ use crate::approx::ApproxIndex;
 use crate::events::EventBatch;
 use crate::hash::SequenceHash;
 use crate::index::{IndexConfig, KvIndex};
-use crate::load::{Booking, Lifecycle, LoadConfig, LoadTracker, UnknownRequest};
+use crate::load::{
+    Booking, BookingKey, BookingUpdate, Leg, Lifecycle, LoadConfig, LoadTracker, Origin, UnknownRequest,
+};
 use crate::pod_set::{PodId, PodSet};
 use crate::policy::{Candidate, Decision, Policy, PolicyConfig, ReportedLoad, RouteInput};
 use serde::{Deserialize, Serialize};
@@ -179,11 +181,8 @@ pub struct Router {
     decode_policy: Box<dyn Policy>,
     overlap: Vec<u32>,
     approx_overlap: Vec<u32>,
-}
-
-/// The booking id of a disaggregated request's prefill leg.
-fn prefill_booking(request_id: &str) -> String {
-    format!("{request_id}\u{0}prefill")
+    /// This replica's booking changes not yet taken for the other replicas (while sharing).
+    shared: Option<Vec<BookingUpdate>>,
 }
 
 /// Up to `n` candidates after the chosen one, best first: those the policy scored by
@@ -221,6 +220,113 @@ impl Router {
             decode_policy: config.decode_policy.build(config.seed.wrapping_add(2)),
             overlap: Vec::new(),
             approx_overlap: Vec::new(),
+            shared: None,
+        }
+    }
+
+    /// From now on every change this router makes to its bookings (a decision, a lifecycle
+    /// report, a moved booking) is kept for [`Router::take_shared`]: gateway replicas that
+    /// apply each other's ([`Router::apply_shared`]) decide on the whole fleet's requests in
+    /// flight. Expiry, reconciliation and pods going down are each replica's own judgement.
+    pub fn share_bookings(&mut self) {
+        self.shared.get_or_insert_with(Vec::new);
+    }
+
+    /// The booking changes made since the last call (none unless sharing).
+    pub fn take_shared(&mut self) -> Vec<BookingUpdate> {
+        self.shared.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Applies another replica's booking change as if this router had made it (the
+    /// approximate index learns where its request went, too).
+    pub fn apply_shared(&mut self, origin: Origin, update: &BookingUpdate, now: f64) -> Result<(), UnknownRequest> {
+        match update {
+            BookingUpdate::Booked { request, leg, pod, prompt_tokens, cached_tokens, chain, max_output_tokens } => {
+                let key = BookingKey { origin, leg: *leg, request: request.clone() };
+                let booking = Booking {
+                    pod: *pod,
+                    prompt_tokens: *prompt_tokens,
+                    cached_tokens: *cached_tokens,
+                    chain,
+                    max_output_tokens: *max_output_tokens,
+                };
+                self.load.book(&key, &booking, now);
+                self.record_approx(*pod, chain, now);
+            }
+            BookingUpdate::Reported { request, leg, event } => {
+                self.load.report(&BookingKey { origin, leg: *leg, request: request.clone() }, *event, now)?;
+            }
+            BookingUpdate::Moved { request, leg, pod, cached_tokens } => {
+                let key = BookingKey { origin, leg: *leg, request: request.clone() };
+                self.load.rebook(&key, *pod, *cached_tokens)?;
+                if let Some((chain, _)) = self.load.booked_prompt(&key) {
+                    let chain = chain.to_vec();
+                    self.record_approx(*pod, &chain, now);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Forgets another replica's bookings (it left, or a snapshot of them follows).
+    pub fn clear_origin(&mut self, origin: Origin) -> usize {
+        self.load.clear_origin(origin)
+    }
+
+    /// This replica's bookings as updates that rebuild them elsewhere: for a replica that
+    /// joins, or lost some of our updates.
+    pub fn snapshot(&self) -> Vec<BookingUpdate> {
+        let mut out = Vec::new();
+        for (key, booking, first_token) in self.load.local_bookings() {
+            out.push(BookingUpdate::Booked {
+                request: key.request.clone(),
+                leg: key.leg,
+                pod: booking.pod,
+                prompt_tokens: booking.prompt_tokens,
+                cached_tokens: booking.cached_tokens,
+                chain: booking.chain.to_vec(),
+                max_output_tokens: booking.max_output_tokens,
+            });
+            if first_token {
+                out.push(BookingUpdate::Reported {
+                    request: key.request.clone(),
+                    leg: key.leg,
+                    event: Lifecycle::FirstToken,
+                });
+            }
+        }
+        out
+    }
+
+    /// Books this replica's decision (and keeps it for the others, while sharing).
+    fn book(&mut self, request: &str, leg: Leg, booking: &Booking<'_>, now: f64) {
+        self.load.book(&BookingKey::local(request, leg), booking, now);
+        if let Some(shared) = &mut self.shared {
+            shared.push(BookingUpdate::Booked {
+                request: request.into(),
+                leg,
+                pod: booking.pod,
+                prompt_tokens: booking.prompt_tokens,
+                cached_tokens: booking.cached_tokens,
+                chain: booking.chain.to_vec(),
+                max_output_tokens: booking.max_output_tokens,
+            });
+        }
+    }
+
+    /// Applies a lifecycle report to this replica's booking (and shares it).
+    fn report_leg(&mut self, request: &str, leg: Leg, event: Lifecycle, now: f64) -> Result<PodId, UnknownRequest> {
+        let pod = self.load.report(&BookingKey::local(request, leg), event, now)?;
+        if let Some(shared) = &mut self.shared {
+            shared.push(BookingUpdate::Reported { request: request.into(), leg, event });
+        }
+        Ok(pod)
+    }
+
+    /// Pods without KV events are indexed by what is routed there.
+    fn record_approx(&mut self, pod: PodId, chain: &[SequenceHash], now: f64) {
+        if pod.index() < self.pods.len() && !self.pods[pod.index()].precise {
+            self.approx.record(pod, chain, now);
         }
     }
 
@@ -334,8 +440,9 @@ impl Router {
             // The decode pod pulls the KV: it computes no prefill, only its load counts.
             let candidates = self.candidates(&decoders, request, now, Some(request.prompt_tokens));
             let decision = self.decode_policy.select(&input, &candidates);
-            self.load.book(
-                &prefill_booking(request.request_id),
+            self.book(
+                request.request_id,
+                Leg::Prefill,
                 &Booking {
                     pod: prefill.pod,
                     prompt_tokens: request.prompt_tokens,
@@ -374,8 +481,9 @@ impl Router {
                 prefill_pods,
             }
         };
-        self.load.book(
+        self.book(
             request.request_id,
+            Leg::Serve,
             &Booking {
                 pod: routed.decode.pod,
                 prompt_tokens: request.prompt_tokens,
@@ -386,9 +494,7 @@ impl Router {
             now,
         );
         for chosen in std::iter::once(routed.decode.pod).chain(routed.prefill.map(|p| p.pod)) {
-            if !self.pods[chosen.index()].precise {
-                self.approx.record(chosen, request.chain, now);
-            }
+            self.record_approx(chosen, request.chain, now);
         }
         Ok(routed)
     }
@@ -448,30 +554,32 @@ impl Router {
         prefill_leg: bool,
         now: f64,
     ) -> Result<(), UnknownRequest> {
-        let prefill_known = self.load.report(&prefill_booking(request_id), Lifecycle::Done, now).is_ok();
+        let prefill_known = self.report_leg(request_id, Leg::Prefill, Lifecycle::Done, now).is_ok();
         if prefill_leg {
             return if prefill_known { Ok(()) } else { Err(UnknownRequest(request_id.to_string())) };
         }
-        self.load.report(request_id, event, now).map(|_| ())
+        self.report_leg(request_id, Leg::Serve, event, now).map(|_| ())
     }
 
     /// The proxy reports which pod served `request_id` (after its retries): a booking made
     /// for another pod moves there, recomputed for what that pod has cached. Returns the pod
     /// it was booked on when it moved.
     pub fn served(&mut self, request_id: &str, pod: PodId, now: f64) -> Result<Option<PodId>, UnknownRequest> {
-        let booked = self.load.pod_of(request_id).ok_or_else(|| UnknownRequest(request_id.to_string()))?;
+        let key = BookingKey::local(request_id, Leg::Serve);
+        let booked = self.load.pod_of(&key).ok_or_else(|| UnknownRequest(request_id.to_string()))?;
         if booked == pod || pod.index() >= self.pods.len() {
             return Ok(None);
         }
-        let (chain, prompt_tokens) = match self.load.booked_prompt(request_id) {
+        let (chain, prompt_tokens) = match self.load.booked_prompt(&key) {
             Some((chain, tokens)) => (chain.to_vec(), tokens),
             None => return Err(UnknownRequest(request_id.to_string())),
         };
         let request = RouteRequest::new(request_id, &chain, prompt_tokens, None);
         let cached = self.candidates(&[pod], &request, now, None)[0].cached_tokens;
-        self.load.rebook(request_id, pod, cached)?;
-        if !self.pods[pod.index()].precise {
-            self.approx.record(pod, &chain, now);
+        self.load.rebook(&key, pod, cached)?;
+        self.record_approx(pod, &chain, now);
+        if let Some(shared) = &mut self.shared {
+            shared.push(BookingUpdate::Moved { request: key.request, leg: Leg::Serve, pod, cached_tokens: cached });
         }
         Ok(Some(booked))
     }
@@ -701,6 +809,72 @@ mod tests {
         r.report("a", Lifecycle::FirstToken, false, 1.0).unwrap();
         assert_eq!(r.route(&RouteRequest::new("e", &c(5), 640, None), 1.0).unwrap().decode.pod, first);
         assert!(pods.contains(&first));
+    }
+
+    #[test]
+    fn replicas_sharing_bookings_see_each_others_requests_in_flight() {
+        let replica = || {
+            let mut r = router(256);
+            r.add_pod(Role::Prefill, false);
+            r.add_pod(Role::Both, false);
+            r.add_pod(Role::Both, false);
+            r.share_bookings();
+            r
+        };
+        let (mut a, mut b) = (replica(), replica());
+        let from_a = Origin(1);
+        let long = chain(11, 512);
+        let first = a.route(&RouteRequest::new("r1", &long, 512, Some(8)), 0.0).unwrap();
+        let prefill = first.prefill.expect("512 uncached tokens disaggregate").pod;
+        for update in a.take_shared() {
+            b.apply_shared(from_a, &update, 0.1).unwrap();
+        }
+        assert!(a.take_shared().is_empty(), "taken once");
+        let seen = |r: &Router, pod| r.load().load(pod, 0.1).inflight_requests;
+        assert_eq!((seen(&b, prefill), seen(&b, first.decode.pod)), (1, 1), "both legs of a's request");
+        // b's own request with the same id is another booking; the prefix a sent is cached
+        // (approximate index) where a sent it.
+        let again = b.route(&RouteRequest::new("r1", &long, 512, Some(8)), 0.2).unwrap();
+        assert_eq!((again.prefill, again.decode.pod), (None, first.decode.pod));
+        assert_eq!(again.cached_tokens(), 512);
+        assert_eq!(seen(&b, first.decode.pod), 2);
+
+        // a's lifecycle follows: prefill done, then done.
+        a.report("r1", Lifecycle::Done, true, 0.3).unwrap();
+        a.report("r1", Lifecycle::Done, false, 0.4).unwrap();
+        let reports = a.take_shared();
+        assert_eq!(reports.len(), 2);
+        for update in &reports {
+            b.apply_shared(from_a, update, 0.4).unwrap();
+        }
+        assert_eq!((seen(&b, prefill), seen(&b, first.decode.pod)), (0, 1), "only b's own is left");
+        assert!(b.apply_shared(from_a, &reports[1], 0.5).is_err(), "a repeated done names nothing");
+
+        // A booking moved by the proxy moves on the other replica too.
+        let other = |p: PodId| if p == PodId(1) { PodId(2) } else { PodId(1) };
+        let short = chain(12, 64);
+        let routed = a.route(&RouteRequest::new("r2", &short, 64, None), 1.0).unwrap().decode.pod;
+        a.served("r2", other(routed), 1.1).unwrap();
+        for update in a.take_shared() {
+            b.apply_shared(from_a, &update, 1.1).unwrap();
+        }
+        assert_eq!(seen(&b, other(routed)), 1 + u32::from(other(routed) == first.decode.pod));
+
+        // A replica that joins rebuilds a's bookings from a snapshot; one that loses a
+        // forgets them.
+        let mut c = replica();
+        a.report("r2", Lifecycle::FirstToken, false, 1.2).unwrap();
+        for update in a.snapshot() {
+            c.apply_shared(from_a, &update, 1.3).unwrap();
+        }
+        let on = |r: &Router, pod| {
+            let l = r.load().load(pod, 1.3);
+            (l.inflight_requests, l.queued_prefill_tokens)
+        };
+        assert_eq!(on(&c, other(routed)), on(&a, other(routed)));
+        assert_eq!(on(&c, other(routed)).1, 0, "past its first token: no prefill queued");
+        assert_eq!(b.clear_origin(from_a), 1);
+        assert_eq!(seen(&b, other(routed)), u32::from(other(routed) == first.decode.pod));
     }
 
     #[test]

@@ -24,6 +24,8 @@ pub struct Summary {
     pub prefix_hit_rate: f64,
     /// Requests per decoding pod: max ÷ mean (1 = perfectly even).
     pub imbalance: f64,
+    /// The most requests one pod had in flight at once (arrival to finish): a pile-up.
+    pub peak_inflight: usize,
     pub preemptions: u64,
     pub makespan_s: f64,
 }
@@ -57,6 +59,28 @@ impl Summary {
             }
         }
         let mean = per_pod.iter().sum::<usize>() as f64 / per_pod.len().max(1) as f64;
+        let peak_inflight = decode_pods
+            .iter()
+            .map(|&pod| {
+                let mut changes: Vec<(f64, i32)> = run
+                    .requests
+                    .iter()
+                    .filter(|r| r.decode_pod == pod)
+                    .flat_map(|r| [(r.arrival, 1), (r.finished.unwrap_or(f64::INFINITY), -1)])
+                    .collect();
+                // Ends before starts at the same instant: a pod is not charged twice for a turn over.
+                changes.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+                changes
+                    .iter()
+                    .scan(0i32, |n, (_, d)| {
+                        *n += d;
+                        Some(*n)
+                    })
+                    .max()
+                    .unwrap_or(0) as usize
+            })
+            .max()
+            .unwrap_or(0);
         let mean_of = |v: &[f64]| if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 };
         Summary {
             workload: workload.to_string(),
@@ -71,6 +95,7 @@ impl Summary {
             throughput_tokens_per_s: if run.makespan > 0.0 { output as f64 / run.makespan } else { 0.0 },
             prefix_hit_rate: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
             imbalance: if mean > 0.0 { *per_pod.iter().max().unwrap_or(&0) as f64 / mean } else { 1.0 },
+            peak_inflight,
             preemptions: run.preemptions,
             makespan_s: run.makespan,
         }
@@ -94,12 +119,12 @@ fn ms(v: f64) -> String {
 pub fn table(rows: &[&Summary]) -> String {
     let best = rows.iter().map(|r| r.ttft_p90_ms).fold(f64::INFINITY, f64::min);
     let mut out = String::from(
-        "| router | TTFT mean | p50 | p90 | p99 (ms) | ITL (ms) | tokens/s | prefix hits | imbalance | failed |\n|---|---|---|---|---|---|---|---|---|---|\n",
+        "| router | TTFT mean | p50 | p90 | p99 (ms) | ITL (ms) | tokens/s | prefix hits | imbalance | peak in flight on a pod | failed |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let p90 = if r.ttft_p90_ms == best { format!("**{}**", ms(r.ttft_p90_ms)) } else { ms(r.ttft_p90_ms) };
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.1} % | {:.2} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.1} % | {:.2} | {} | {} |\n",
             r.router,
             ms(r.ttft_mean_ms),
             ms(r.ttft_p50_ms),
@@ -109,6 +134,7 @@ pub fn table(rows: &[&Summary]) -> String {
             r.throughput_tokens_per_s,
             r.prefix_hit_rate * 100.0,
             r.imbalance,
+            r.peak_inflight,
             r.failed
         ));
     }

@@ -1,17 +1,19 @@
-//! The routers a run can use: kvgate's own [`Router`] (any policy, the scorer's defaults)
-//! and a re-implementation of SGLang's `cache_aware` rule as a reference point.
+//! The routers a run can use: kvgate's own [`Router`] (any policy, the scorer's defaults),
+//! several kvgate replicas that share their bookings after a delay (or not at all), and a
+//! re-implementation of SGLang's `cache_aware` rule as a reference point.
 
 use crate::cluster::{Choice, ClusterRouter, PodRole};
 use crate::sglang::CacheAware;
 use kvgate_routing::events::decode_batch;
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
-use kvgate_routing::load::Lifecycle;
+use kvgate_routing::load::{BookingUpdate, Lifecycle, Origin};
 use kvgate_routing::pod_set::PodId;
 use kvgate_routing::policy::ReportedLoad;
 use kvgate_routing::router::{RouteRequest, Router};
 use kvgate_scorer::config::Config;
 use kvgate_sim::cache::CacheChange;
 use kvgate_sim::events::{EventEncoder, EventFormat, HashFormat};
+use std::collections::VecDeque;
 
 /// kvgate's routing exactly as the scorer runs it: the configuration is parsed by the
 /// scorer's own parser (so defaults and validation are the sidecar's), the pods' KV events
@@ -91,6 +93,92 @@ impl ClusterRouter for Kvgate {
     }
 }
 
+/// Several gateway replicas, each with its own kvgate [`Router`], as behind a load balancer
+/// that spreads clients: request `id` goes to replica `id mod n`, which hears its lifecycle.
+/// Every replica follows every pod's KV events and load scrapes (as live scorers do). With
+/// `sync`, each replica's booking changes reach the others that many seconds later (the
+/// bus's delay); without, each decides on its own requests only.
+pub struct Replicas {
+    replicas: Vec<Kvgate>,
+    sync_delay: Option<f64>,
+    /// (when it arrives, from which replica, the updates), in sending order.
+    in_transit: VecDeque<(f64, usize, Vec<BookingUpdate>)>,
+}
+
+impl Replicas {
+    pub fn new(replicas: Vec<Kvgate>, sync_delay: Option<f64>) -> Self {
+        let mut replicas = replicas;
+        if sync_delay.is_some() {
+            for r in &mut replicas {
+                r.router.share_bookings();
+            }
+        }
+        Self { replicas, sync_delay, in_transit: VecDeque::new() }
+    }
+
+    /// Delivers the updates due by `now` to every replica but their sender.
+    fn deliver(&mut self, now: f64) {
+        while self.in_transit.front().is_some_and(|(at, _, _)| *at <= now) {
+            let (_, from, updates) = self.in_transit.pop_front().expect("checked");
+            for (_, r) in self.replicas.iter_mut().enumerate().filter(|(i, _)| *i != from) {
+                for u in &updates {
+                    // A report for a booking already expired here is nothing to apply.
+                    let _ = r.router.apply_shared(Origin(from as u32 + 1), u, now);
+                }
+            }
+        }
+    }
+
+    /// Runs `op` on replica `i`, then sends what it changed.
+    fn on<T>(&mut self, i: usize, now: f64, op: impl FnOnce(&mut Kvgate) -> T) -> T {
+        self.deliver(now);
+        let out = op(&mut self.replicas[i]);
+        if let Some(delay) = self.sync_delay {
+            let updates = self.replicas[i].router.take_shared();
+            if !updates.is_empty() {
+                self.in_transit.push_back((now + delay, i, updates));
+            }
+        }
+        out
+    }
+
+    fn owner(&self, id: u64) -> usize {
+        (id % self.replicas.len() as u64) as usize
+    }
+}
+
+impl ClusterRouter for Replicas {
+    fn route(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64) -> Choice {
+        self.on(self.owner(id), now, |r| r.route(id, prompt, max_tokens, now))
+    }
+
+    fn prefill_done(&mut self, id: u64, now: f64) {
+        self.on(self.owner(id), now, |r| r.prefill_done(id, now))
+    }
+
+    fn first_token(&mut self, id: u64, now: f64) {
+        self.on(self.owner(id), now, |r| r.first_token(id, now))
+    }
+
+    fn done(&mut self, id: u64, now: f64) {
+        self.on(self.owner(id), now, |r| r.done(id, now))
+    }
+
+    fn kv_events(&mut self, pod: usize, changes: &[CacheChange], now: f64) {
+        self.deliver(now);
+        for r in &mut self.replicas {
+            r.kv_events(pod, changes, now);
+        }
+    }
+
+    fn scraped(&mut self, pod: usize, load: ReportedLoad, now: f64) {
+        self.deliver(now);
+        for r in &mut self.replicas {
+            r.scraped(pod, load, now);
+        }
+    }
+}
+
 /// SGLang's router with `cache_aware`: one [`CacheAware`] over all pods; in a P/D layout
 /// (SGLang's PD mode, which always disaggregates) one over the prefill pods and one over
 /// the decode pods.
@@ -149,11 +237,46 @@ impl ClusterRouter for Sglang {
 /// A router by name: `sglang-cache-aware`, or a kvgate policy (`kv`, `prefix`, `ttft`,
 /// `least-loaded`, `power-of-two`, `round-robin`, `random`) with the scorer's defaults;
 /// on layouts with prefill pods the policy chooses in both pools, and a suffix `@pd-always`
-/// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold.
+/// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold. A kvgate
+/// router followed by `/N-replicas` runs as N replicas sharing their bookings at once,
+/// `/N-replicas-sync-Dms` after D ms, `/N-replicas-unsynced` not at all ([`Replicas`]).
 pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn ClusterRouter>> {
     if name == "sglang-cache-aware" {
         return Ok(Box::new(Sglang::new(roles, seed)));
     }
+    if let Some((single, replicas)) = name.rsplit_once('/') {
+        let (n, sync) = parse_replicas(replicas)?;
+        let routers = (0..n).map(|i| kvgate(single, roles, seed + i as u64)).collect::<anyhow::Result<Vec<_>>>()?;
+        return Ok(Box::new(Replicas::new(routers, sync)));
+    }
+    Ok(Box::new(kvgate(name, roles, seed)?))
+}
+
+/// `N-replicas`, `N-replicas-sync-Dms`, `N-replicas-unsynced` → (N, sync delay in seconds).
+fn parse_replicas(spec: &str) -> anyhow::Result<(usize, Option<f64>)> {
+    let bad = || anyhow::anyhow!("bad replica spec {spec:?} (N-replicas, N-replicas-sync-Dms, N-replicas-unsynced)");
+    let (n, rest) = spec.split_once("-replicas").ok_or_else(bad)?;
+    let n: usize = n.parse().map_err(|_| bad())?;
+    anyhow::ensure!(n >= 1, "a fleet needs at least one replica: {spec:?}");
+    let sync = match rest {
+        "" => Some(0.0),
+        "-unsynced" => None,
+        _ => {
+            let ms: f64 = rest
+                .strip_prefix("-sync-")
+                .and_then(|d| d.strip_suffix("ms"))
+                .ok_or_else(bad)?
+                .parse()
+                .map_err(|_| bad())?;
+            anyhow::ensure!(ms.is_finite() && ms >= 0.0, "sync delay must be ≥ 0 ms: {spec:?}");
+            Some(ms / 1e3)
+        }
+    };
+    Ok((n, sync))
+}
+
+/// One kvgate router by policy name (see [`build`]).
+fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
     let (policy, threshold) = match name.split_once('@') {
         Some((p, "pd-always")) => (p, Some(0)),
         Some((p, "no-pd")) => (p, Some(u32::MAX)),
@@ -170,5 +293,5 @@ pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn
         pd.push(format!("prefill_policy: {policy_yaml}, decode_policy: {policy_yaml}"));
     }
     let pd = if pd.is_empty() { String::new() } else { format!("{{{}}}", pd.join(", ")) };
-    Ok(Box::new(Kvgate::new(roles, &policy_yaml, &pd, seed)?))
+    Kvgate::new(roles, &policy_yaml, &pd, seed)
 }

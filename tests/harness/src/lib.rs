@@ -477,6 +477,19 @@ impl ScorerProcess {
         (status, r.json().await.expect("JSON answer"))
     }
 
+    /// Reports `request_id` done (`POST /v1/lifecycle`, as the filter would): releases the
+    /// bookings of a decision made through [`ScorerProcess::route`] and never served.
+    pub async fn report_done(&self, request_id: &str) {
+        let done = serde_json::json!({"reports": [{"request_id": request_id, "event": "done"}]});
+        let r = reqwest::Client::new()
+            .post(format!("{}/v1/lifecycle", self.url))
+            .json(&done)
+            .send()
+            .await
+            .expect("lifecycle");
+        assert_eq!(r.json::<Value>().await.expect("JSON answer")["accepted"], 1, "{request_id} was in flight");
+    }
+
     /// The sum of a metric's samples in `/metrics` — every label set of `name`, or one
     /// series when `name` carries its labels; 0 when absent or the scorer does not answer.
     pub async fn metric(&self, name: &str) -> f64 {
@@ -659,4 +672,80 @@ pub fn cpu_time(pid: u32) -> Duration {
         .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
         .sum();
     Duration::from_nanos(nanos)
+}
+
+/// `nats-server` (Debian's package, installed by `make setup`) on a loopback port: the bus
+/// of replicas that share their bookings.
+pub struct NatsServer {
+    child: Child,
+    pub port: u16,
+    /// `nats://127.0.0.1:<port>`.
+    pub url: String,
+}
+
+/// The `nats-server` binary: on `PATH`, else where Debian puts it.
+fn nats_server_binary() -> PathBuf {
+    let on_path = std::env::var_os("PATH")
+        .and_then(|paths| std::env::split_paths(&paths).map(|p| p.join("nats-server")).find(|p| p.exists()));
+    on_path.unwrap_or_else(|| required(PathBuf::from("/usr/sbin/nats-server"), "nats-server"))
+}
+
+impl NatsServer {
+    /// Starts a server on a free port and waits until it accepts connections.
+    pub async fn start() -> NatsServer {
+        let mut why = String::new();
+        for _ in 0..START_ATTEMPTS {
+            let port = free_port();
+            let mut server = NatsServer { child: Self::spawn(port), port, url: format!("nats://127.0.0.1:{port}") };
+            match server.wait_up().await {
+                Ok(()) => return server,
+                Err(e) => why = e,
+            }
+        }
+        panic!("nats-server did not come up: {why}");
+    }
+
+    fn spawn(port: u16) -> Child {
+        Command::new(nats_server_binary())
+            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(child_stderr())
+            .spawn()
+            .expect("spawn nats-server")
+    }
+
+    async fn wait_up(&mut self) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await.is_err() {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Err(format!("exited ({status})"));
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("port {} never opened", self.port));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
+    /// Kills the server (SIGKILL: its clients see the connection drop).
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts it again on the same port.
+    pub async fn restart(&mut self) {
+        self.kill();
+        self.child = Self::spawn(self.port);
+        if let Err(e) = self.wait_up().await {
+            panic!("nats-server did not come back: {e}");
+        }
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
 }
