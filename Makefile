@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: profile setup build test lint audit licenses bench bench-cluster bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos
+.PHONY: profile setup build test lint audit licenses bench bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos
 
 setup:
 	@bash tests/tools/setup.sh
@@ -105,6 +105,14 @@ bench-cluster:
 bench-live: setup wasm
 	$(CARGO) build --workspace --release --bins
 	$(CARGO) run --release -p kvgate-bench --bin kvgate-live-bench -- $(LIVE_ARGS)
+
+# Gateway replicas in virtual time: one kvgate, three sharing their bookings after 0, 1, 5
+# or 50 ms, three unsynced; burst, chat and capacity workloads. Results in
+# target/bench/replicas/.
+bench-replicas:
+	$(CARGO) run --release -p kvgate-bench --bin kvgate-cluster-sim -- --workloads burst,chat,capacity --seeds 6 \
+	  --routers kv kv/3-replicas kv/3-replicas-sync-1ms kv/3-replicas-sync-5ms kv/3-replicas-sync-50ms kv/3-replicas-unsynced \
+	  --out target/bench/replicas
 
 # Both benchmark parts.
 bench: bench-cluster bench-live

@@ -589,7 +589,7 @@ mod tests {
             pod: PodId(1),
             prompt_tokens: 40,
             cached_tokens: 16,
-            chain: vec![SequenceHash(7), SequenceHash(u64::MAX)],
+            chain: vec![SequenceHash(7), SequenceHash(u64::MAX)].into(),
             max_output_tokens: Some(0),
         };
         let moved = BookingUpdate::Moved { request: "r2".into(), leg: Leg::Serve, pod: PodId(0), cached_tokens: 3 };

@@ -2,7 +2,8 @@
 //!
 //! 1. Decision latency: an 8k-token pre-tokenized prompt over 64 pods with ≈ 1M indexed
 //!    (block, pod) entries — hashing the prompt's blocks and `Router::route`, the scorer's
-//!    whole decision (index and in-flight prefixes, every pod's load, the `kv` policy, booking).
+//!    whole decision (index and in-flight prefixes, every pod's load, the `kv` policy, booking)
+//!    — alone and sharing its bookings with other replicas; applying another replica's.
 //! 2. Event ingestion: decoding vLLM-encoded batches and applying them, one core.
 //! 3. Memory per indexed (block, pod) entry, from the index's table capacities.
 //! 4. Tokenization with the real Qwen3 tokenizer (completions and chat, template included).
@@ -10,7 +11,7 @@
 use kvgate_routing::events::decode_batch;
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::index::{IndexConfig, KvIndex};
-use kvgate_routing::load::{Lifecycle, LoadConfig};
+use kvgate_routing::load::{Lifecycle, LoadConfig, Origin};
 use kvgate_routing::pod_set::PodId;
 use kvgate_routing::policy::PolicyConfig;
 use kvgate_routing::router::{Role, RouteRequest, Router, RouterConfig};
@@ -56,14 +57,8 @@ fn us(d: Duration) -> String {
     format!("{:.1} µs", d.as_secs_f64() * 1e6)
 }
 
-fn main() {
-    let encoder =
-        EventEncoder { format: EventFormat::Map, hashes: HashFormat::U64, block_size: BS, data_parallel_rank: Some(0) };
-    println!("kvgate routing benchmarks ({} cores)\n", std::thread::available_parallelism().map_or(1, |n| n.get()));
-    println!("| benchmark | result | target |");
-    println!("|---|---|---|");
-
-    // --- build a 64-pod index with ≈ 1M entries, inside the Router the scorer uses -----------
+/// A `Router` as the scorer builds it, over a 64-pod index of ≈ 1M entries.
+fn fleet_router(encoder: &EventEncoder) -> Router {
     let mut router = Router::new(&RouterConfig {
         index: IndexConfig { block_size: BS, max_blocks_per_pod: 1 << 22 },
         approximate_ttl_seconds: 120.0,
@@ -86,9 +81,24 @@ fn main() {
         // 64 sequences of 256 blocks per pod: 16,384 blocks, 1,048,576 entries in all.
         for k in 0..64u32 {
             salt += 1;
-            store(&encoder, &mut router, pod, &sequence(p as u32 * 64 + k), salt);
+            store(encoder, &mut router, pod, &sequence(p as u32 * 64 + k), salt);
         }
     }
+    router
+}
+
+fn main() {
+    let encoder =
+        EventEncoder { format: EventFormat::Map, hashes: HashFormat::U64, block_size: BS, data_parallel_rank: Some(0) };
+    println!("kvgate routing benchmarks ({} cores)\n", std::thread::available_parallelism().map_or(1, |n| n.get()));
+    println!("| benchmark | result | target |");
+    println!("|---|---|---|");
+
+    // --- two 64-pod indexes with ≈ 1M entries, inside the Router the scorer uses: one alone,
+    // one sharing its bookings with other replicas (`sync`) -------------------------------------
+    let mut router = fleet_router(&encoder);
+    let mut shared = fleet_router(&encoder);
+    shared.share_bookings();
     let entries = router.index().entries();
     let bytes = router.index().memory_bytes();
     let per_entry = bytes as f64 / entries as f64;
@@ -97,33 +107,59 @@ fn main() {
     // An 8192-token prompt whose first 4096 tokens are sequence 0 (held by pod 0 and, via the
     // shared 1024-token group prefix, partially by 1/16 of the others): hashing its blocks and
     // `Router::route` (index and in-flight prefixes, 64 pods' load, the `kv` policy, booking).
+    // Alone and sharing bookings, in alternating rounds (the machine's noise hits both alike);
+    // the sharing router's changes are taken every 8 decisions, as the sync publisher does.
     let mut prompt = sequence(0);
     prompt.extend((0..4096u32).map(|i| 900_000 + i));
     let mut chain: Vec<SequenceHash> = Vec::with_capacity(prompt.len() / BS);
-    let mut samples = Vec::with_capacity(20_000);
-    let mut chosen_cached = 0;
-    for i in 0..20_000u64 {
-        let id = i.to_string();
-        let t = Instant::now();
-        sequence_hashes(root_hash(None, None), &prompt, BS, &mut chain);
-        let request = RouteRequest::new(&id, &chain, prompt.len() as u32, Some(128));
-        let routed = router.route(&request, 0.0).expect("healthy pods");
-        samples.push(t.elapsed());
-        if i == 0 {
-            chosen_cached = routed.cached_tokens();
-        }
-        // Keep a realistic handful in flight.
-        if i >= 32 {
-            let _ = router.report(&(i - 32).to_string(), Lifecycle::Done, false, 0.0);
+    let (mut alone, mut sharing) = (Vec::with_capacity(20_000), Vec::with_capacity(20_000));
+    let mut updates = Vec::new();
+    for round in 0..20u64 {
+        for (router, samples) in [(&mut router, &mut alone), (&mut shared, &mut sharing)] {
+            for k in 0..1_000u64 {
+                let i = round * 1_000 + k;
+                let id = i.to_string();
+                let t = Instant::now();
+                sequence_hashes(root_hash(None, None), &prompt, BS, &mut chain);
+                let request = RouteRequest::new(&id, &chain, prompt.len() as u32, Some(128));
+                let routed = router.route(&request, 0.0).expect("healthy pods");
+                samples.push(t.elapsed());
+                if i == 0 {
+                    assert_eq!(routed.cached_tokens(), 4096, "on an idle fleet the pod holding the prefix wins");
+                }
+                // Keep a realistic handful in flight.
+                if i >= 32 {
+                    let _ = router.report(&(i - 32).to_string(), Lifecycle::Done, false, 0.0);
+                }
+                if i % 8 == 7 {
+                    // Sent and dropped, as by the publisher; the last round's kept to apply below.
+                    let taken = router.take_shared();
+                    if round == 19 {
+                        updates.extend(taken);
+                    }
+                }
+            }
         }
     }
-    assert_eq!(chosen_cached, 4096, "on an idle fleet the pod holding the prefix wins");
-    samples.sort();
+    for (label, samples) in [("", &mut alone), (", sharing bookings (sync)", &mut sharing)] {
+        samples.sort();
+        println!(
+            "| decision, 8k-token prompt, 64 pods, {:.2}M entries{label} | p50 {} · p99 {} | p99 ≤ 50 µs |",
+            entries as f64 / 1e6,
+            us(percentile(samples, 0.5)),
+            us(percentile(samples, 0.99))
+        );
+    }
+    // Another replica's changes applied as its own — bookings with their 512-block chains and
+    // lifecycle reports — as the sync receiver does, under the decisions' lock.
+    let t = Instant::now();
+    for u in &updates {
+        let _ = router.apply_shared(Origin(1), u, 0.0);
+    }
     println!(
-        "| decision, 8k-token prompt, 64 pods, {:.2}M entries | p50 {} · p99 {} | p99 ≤ 50 µs |",
-        entries as f64 / 1e6,
-        us(percentile(&samples, 0.5)),
-        us(percentile(&samples, 0.99))
+        "| another replica's booking change applied (sync), 8k-token prompts | {:.2} µs each ({} changes) | |",
+        t.elapsed().as_secs_f64() * 1e6 / updates.len() as f64,
+        updates.len()
     );
 
     // --- ingestion -----------------------------------------------------------------------------

@@ -20,6 +20,7 @@
 use crate::hash::SequenceHash;
 use crate::pod_set::PodId;
 use ahash::AHashMap;
+use std::sync::Arc;
 
 /// Parameters of the bookkeeping.
 #[derive(Clone, Debug)]
@@ -84,7 +85,8 @@ pub enum BookingUpdate {
         pod: PodId,
         prompt_tokens: u32,
         cached_tokens: u32,
-        chain: Vec<SequenceHash>,
+        /// Shared with the booking it describes (no copy per decision).
+        chain: Arc<[SequenceHash]>,
         max_output_tokens: Option<u32>,
     },
     Reported {
@@ -135,7 +137,7 @@ struct Inflight {
     prefill_tokens: u64,
     prefill_work: f64,
     /// Blocks of the prompt, refcounted in the pod's shared map.
-    prompt_blocks: Vec<SequenceHash>,
+    prompt_blocks: Arc<[SequenceHash]>,
     /// Prompt tokens beyond the last full block (their partial block is private).
     partial_block: bool,
     output_tokens: u32,
@@ -201,9 +203,9 @@ impl LoadTracker {
         PodId(self.pods.len() as u32 - 1)
     }
 
-    /// Books a decision under `key` at time `now`. A key already in flight is released
-    /// first (a retried request replaces its earlier booking).
-    pub fn book(&mut self, key: &BookingKey, booking: &Booking<'_>, now: f64) {
+    /// Books a decision under `key` at time `now`; returns the chain it keeps. A key already
+    /// in flight is released first (a retried request replaces its earlier booking).
+    pub fn book(&mut self, key: &BookingKey, booking: &Booking<'_>, now: f64) -> Arc<[SequenceHash]> {
         self.release(key);
         let output = booking.max_output_tokens.unwrap_or(self.config.default_output_tokens);
         let partial_block = !(booking.prompt_tokens as usize).is_multiple_of(self.config.block_size);
@@ -212,7 +214,7 @@ impl LoadTracker {
             prompt_tokens: booking.prompt_tokens,
             prefill_tokens: 0,
             prefill_work: 0.0,
-            prompt_blocks: booking.chain.to_vec(),
+            prompt_blocks: booking.chain.into(),
             partial_block,
             output_tokens: output,
             first_token_at: None,
@@ -220,7 +222,9 @@ impl LoadTracker {
             expires_at: now + self.config.request_ttl,
         };
         req.set_cached(booking.cached_tokens);
+        let chain = req.prompt_blocks.clone();
         self.insert(key.clone(), req);
+        chain
     }
 
     /// Moves a booking to the pod that actually serves the request (the proxy retried
@@ -237,7 +241,7 @@ impl LoadTracker {
 
     /// The prompt blocks and size of a booked request.
     pub fn booked_prompt(&self, key: &BookingKey) -> Option<(&[SequenceHash], u32)> {
-        self.requests.get(key).map(|r| (r.prompt_blocks.as_slice(), r.prompt_tokens))
+        self.requests.get(key).map(|r| (&r.prompt_blocks[..], r.prompt_tokens))
     }
 
     /// Adds a request's load to its pod.
@@ -247,7 +251,7 @@ impl LoadTracker {
             pod.queued_prefill_tokens += req.prefill_tokens;
             pod.queued_prefill_work += req.prefill_work;
         }
-        for h in &req.prompt_blocks {
+        for h in req.prompt_blocks.iter() {
             *pod.shared_blocks.entry(*h).or_insert(0) += 1;
         }
         pod.private_blocks += u64::from(req.partial_block);
@@ -298,7 +302,7 @@ impl LoadTracker {
             pod.queued_prefill_tokens -= req.prefill_tokens;
             pod.queued_prefill_work -= req.prefill_work;
         }
-        for h in &req.prompt_blocks {
+        for h in req.prompt_blocks.iter() {
             if let Some(n) = pod.shared_blocks.get_mut(h) {
                 *n -= 1;
                 if *n == 0 {

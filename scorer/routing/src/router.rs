@@ -284,7 +284,7 @@ impl Router {
                 pod: booking.pod,
                 prompt_tokens: booking.prompt_tokens,
                 cached_tokens: booking.cached_tokens,
-                chain: booking.chain.to_vec(),
+                chain: booking.chain.into(),
                 max_output_tokens: booking.max_output_tokens,
             });
             if first_token {
@@ -300,7 +300,7 @@ impl Router {
 
     /// Books this replica's decision (and keeps it for the others, while sharing).
     fn book(&mut self, request: &str, leg: Leg, booking: &Booking<'_>, now: f64) {
-        self.load.book(&BookingKey::local(request, leg), booking, now);
+        let chain = self.load.book(&BookingKey::local(request, leg), booking, now);
         if let Some(shared) = &mut self.shared {
             shared.push(BookingUpdate::Booked {
                 request: request.into(),
@@ -308,7 +308,7 @@ impl Router {
                 pod: booking.pod,
                 prompt_tokens: booking.prompt_tokens,
                 cached_tokens: booking.cached_tokens,
-                chain: booking.chain.to_vec(),
+                chain,
                 max_output_tokens: booking.max_output_tokens,
             });
         }

@@ -82,6 +82,34 @@ pub struct RunResult {
     pub preemptions: u64,
     /// Virtual seconds from the first arrival to the last completion.
     pub makespan: f64,
+    /// The most requests one pod had in flight at once (arrival to finish): a pile-up.
+    pub peak_inflight: usize,
+}
+
+/// The most requests any one pod served at once (a request counts from arrival to finish;
+/// one that never finished, to the end).
+pub(crate) fn peak_inflight(records: &[RequestRecord], pods: usize) -> usize {
+    (0..pods)
+        .map(|pod| {
+            let mut changes: Vec<(f64, i32)> = records
+                .iter()
+                .filter(|r| r.decode_pod == pod)
+                .flat_map(|r| [(r.arrival, 1), (r.finished.unwrap_or(f64::INFINITY), -1)])
+                .collect();
+            // Ends before starts at one instant: a turn over is not a pile-up.
+            changes.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            let mut n = 0i32;
+            changes
+                .iter()
+                .map(|(_, d)| {
+                    n += d;
+                    n
+                })
+                .max()
+                .unwrap_or(0) as usize
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -215,6 +243,7 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
     RunResult {
         prefill_tokens_per_pod: sim.pods.iter().map(|p| p.engine.counters().prefill_tokens_computed).collect(),
         preemptions: sim.pods.iter().map(|p| p.engine.counters().preemptions).sum(),
+        peak_inflight: peak_inflight(&sim.records, config.roles.len()),
         requests: sim.records,
         makespan: (last - first).max(0.0),
     }

@@ -59,28 +59,6 @@ impl Summary {
             }
         }
         let mean = per_pod.iter().sum::<usize>() as f64 / per_pod.len().max(1) as f64;
-        let peak_inflight = decode_pods
-            .iter()
-            .map(|&pod| {
-                let mut changes: Vec<(f64, i32)> = run
-                    .requests
-                    .iter()
-                    .filter(|r| r.decode_pod == pod)
-                    .flat_map(|r| [(r.arrival, 1), (r.finished.unwrap_or(f64::INFINITY), -1)])
-                    .collect();
-                // Ends before starts at the same instant: a pod is not charged twice for a turn over.
-                changes.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-                changes
-                    .iter()
-                    .scan(0i32, |n, (_, d)| {
-                        *n += d;
-                        Some(*n)
-                    })
-                    .max()
-                    .unwrap_or(0) as usize
-            })
-            .max()
-            .unwrap_or(0);
         let mean_of = |v: &[f64]| if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 };
         Summary {
             workload: workload.to_string(),
@@ -95,7 +73,7 @@ impl Summary {
             throughput_tokens_per_s: if run.makespan > 0.0 { output as f64 / run.makespan } else { 0.0 },
             prefix_hit_rate: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
             imbalance: if mean > 0.0 { *per_pod.iter().max().unwrap_or(&0) as f64 / mean } else { 1.0 },
-            peak_inflight,
+            peak_inflight: run.peak_inflight,
             preemptions: run.preemptions,
             makespan_s: run.makespan,
         }
@@ -224,15 +202,18 @@ mod tests {
             decode_pod: pod,
             ..Default::default()
         };
+        let requests = vec![rec(0.0, 0.1, 1.1, 11, 0), rec(1.0, 1.3, 2.3, 11, 0), rec(2.0, 2.2, 3.0, 1, 1), {
+            RequestRecord { arrival: 3.0, rejected: true, ..Default::default() }
+        }];
         let run = RunResult {
-            requests: vec![rec(0.0, 0.1, 1.1, 11, 0), rec(1.0, 1.3, 2.3, 11, 0), rec(2.0, 2.2, 3.0, 1, 1), {
-                RequestRecord { arrival: 3.0, rejected: true, ..Default::default() }
-            }],
+            peak_inflight: crate::cluster::peak_inflight(&requests, 2),
+            requests,
             prefill_tokens_per_pod: vec![0, 0],
             preemptions: 0,
             makespan: 3.0,
         };
         let s = Summary::of("w", "r", &run, &[0, 1]);
+        assert_eq!(s.peak_inflight, 2, "pod 0's first two overlap from 1.0 to 1.1");
         assert_eq!((s.requests, s.failed), (4, 1));
         assert!((s.ttft_p50_ms - 200.0).abs() < 1e-9 && (s.ttft_p99_ms - 300.0).abs() < 1e-9);
         assert!((s.itl_mean_ms - 100.0).abs() < 1e-9, "{}", s.itl_mean_ms);

@@ -50,8 +50,9 @@ fn hadolint(files: &[PathBuf]) -> Result<String, String> {
     run(cmd)
 }
 
-const MANIFESTS: [&str; 10] = [
+const MANIFESTS: [&str; 11] = [
     "base/namespace.yaml",
+    "base/nats.yaml",
     "base/rbac.yaml",
     "base/vllm.yaml",
     "base/vllm-pd.yaml",
@@ -86,6 +87,8 @@ fn kubernetes_manifests_pass_the_kubernetes_schemas() {
         "service/kvgate-epp",
         "deployment/kvgate-epp",
         "poddisruptionbudget/kvgate-epp",
+        "deployment/nats",
+        "service/nats",
     ];
     for kind in core {
         assert!(report.contains(&format!("passed for resource {kind}")), "{kind} not validated:\n{report}");
@@ -130,6 +133,14 @@ fn the_scorer_configmap_parses_and_the_envoy_bootstrap_matches_it_and_validates(
     let dns = &config.discovery.dns[0];
     assert_eq!((dns.name.as_str(), dns.port, dns.role), ("vllm.inference.svc.cluster.local", 8000, Role::Both));
     assert_eq!(config.admin.listen.map(|a| a.port()), Some(9090), "probes and metrics on the admin port");
+    // The gateway's replicas share their bookings over the NATS Service of base/nats.yaml.
+    let gateway = documents("envoy/gateway.yaml");
+    assert!(find(&gateway, "Deployment", "kvgate-gateway")["spec"]["replicas"].as_u64().unwrap() >= 2);
+    let sync = config.sync.as_ref().expect("sync is configured");
+    let nats = documents("base/nats.yaml");
+    let nats_port = find(&nats, "Service", "nats")["spec"]["ports"][0]["port"].as_u64().unwrap();
+    assert_eq!(sync.nats, format!("nats://nats.inference.svc.cluster.local:{nats_port}"));
+    assert_eq!(sync.replica_id, None, "each replica is named by its pod ($HOSTNAME)");
     // The headless Service it resolves exists with those ports.
     let vllm = documents("base/vllm.yaml");
     let service = find(&vllm, "Service", "vllm");

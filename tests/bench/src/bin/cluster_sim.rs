@@ -125,6 +125,7 @@ fn main() -> anyhow::Result<()> {
                                     *a += b;
                                 }
                                 p.preemptions += result.preemptions;
+                                p.peak_inflight = p.peak_inflight.max(result.peak_inflight);
                                 p.makespan += result.makespan;
                                 p
                             }
