@@ -239,9 +239,9 @@ impl LoadTracker {
         Ok(from)
     }
 
-    /// The prompt blocks and size of a booked request.
-    pub fn booked_prompt(&self, key: &BookingKey) -> Option<(&[SequenceHash], u32)> {
-        self.requests.get(key).map(|r| (&r.prompt_blocks[..], r.prompt_tokens))
+    /// The prompt blocks (shared, not copied) and size of a booked request.
+    pub fn booked_prompt(&self, key: &BookingKey) -> Option<(Arc<[SequenceHash]>, u32)> {
+        self.requests.get(key).map(|r| (r.prompt_blocks.clone(), r.prompt_tokens))
     }
 
     /// Adds a request's load to its pod.
@@ -439,6 +439,11 @@ mod tests {
         BookingKey::local(request.as_ref(), Leg::Serve)
     }
 
+    /// An 8-token request with nothing cached and no `max_tokens`.
+    fn eight_tokens(pod: PodId, chain: &[SequenceHash]) -> Booking<'_> {
+        Booking { pod, prompt_tokens: 8, cached_tokens: 0, chain, max_output_tokens: None }
+    }
+
     fn chain(n: u64) -> Vec<SequenceHash> {
         (0..n).map(SequenceHash).collect()
     }
@@ -455,11 +460,10 @@ mod tests {
     fn bookings_the_engine_does_not_hold_are_dropped_oldest_first() {
         let (mut t, a, b) = tracker();
         let c = chain(2);
-        let booking = |pod| Booking { pod, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None };
         for (i, at) in [0.0, 1.0, 2.0, 9.5].into_iter().enumerate() {
-            t.book(&k(format!("a{i}")), &booking(a), at);
+            t.book(&k(format!("a{i}")), &eight_tokens(a, &c), at);
         }
-        t.book(&k("b0"), &booking(b), 0.0);
+        t.book(&k("b0"), &eight_tokens(b, &c), 0.0);
         // The engine holds 2 requests; three bookings are older than 5 s: the oldest goes.
         assert_eq!(t.reconcile(a, 2, 5.0), 1);
         assert_eq!(t.load(a, 10.0).inflight_requests, 3);
@@ -521,16 +525,8 @@ mod tests {
     fn lost_reports_expire_and_rebooking_replaces() {
         let (mut t, a, b) = tracker();
         let c = chain(2);
-        t.book(
-            &k("r"),
-            &Booking { pod: a, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None },
-            0.0,
-        );
-        t.book(
-            &k("r"),
-            &Booking { pod: b, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None },
-            1.0,
-        );
+        t.book(&k("r"), &eight_tokens(a, &c), 0.0);
+        t.book(&k("r"), &eight_tokens(b, &c), 1.0);
         assert_eq!(t.load(a, 1.0), PodLoad::default(), "a retried request moves its booking");
         assert_eq!(t.pod_of(&k("r")), Some(b));
         assert_eq!(t.expire(30.0), 0);
@@ -543,16 +539,8 @@ mod tests {
     fn clearing_a_pod_drops_its_bookings() {
         let (mut t, a, b) = tracker();
         let c = chain(2);
-        t.book(
-            &k("1"),
-            &Booking { pod: a, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None },
-            0.0,
-        );
-        t.book(
-            &k("2"),
-            &Booking { pod: b, prompt_tokens: 8, cached_tokens: 0, chain: &c, max_output_tokens: None },
-            0.0,
-        );
+        t.book(&k("1"), &eight_tokens(a, &c), 0.0);
+        t.book(&k("2"), &eight_tokens(b, &c), 0.0);
         t.clear_pod(a);
         assert_eq!(t.load(a, 0.0), PodLoad::default());
         assert_eq!(t.inflight(), 1);

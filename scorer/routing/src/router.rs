@@ -260,7 +260,6 @@ impl Router {
                 let key = BookingKey { origin, leg: *leg, request: request.clone() };
                 self.load.rebook(&key, *pod, *cached_tokens)?;
                 if let Some((chain, _)) = self.load.booked_prompt(&key) {
-                    let chain = chain.to_vec();
                     self.record_approx(*pod, &chain, now);
                 }
             }
@@ -570,10 +569,8 @@ impl Router {
         if booked == pod || pod.index() >= self.pods.len() {
             return Ok(None);
         }
-        let (chain, prompt_tokens) = match self.load.booked_prompt(&key) {
-            Some((chain, tokens)) => (chain.to_vec(), tokens),
-            None => return Err(UnknownRequest(request_id.to_string())),
-        };
+        let (chain, prompt_tokens) =
+            self.load.booked_prompt(&key).ok_or_else(|| UnknownRequest(request_id.to_string()))?;
         let request = RouteRequest::new(request_id, &chain, prompt_tokens, None);
         let cached = self.candidates(&[pod], &request, now, None)[0].cached_tokens;
         self.load.rebook(&key, pod, cached)?;

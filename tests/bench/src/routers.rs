@@ -106,8 +106,7 @@ pub struct Replicas {
 }
 
 impl Replicas {
-    pub fn new(replicas: Vec<Kvgate>, sync_delay: Option<f64>) -> Self {
-        let mut replicas = replicas;
+    pub fn new(mut replicas: Vec<Kvgate>, sync_delay: Option<f64>) -> Self {
         if sync_delay.is_some() {
             for r in &mut replicas {
                 r.router.share_bookings();

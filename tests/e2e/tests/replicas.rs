@@ -54,18 +54,15 @@ async fn fleet() -> Fleet {
 impl Fleet {
     /// Polls until `check` holds on every scorer (15 s at most).
     async fn wait_all(&self, what: &str, check: impl AsyncFn(&ScorerProcess) -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        loop {
-            let mut all = true;
+        wait_until(what, async || {
             for s in &self.scorers {
-                all &= check(s).await;
+                if !check(s).await {
+                    return false;
+                }
             }
-            if all {
-                return;
-            }
-            assert!(Instant::now() < deadline, "{what}: not within 15 s");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            true
+        })
+        .await;
     }
 
     /// Polls until every scorer sees `total` requests in flight, spread alike; returns the
@@ -75,6 +72,15 @@ impl Fleet {
         let views = futures::future::join_all(self.scorers.iter().map(inflight)).await;
         assert!(views.iter().all(|v| *v == views[0]), "{what}: the replicas disagree: {views:?}");
         views[0].clone()
+    }
+}
+
+/// Polls `check` until it holds (15 s at most).
+async fn wait_until(what: &str, check: impl AsyncFn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !check().await {
+        assert!(Instant::now() < deadline, "{what}: not within 15 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
 
@@ -155,10 +161,7 @@ async fn replicas_decide_on_the_fleets_requests_and_survive_the_bus_going_away()
     f.wait_all("each replica's own finished", async |s| inflight(s).await.iter().all(|(_, n)| *n == 0)).await;
     // A long request made on replica 0 while the bus is away…
     let unshared = spawn_request(&f.envoys[0], completion(&text("made during the outage", 600), 4));
-    f.wait_all("replica 0 books it", async |s| {
-        s.port != f.scorers[0].port || inflight(s).await.iter().any(|(_, n)| *n == 1)
-    })
-    .await;
+    wait_until("replica 0 books it", async || inflight(&f.scorers[0]).await.iter().any(|(_, n)| *n == 1)).await;
     assert_eq!(inflight(&f.scorers[1]).await.iter().map(|(_, n)| n).sum::<u64>(), 0, "not shared while away");
     assert!(f.scorers[0].metric("kvgate_sync_updates_total{outcome=\"dropped_bus_down\"}").await > 0.0);
 
