@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: profile setup build test lint audit licenses bench bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos
+.PHONY: profile setup build test lint audit licenses bench bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos demo-replicas
 
 setup:
 	@bash tests/tools/setup.sh
@@ -51,6 +51,13 @@ demo: setup wasm
 demo-pd: setup wasm
 	$(CARGO) build --workspace --release --bins
 	./target/release/kvgate-demo --pd
+
+# Gateway replicas: one Envoy + scorer, three Envoys on one scorer, three replicas sharing
+# their bookings over NATS, three on their own; the mixed workload and a burst through each,
+# the client spread over them.
+demo-replicas: setup wasm
+	$(CARGO) build --workspace --release --bins
+	./target/release/kvgate-demo --replicas 3
 
 # The same stack left running on the documented defaults (see tests/tools/stack.sh).
 up: setup wasm

@@ -2,10 +2,16 @@
 //! loopback; a realistic mixed workload through Envoy asking kvgate through its wasm filter,
 //! then through its Endpoint Picker (ext_proc, as Gateway API Inference Extension gateways
 //! ask), then through plain Envoy round robin, each on freshly started pods; a report.
+//!
+//! `--replicas N` (`make demo-replicas`): the gateway as one Envoy + scorer, N Envoys asking
+//! one scorer, N Envoy + scorer replicas sharing their bookings over a real `nats-server`,
+//! and N that do not, the client's requests spread over the gateways in turn; the mixed
+//! workload and a burst (many requests at once over a few shared documents), each on
+//! freshly started pods; one report with the replicas' sync lag.
 
 use clap::Parser;
 use kvgate_e2e::{Measured, ms, percentile, send};
-use kvgate_test_harness::{EPP_PORT, EnvoyProcess, ScorerProcess, Sim, qwen3_tokenizer, text};
+use kvgate_test_harness::{EPP_PORT, EnvoyProcess, NatsServer, ScorerProcess, Sim, qwen3_tokenizer, text};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -50,6 +56,17 @@ struct Args {
     /// scorer's Endpoint Picker over ext_proc, as GIE gateways call it) or `both`.
     #[arg(long, default_value = "both", value_parser = ["wasm", "epp", "both"])]
     picker: String,
+    /// Gateway replicas (Envoy + scorer each): > 1 compares one replica, this many Envoys on
+    /// one scorer, this many replicas sharing their bookings over NATS, and this many on
+    /// their own (wasm path).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=8))]
+    replicas: u32,
+    /// Requests of the burst (replicas mode), all sent at once.
+    #[arg(long, default_value_t = 96)]
+    burst_requests: usize,
+    /// Shared documents (≈ 2,000 tokens each) the burst's requests ask about.
+    #[arg(long, default_value_t = 4)]
+    burst_documents: usize,
 }
 
 const MODEL: &str = "Qwen/Qwen3-8B";
@@ -63,8 +80,26 @@ fn progress(done: &AtomicUsize, total: usize) {
     }
 }
 
-/// Runs the workload through `url`; returns every request's measurement.
-async fn workload(url: &str, args: &Args) -> Vec<Measured> {
+/// The gateways' URLs taken in turn, one per request (as a load balancer in front of
+/// gateway replicas spreads clients).
+#[derive(Clone)]
+struct Gateways {
+    urls: Arc<Vec<String>>,
+    next: Arc<AtomicUsize>,
+}
+
+impl Gateways {
+    fn new(urls: Vec<String>) -> Self {
+        Self { urls: Arc::new(urls), next: Arc::new(AtomicUsize::new(0)) }
+    }
+
+    fn next(&self) -> &str {
+        &self.urls[self.next.fetch_add(1, Ordering::Relaxed) % self.urls.len()]
+    }
+}
+
+/// Runs the mixed workload through the gateways; returns every request's measurement.
+async fn workload(gateways: &Gateways, args: &Args) -> Vec<Measured> {
     let client = reqwest::Client::new();
     let systems: Vec<String> = (0..args.system_prompts)
         .map(|i| format!("You are assistant number {i} of the support desk. {}", text(&format!("rule{i}x"), 330)))
@@ -74,7 +109,7 @@ async fn workload(url: &str, args: &Args) -> Vec<Measured> {
     let gate = Arc::new(Semaphore::new(args.concurrency));
     let mut tasks = Vec::new();
     for s in 0..args.sessions {
-        let (client, url, gate, done) = (client.clone(), url.to_string(), gate.clone(), done.clone());
+        let (client, gateways, gate, done) = (client.clone(), gateways.clone(), gate.clone(), done.clone());
         let system = systems[s % systems.len()].clone();
         let turns = args.turns;
         tasks.push(tokio::spawn(async move {
@@ -87,7 +122,7 @@ async fn workload(url: &str, args: &Args) -> Vec<Measured> {
                 let body = json!({"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": true,
                                   "stream_options": {"include_usage": true}});
                 let permit = gate.acquire().await.expect("semaphore");
-                let m = send(&client, &format!("{url}/v1/chat/completions"), &body).await;
+                let m = send(&client, &format!("{}/v1/chat/completions", gateways.next()), &body).await;
                 drop(permit);
                 progress(&done, total);
                 messages.push(json!({"role": "assistant", "content": m.text.clone()}));
@@ -97,12 +132,12 @@ async fn workload(url: &str, args: &Args) -> Vec<Measured> {
         }));
     }
     for u in 0..args.unique {
-        let (client, url, gate, done) = (client.clone(), url.to_string(), gate.clone(), done.clone());
+        let (client, gateways, gate, done) = (client.clone(), gateways.clone(), gate.clone(), done.clone());
         tasks.push(tokio::spawn(async move {
             let body = json!({"model": MODEL, "prompt": text(&format!("unique{u}x"), 400), "max_tokens": MAX_TOKENS,
                               "stream": true, "stream_options": {"include_usage": true}});
             let permit = gate.acquire().await.expect("semaphore");
-            let m = send(&client, &format!("{url}/v1/completions"), &body).await;
+            let m = send(&client, &format!("{}/v1/completions", gateways.next()), &body).await;
             drop(permit);
             progress(&done, total);
             vec![m]
@@ -116,7 +151,7 @@ async fn workload(url: &str, args: &Args) -> Vec<Measured> {
 }
 
 struct Row {
-    name: &'static str,
+    name: String,
     /// `direct / pd` decisions (P/D demo).
     paths: Option<String>,
     per_pod: BTreeMap<String, usize>,
@@ -127,7 +162,7 @@ struct Row {
     errors: usize,
 }
 
-fn summarize(name: &'static str, results: &[Measured]) -> Row {
+fn summarize(name: &str, results: &[Measured]) -> Row {
     let mut per_pod = BTreeMap::new();
     for r in results {
         *per_pod.entry(r.pod.clone().unwrap_or_else(|| "-".into())).or_insert(0) += 1;
@@ -138,7 +173,7 @@ fn summarize(name: &'static str, results: &[Measured]) -> Row {
     let mut ttft: Vec<Duration> = ok.iter().map(|r| r.ttft).collect();
     let total: Duration = ok.iter().map(|r| r.total).sum();
     Row {
-        name,
+        name: name.to_string(),
         paths: None,
         per_pod,
         hit_rate: if prompt == 0 { 0.0 } else { cached as f64 / prompt as f64 },
@@ -254,7 +289,7 @@ async fn pd_demo(args: &Args) -> anyhow::Result<Vec<Row>> {
         let envoy = EnvoyProcess::start(&scorer, &[]).await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         println!("[{}/4] workload: {name}", step + 2);
-        let results = workload(&envoy.url, args).await;
+        let results = workload(&Gateways::new(vec![envoy.url.clone()]), args).await;
         let mut row = summarize(name, &results);
         row.paths = Some(paths(&scorer).await);
         rows.push(row);
@@ -278,7 +313,13 @@ async fn main() -> anyhow::Result<()> {
         args.unique,
         args.concurrency
     );
-    let rows = if args.pd { pd_demo(&args).await? } else { demo(&args).await? };
+    let rows = if args.replicas > 1 {
+        replicas_demo(&args).await?
+    } else if args.pd {
+        pd_demo(&args).await?
+    } else {
+        demo(&args).await?
+    };
     print_table(&rows);
     if rows.iter().any(|r| r.errors > 0) {
         anyhow::bail!("some requests failed");
@@ -311,7 +352,7 @@ async fn demo(args: &Args) -> anyhow::Result<Vec<Row>> {
         let envoy = EnvoyProcess::start(&scorer, &["--picker", picker]).await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         println!("[{}/{steps}] workload through {name} ({})", i + 2, envoy.url);
-        rows.push(summarize(name, &workload(&envoy.url, args).await));
+        rows.push(summarize(name, &workload(&Gateways::new(vec![envoy.url.clone()]), args).await));
     }
     println!("\nreport\n");
     let baseline = rows.last().expect("the round-robin leg").ttft_p90;
@@ -326,4 +367,153 @@ async fn demo(args: &Args) -> anyhow::Result<Vec<Row>> {
     }
     println!();
     Ok(rows)
+}
+
+/// All `args.burst_requests` at once, each a question about one of a few shared documents.
+async fn burst(gateways: &Gateways, args: &Args) -> Vec<Measured> {
+    let client = reqwest::Client::new();
+    let documents: Vec<String> = (0..args.burst_documents)
+        .map(|d| format!("Document {d}. {}", text(&format!("burst document {d} clause"), 650)))
+        .collect();
+    let total = args.burst_requests;
+    let done = Arc::new(AtomicUsize::new(0));
+    let tasks: Vec<_> = (0..total)
+        .map(|i| {
+            let url = format!("{}/v1/completions", gateways.next());
+            let prompt = format!("{}\nQuestion {i}: {}", documents[i % documents.len()], text(&format!("ask{i}"), 20));
+            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": true,
+                              "stream_options": {"include_usage": true}});
+            let (client, done) = (client.clone(), done.clone());
+            tokio::spawn(async move {
+                let m = send(&client, &url, &body).await;
+                progress(&done, total);
+                m
+            })
+        })
+        .collect();
+    let mut all = Vec::with_capacity(total);
+    for t in tasks {
+        all.push(t.await.expect("burst task"));
+    }
+    all
+}
+
+/// The delay of the other replicas' updates (`kvgate_sync_lag_seconds`), over all scorers:
+/// (mean, the histogram bound under which 99 % fell).
+async fn sync_lag(scorers: &[ScorerProcess]) -> (Duration, Duration) {
+    let (mut sum, mut count) = (0.0, 0.0);
+    let mut buckets: BTreeMap<u64, f64> = BTreeMap::new();
+    for s in scorers {
+        let text = reqwest::get(format!("{}/metrics", s.url)).await.map(|r| r.text());
+        let text = match text {
+            Ok(t) => t.await.unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        for line in text.lines().filter(|l| l.starts_with("kvgate_sync_lag_seconds")) {
+            let Some((key, value)) = line.rsplit_once(' ') else { continue };
+            let Ok(value) = value.parse::<f64>() else { continue };
+            if key == "kvgate_sync_lag_seconds_sum" {
+                sum += value;
+            } else if key == "kvgate_sync_lag_seconds_count" {
+                count += value;
+            } else if let Some(le) = key.split("le=\"").nth(1).and_then(|r| r.strip_suffix("\"}"))
+                && let Ok(bound) = le.parse::<f64>()
+            {
+                *buckets.entry((bound * 1e9) as u64).or_default() += value;
+            }
+        }
+    }
+    let mean = Duration::from_secs_f64(if count > 0.0 { sum / count } else { 0.0 });
+    let p99 =
+        buckets.iter().find(|(_, n)| **n >= 0.99 * count).map_or(Duration::ZERO, |(ns, _)| Duration::from_nanos(*ns));
+    (mean, p99)
+}
+
+/// `make demo-replicas`: one gateway replica, N Envoys asking one scorer, N replicas sharing
+/// their bookings over NATS, N on their own; the mixed workload and a burst through each, on
+/// fresh pods every time.
+async fn replicas_demo(args: &Args) -> anyhow::Result<Vec<Row>> {
+    let n = args.replicas as usize;
+    // (name, Envoys, scorers, synced): N Envoys asking one scorer decide on one state with
+    // no lag — what sync approaches, with the same gateway processes in the way.
+    let variants = [
+        ("1 replica".to_string(), 1, 1, false),
+        (format!("{n} Envoys, one scorer"), n, 1, false),
+        (format!("{n} replicas, synced over NATS"), n, n, true),
+        (format!("{n} replicas, unsynced"), n, n, false),
+    ];
+    let steps = 1 + 2 * variants.len();
+    println!("[1/{steps}] starting {} pods and nats-server", args.pods);
+    let mut pods = start_pods(args).await;
+    let nats = NatsServer::start().await;
+    let mut rows = Vec::new();
+    let mut lags = Vec::new();
+    let mut step = 1;
+    for (name, envoy_count, scorer_count, synced) in &variants {
+        for (workload_name, is_burst) in [("mixed", false), ("burst", true)] {
+            step += 1;
+            if step > 2 {
+                println!("    restarting the pods: every run starts from cold caches");
+                for p in &mut pods {
+                    p.restart().await;
+                }
+            }
+            let mut scorers = Vec::new();
+            for r in 0..*scorer_count {
+                let sync = if *synced {
+                    format!("sync: {{nats: '{}', replica_id: gateway-{r}, join_wait_ms: 3000}}\n", nats.url)
+                } else {
+                    String::new()
+                };
+                scorers.push(ScorerProcess::start(&scorer_config(&pods, args, &sync)).await);
+            }
+            let mut envoys = Vec::new();
+            for e in 0..*envoy_count {
+                envoys.push(EnvoyProcess::start(&scorers[e % scorers.len()], &["--picker", "wasm"]).await);
+            }
+            if *synced {
+                wait_for_peers(&scorers, scorer_count - 1).await?;
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            println!("[{step}/{steps}] {workload_name} workload through {name}");
+            let gateways = Gateways::new(envoys.iter().map(|e| e.url.clone()).collect());
+            let results = if is_burst { burst(&gateways, args).await } else { workload(&gateways, args).await };
+            rows.push(summarize(&format!("{workload_name}: {name}"), &results));
+            if *synced {
+                lags.push((workload_name, sync_lag(&scorers).await));
+            }
+        }
+    }
+    println!("\nreport\n");
+    for (workload_name, (mean, p99)) in lags {
+        println!("sync lag ({workload_name}): mean {}, 99 % under {}", ms(mean), ms(p99));
+    }
+    for workload_name in ["mixed", "burst"] {
+        let of = |i: usize| rows.iter().filter(|r| r.name.starts_with(workload_name)).nth(i).expect("row").ttft_p90;
+        let one = of(0).as_secs_f64().max(1e-9);
+        println!(
+            "TTFT p90 ({workload_name}): {n} Envoys on one scorer {:.2}×, {n} replicas synced {:.2}×, unsynced {:.2}× one replica's",
+            of(1).as_secs_f64() / one,
+            of(2).as_secs_f64() / one,
+            of(3).as_secs_f64() / one
+        );
+    }
+    println!();
+    Ok(rows)
+}
+
+/// Waits until every scorer has heard the others and taken their bookings (30 s at most).
+async fn wait_for_peers(scorers: &[ScorerProcess], peers: usize) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut all = true;
+        for s in scorers {
+            all &= s.metric("kvgate_sync_replicas").await == peers as f64;
+        }
+        if all {
+            return Ok(());
+        }
+        anyhow::ensure!(std::time::Instant::now() < deadline, "the replicas did not hear each other within 30 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
