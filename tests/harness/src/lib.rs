@@ -490,12 +490,20 @@ impl ScorerProcess {
         assert_eq!(r.json::<Value>().await.expect("JSON answer")["accepted"], 1, "{request_id} was in flight");
     }
 
+    /// `/metrics` as text; empty when the scorer does not answer.
+    pub async fn metrics_text(&self) -> String {
+        match reqwest::get(format!("{}/metrics", self.url)).await {
+            Ok(response) => response.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        }
+    }
+
     /// The sum of a metric's samples in `/metrics` — every label set of `name`, or one
     /// series when `name` carries its labels; 0 when absent or the scorer does not answer.
     pub async fn metric(&self, name: &str) -> f64 {
-        let Ok(response) = reqwest::get(format!("{}/metrics", self.url)).await else { return 0.0 };
-        let text = response.text().await.unwrap_or_default();
-        text.lines()
+        self.metrics_text()
+            .await
+            .lines()
             .filter(|l| l.starts_with(name) && matches!(l.as_bytes().get(name.len()), Some(b'{' | b' ')))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()

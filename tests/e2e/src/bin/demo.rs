@@ -254,18 +254,8 @@ fn print_table(rows: &[Row]) {
 
 /// `direct / pd` decision counts from the scorer's metrics.
 async fn paths(scorer: &ScorerProcess) -> String {
-    let text = reqwest::get(format!("{}/metrics", scorer.url)).await.map(|r| r.text());
-    let text = match text {
-        Ok(t) => t.await.unwrap_or_default(),
-        Err(_) => String::new(),
-    };
-    let count = |path: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(&format!("kvgate_decisions_by_path_total{{path=\"{path}\"}} ")))
-            .unwrap_or("0")
-            .to_string()
-    };
-    format!("{} / {}", count("direct"), count("pd"))
+    let count = async |path: &str| scorer.metric(&format!("kvgate_decisions_by_path_total{{path=\"{path}\"}}")).await;
+    format!("{} / {}", count("direct").await, count("pd").await)
 }
 
 /// `make demo-pd`: the same workload on prefill and decode pods, disaggregated only when it
@@ -404,11 +394,7 @@ async fn sync_lag(scorers: &[ScorerProcess]) -> (Duration, Duration) {
     let (mut sum, mut count) = (0.0, 0.0);
     let mut buckets: BTreeMap<u64, f64> = BTreeMap::new();
     for s in scorers {
-        let text = reqwest::get(format!("{}/metrics", s.url)).await.map(|r| r.text());
-        let text = match text {
-            Ok(t) => t.await.unwrap_or_default(),
-            Err(_) => String::new(),
-        };
+        let text = s.metrics_text().await;
         for line in text.lines().filter(|l| l.starts_with("kvgate_sync_lag_seconds")) {
             let Some((key, value)) = line.rsplit_once(' ') else { continue };
             let Ok(value) = value.parse::<f64>() else { continue };
