@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: profile setup build test lint audit licenses bench bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos demo-replicas
+.PHONY: profile setup build test lint audit licenses bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos demo-replicas
 
 setup:
 	@bash tests/tools/setup.sh
@@ -107,6 +107,14 @@ chaos: setup wasm
 bench-cluster:
 	$(CARGO) run --release -p kvgate-bench --bin kvgate-cluster-sim -- $(CLUSTER_ARGS)
 
+# Goodput at an SLO in virtual time: every workload's offered load swept from 1/4 to 16 times
+# its rate for every router on 8 pods (seeds 1-2); the highest load whose p90 TTFT stays
+# within 3x the unloaded p90, and the p90-vs-load plots. Results in target/bench/goodput/.
+SWEEP ?= 0.25,0.35,0.5,0.7,1,1.4,2,2.8,4,5.6,8,11,16
+bench-goodput:
+	$(CARGO) run --release -p kvgate-bench --bin kvgate-cluster-sim -- --sweep $(SWEEP) --seeds 2 \
+	  --out target/bench/goodput $(GOODPUT_ARGS)
+
 # Live side by side on simulated pods: Envoy + kvgate, vllm-router, sglang-router, Envoy
 # round robin; then each router's overhead. Results in target/bench/live/.
 bench-live: setup wasm
@@ -121,5 +129,5 @@ bench-replicas:
 	  --routers kv kv/3-replicas kv/3-replicas-sync-1ms kv/3-replicas-sync-5ms kv/3-replicas-sync-50ms kv/3-replicas-unsynced \
 	  --out target/bench/replicas
 
-# Both benchmark parts.
-bench: bench-cluster bench-live
+# Every benchmark part.
+bench: bench-goodput bench-cluster bench-live

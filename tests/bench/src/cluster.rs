@@ -53,9 +53,49 @@ pub trait ClusterRouter {
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
     pub roles: Vec<PodRole>,
-    pub engine: EngineConfig,
+    /// Per pod.
+    pub engines: Vec<EngineConfig>,
     /// Seconds between load scrapes (the scorer's `health.scrape_interval`).
     pub scrape_interval: f64,
+}
+
+/// The engines' hash seed (vLLM's `PYTHONHASHSEED`) in every simulated cluster: routers
+/// that reproduce the engines' block hashes (vllm-router) need it; kvgate does not.
+pub const HASH_SEED: &str = "0";
+
+impl ClusterConfig {
+    /// `pods` pods sized and shaped for `workload`: its prefill pods first, then pods that do
+    /// both (or decode, in a P/D layout); load scraped every second.
+    pub fn for_workload(workload: &Workload, pods: usize) -> Self {
+        let roles = (0..pods)
+            .map(|i| match (workload.prefill_pods, i < workload.prefill_pods) {
+                (0, _) => PodRole::Both,
+                (_, true) => PodRole::Prefill,
+                (_, false) => PodRole::Decode,
+            })
+            .collect();
+        let reference = EngineConfig {
+            num_blocks: workload.num_blocks,
+            hash_seed: Some(HASH_SEED.into()),
+            ..EngineConfig::default()
+        };
+        let engines = (0..pods)
+            .map(|i| match workload.unlike.iter().find(|(pod, _)| *pod == i) {
+                Some((_, shape)) => EngineConfig {
+                    num_blocks: shape.num_blocks,
+                    timing: reference.timing.slowed(shape.slowdown),
+                    ..reference.clone()
+                },
+                None => reference.clone(),
+            })
+            .collect();
+        Self { roles, engines, scrape_interval: 1.0 }
+    }
+
+    /// The pods that decode (all but the prefill pool).
+    pub fn decode_pods(&self) -> Vec<usize> {
+        (0..self.roles.len()).filter(|&p| self.roles[p] != PodRole::Prefill).collect()
+    }
 }
 
 /// What happened to one request (one turn).
@@ -184,14 +224,9 @@ struct Sim<'a> {
 /// Runs `workload` on a cluster laid out as `config`, routed by `router`.
 pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn ClusterRouter) -> RunResult {
     let pods = config
-        .roles
+        .engines
         .iter()
-        .map(|_| Pod {
-            engine: Engine::new(config.engine.clone()),
-            step: None,
-            wake_at: None,
-            requests: HashMap::new(),
-        })
+        .map(|engine| Pod { engine: Engine::new(engine.clone()), step: None, wake_at: None, requests: HashMap::new() })
         .collect();
     let mut sim = Sim {
         workload,

@@ -4,12 +4,16 @@
 //!   prompts, a burst, KV-capacity pressure, mixed lengths for P/D);
 //! - [`cluster`]: simulated engines (`kvgate-sim`'s model) in virtual time, routed by a
 //!   [`cluster::ClusterRouter`];
-//! - [`routers`]: kvgate's own `Router` (as the scorer configures it) and SGLang's rule;
+//! - [`routers`]: kvgate's own `Router` (as the scorer configures it) and the peers' rules;
 //! - [`sglang`]: a re-implementation of SGLang's `cache_aware` as a reference point;
-//! - [`report`]: figures, tables and SVG charts.
+//! - [`vllm_router`]: a re-implementation of vllm-router's `kv_aware`, another;
+//! - [`report`]: figures, tables and SVG charts;
+//! - [`goodput`]: the highest load a router carries within a TTFT SLO, and its curve.
 
 pub mod cluster;
+pub mod goodput;
 pub mod report;
 pub mod routers;
 pub mod sglang;
+pub mod vllm_router;
 pub mod workload;

@@ -81,7 +81,7 @@ impl Summary {
 }
 
 /// Milliseconds, readably: 3 significant digits below 100, whole numbers above.
-fn ms(v: f64) -> String {
+pub fn ms(v: f64) -> String {
     if !v.is_finite() {
         "–".into()
     } else if v >= 100.0 {
@@ -119,7 +119,7 @@ pub fn table(rows: &[&Summary]) -> String {
     out
 }
 
-fn escape(s: &str) -> String {
+pub(crate) fn escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 

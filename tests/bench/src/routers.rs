@@ -1,9 +1,11 @@
 //! The routers a run can use: kvgate's own [`Router`] (any policy, the scorer's defaults),
-//! several kvgate replicas that share their bookings after a delay (or not at all), and a
-//! re-implementation of SGLang's `cache_aware` rule as a reference point.
+//! several kvgate replicas that share their bookings after a delay (or not at all), and
+//! re-implementations of SGLang's `cache_aware` and vllm-router's `kv_aware` rules as
+//! reference points.
 
-use crate::cluster::{Choice, ClusterRouter, PodRole};
+use crate::cluster::{Choice, ClusterRouter, HASH_SEED, PodRole};
 use crate::sglang::CacheAware;
+use crate::vllm_router::KvAware;
 use kvgate_routing::events::decode_batch;
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::load::{BookingUpdate, Lifecycle, Origin};
@@ -178,45 +180,71 @@ impl ClusterRouter for Replicas {
     }
 }
 
-/// SGLang's router with `cache_aware`: one [`CacheAware`] over all pods; in a P/D layout
-/// (SGLang's PD mode, which always disaggregates) one over the prefill pods and one over
-/// the decode pods.
-pub struct Sglang {
-    decode: Pool,
-    prefill: Option<Pool>,
+/// A peer router's rule over some of the cluster's pods, by pool-local worker index.
+trait PeerRule {
+    /// Chooses a worker and counts the request in flight there.
+    fn route(&mut self, prompt: &[u32], now: f64) -> usize;
+    fn finished(&mut self, worker: usize);
+    /// The worker's KV events (for rules that follow them).
+    fn kv_events(&mut self, _worker: usize, _changes: &[CacheChange]) {}
+}
+
+impl PeerRule for CacheAware {
+    fn route(&mut self, prompt: &[u32], now: f64) -> usize {
+        CacheAware::route(self, prompt, now)
+    }
+    fn finished(&mut self, worker: usize) {
+        CacheAware::finished(self, worker)
+    }
+}
+
+impl PeerRule for KvAware {
+    fn route(&mut self, prompt: &[u32], now: f64) -> usize {
+        KvAware::route(self, prompt, now)
+    }
+    fn finished(&mut self, worker: usize) {
+        KvAware::finished(self, worker)
+    }
+    fn kv_events(&mut self, worker: usize, changes: &[CacheChange]) {
+        KvAware::kv_events(self, worker, changes)
+    }
+}
+
+/// A peer router — SGLang's with `cache_aware`, vllm-router's with `kv_aware`: one rule over
+/// all pods; in a P/D layout (their PD modes, which always disaggregate) one over the
+/// prefill pods and one over the decode pods.
+struct Peer<R> {
+    decode: Pool<R>,
+    prefill: Option<Pool<R>>,
     /// Request id → the pool-local workers chosen (decode, prefill).
     inflight: ahash::AHashMap<u64, (usize, Option<usize>)>,
 }
 
-/// A `cache_aware` instance over some of the cluster's pods.
-struct Pool {
-    policy: CacheAware,
+/// A rule over some of the cluster's pods.
+struct Pool<R> {
+    rule: R,
     pods: Vec<usize>,
 }
 
-impl Pool {
-    fn new(pods: Vec<usize>, seed: u64) -> Self {
-        Self { policy: CacheAware::new(pods.len(), seed), pods }
-    }
-}
-
-impl Sglang {
-    pub fn new(roles: &[PodRole], seed: u64) -> Self {
+impl<R: PeerRule> Peer<R> {
+    /// `rule(workers, seed)` makes one pool's rule.
+    fn new(roles: &[PodRole], seed: u64, rule: impl Fn(usize, u64) -> R) -> Self {
         let pods =
             |want: &[PodRole]| -> Vec<usize> { (0..roles.len()).filter(|&i| want.contains(&roles[i])).collect() };
+        let pool = |pods: Vec<usize>, seed: u64| Pool { rule: rule(pods.len(), seed), pods };
         let prefill = pods(&[PodRole::Prefill]);
         Self {
-            decode: Pool::new(pods(&[PodRole::Both, PodRole::Decode]), seed),
-            prefill: (!prefill.is_empty()).then(|| Pool::new(prefill, seed + 1)),
+            decode: pool(pods(&[PodRole::Both, PodRole::Decode]), seed),
+            prefill: (!prefill.is_empty()).then(|| pool(prefill, seed + 1)),
             inflight: Default::default(),
         }
     }
 }
 
-impl ClusterRouter for Sglang {
+impl<R: PeerRule> ClusterRouter for Peer<R> {
     fn route(&mut self, id: u64, prompt: &[u32], _max_tokens: usize, now: f64) -> Choice {
-        let prefill = self.prefill.as_mut().map(|p| p.policy.route(prompt, now));
-        let decode = self.decode.policy.route(prompt, now);
+        let prefill = self.prefill.as_mut().map(|p| p.rule.route(prompt, now));
+        let decode = self.decode.rule.route(prompt, now);
         self.inflight.insert(id, (decode, prefill));
         Choice {
             decode: self.decode.pods[decode],
@@ -226,22 +254,32 @@ impl ClusterRouter for Sglang {
 
     fn done(&mut self, id: u64, _now: f64) {
         let Some((decode, prefill)) = self.inflight.remove(&id) else { return };
-        self.decode.policy.finished(decode);
+        self.decode.rule.finished(decode);
         if let (Some(p), Some(pool)) = (prefill, self.prefill.as_mut()) {
-            pool.policy.finished(p);
+            pool.rule.finished(p);
+        }
+    }
+
+    fn kv_events(&mut self, pod: usize, changes: &[CacheChange], _now: f64) {
+        for pool in std::iter::once(&mut self.decode).chain(self.prefill.as_mut()) {
+            if let Some(worker) = pool.pods.iter().position(|&p| p == pod) {
+                pool.rule.kv_events(worker, changes);
+            }
         }
     }
 }
 
-/// A router by name: `sglang-cache-aware`, or a kvgate policy (`kv`, `prefix`, `ttft`,
+/// A router by name: `sglang-cache-aware`, `vllm-kv-aware`, or a kvgate policy (`kv`, `prefix`, `ttft`,
 /// `least-loaded`, `power-of-two`, `round-robin`, `random`) with the scorer's defaults;
 /// on layouts with prefill pods the policy chooses in both pools, and a suffix `@pd-always`
 /// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold. A kvgate
 /// router followed by `/N-replicas` runs as N replicas sharing their bookings at once,
 /// `/N-replicas-sync-Dms` after D ms, `/N-replicas-unsynced` not at all ([`Replicas`]).
 pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn ClusterRouter>> {
-    if name == "sglang-cache-aware" {
-        return Ok(Box::new(Sglang::new(roles, seed)));
+    match name {
+        "sglang-cache-aware" => return Ok(Box::new(Peer::new(roles, seed, CacheAware::new))),
+        "vllm-kv-aware" => return Ok(Box::new(Peer::new(roles, seed, |workers, _| KvAware::new(workers, HASH_SEED)))),
+        _ => {}
     }
     if let Some((single, replicas)) = name.rsplit_once('/') {
         let (n, sync) = parse_replicas(replicas)?;

@@ -41,11 +41,34 @@ pub struct Workload {
     pub num_blocks: usize,
     /// Prefill-only pods placed before the others (P/D workload), else 0.
     pub prefill_pods: usize,
+    /// Pods unlike the others (a mixed fleet), by index; the rest are the reference engine
+    /// with `num_blocks` blocks.
+    pub unlike: Vec<(usize, PodShape)>,
+}
+
+/// How one pod differs from the reference engine.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PodShape {
+    /// Its steps' duration relative to the reference engine's (2 = an older GPU generation).
+    pub slowdown: f64,
+    pub num_blocks: usize,
 }
 
 impl Workload {
     pub fn requests(&self) -> usize {
         self.sessions.iter().map(|s| s.turns.len()).sum()
+    }
+
+    /// Every session starts at t = 0: the load is the burst's size, not a rate.
+    pub fn is_burst(&self) -> bool {
+        self.sessions.iter().all(|s| s.start == 0.0)
+    }
+
+    /// The load it offers: requests per second over the span in which sessions start (a
+    /// chat's later turns counted in), or for a burst the requests sent at once.
+    pub fn offered(&self) -> f64 {
+        let span = self.sessions.iter().map(|s| s.start).fold(0.0, f64::max);
+        if self.is_burst() { self.requests() as f64 } else { self.requests() as f64 / span }
     }
 }
 
@@ -56,12 +79,12 @@ pub struct Params {
     pub pods: usize,
     /// Multiplies every workload's request count (1.0 = the documented size).
     pub scale: f64,
-    /// Multiplies every workload's arrival rate (1.0 = the documented rate).
+    /// Multiplies every workload's arrival rate, and the burst's size (1.0 = as documented).
     pub load: f64,
 }
 
 /// Every workload's name, in report order.
-pub const NAMES: [&str; 6] = ["chat", "documents", "unique-long", "burst", "capacity", "pd-mixed"];
+pub const NAMES: [&str; 7] = ["chat", "documents", "unique-long", "burst", "capacity", "heterogeneous", "pd-mixed"];
 
 /// Builds workload `name`.
 pub fn build(name: &str, p: &Params) -> Option<Workload> {
@@ -72,6 +95,7 @@ pub fn build(name: &str, p: &Params) -> Option<Workload> {
         "unique-long" => unique_long(&mut g, p),
         "burst" => burst(&mut g, p),
         "capacity" => capacity(&mut g, p),
+        "heterogeneous" => heterogeneous(&mut g, p),
         "pd-mixed" => pd_mixed(&mut g, p),
         _ => return None,
     })
@@ -178,6 +202,7 @@ fn chat(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks: 26_000,
         prefill_pods: 0,
+        unlike: Vec::new(),
     }
 }
 
@@ -199,6 +224,7 @@ fn documents(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks: 26_000,
         prefill_pods: 0,
+        unlike: Vec::new(),
     }
 }
 
@@ -217,13 +243,14 @@ fn unique_long(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks: 26_000,
         prefill_pods: 0,
+        unlike: Vec::new(),
     }
 }
 
-/// A burst: 1,000 requests at the same instant, over 20 shared prefixes.
+/// A burst: 1,000 requests (× scale × load) at the same instant, over 20 shared prefixes.
 fn burst(g: &mut Gen, p: &Params) -> Workload {
     let prefixes: Vec<Vec<u32>> = (0..20).map(|_| g.text(2000)).collect();
-    let n = scaled(p, 1000);
+    let n = ((1000.0 * p.scale * p.load).round() as usize).max(1);
     let sessions = (0..n)
         .map(|i| Session {
             start: 0.0,
@@ -239,6 +266,7 @@ fn burst(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks: 26_000,
         prefill_pods: 0,
+        unlike: Vec::new(),
     }
 }
 
@@ -264,6 +292,36 @@ fn capacity(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks,
         prefill_pods: 0,
+        unlike: Vec::new(),
+    }
+}
+
+/// A mixed fleet nobody configured the router for: every other pod is 2× slower (an older
+/// GPU generation beside the newer one), and pod 0 — a fast one — has an eighth of the
+/// cache. Questions over shared documents, as `documents`, at the rate of the fleet's
+/// compute (¾ of as many fast pods).
+fn heterogeneous(g: &mut Gen, p: &Params) -> Workload {
+    let docs: Vec<Vec<u32>> = (0..4 * p.pods).map(|_| g.text_between(2000, 4000)).collect();
+    let n = scaled(p, 300 * p.pods);
+    let rate = 9.0 * p.pods as f64 * p.load;
+    let sessions = poisson(g, n, rate, |g| {
+        let doc = docs[g.zipf(docs.len(), 0.8)].clone();
+        (doc, turn(g.text_between(20, 80), g.between(50, 150)))
+    });
+    let num_blocks = 26_000;
+    let mut unlike: Vec<(usize, PodShape)> =
+        (1..p.pods).step_by(2).map(|i| (i, PodShape { slowdown: 2.0, num_blocks })).collect();
+    unlike.push((0, PodShape { slowdown: 1.0, num_blocks: num_blocks / 8 }));
+    Workload {
+        name: "heterogeneous",
+        description: format!(
+            "{n} questions (20–80 tokens) over {} shared documents of 2,000–4,000 tokens (Zipf 0.8), 50–150 output tokens, Poisson {rate}/s, on a mixed fleet: every other pod 2× slower, pod 0 with an eighth of the cache",
+            docs.len()
+        ),
+        sessions,
+        num_blocks,
+        prefill_pods: 0,
+        unlike,
     }
 }
 
@@ -286,6 +344,7 @@ fn pd_mixed(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks: 26_000,
         prefill_pods: (p.pods / 4).max(1),
+        unlike: Vec::new(),
     }
 }
 

@@ -1,32 +1,19 @@
 //! The cluster simulator end to end (small scale): deterministic per seed, every request
 //! accounted for, and the routing differences it exists to show are there.
 
-use kvgate_bench::cluster::{ClusterConfig, PodRole, run};
+use kvgate_bench::cluster::{ClusterConfig, run};
 use kvgate_bench::report::Summary;
 use kvgate_bench::routers;
 use kvgate_bench::workload::{self, Params};
-use kvgate_sim::engine::EngineConfig;
 
 fn simulate(workload: &str, router: &str, seed: u64) -> Summary {
     let params = Params { seed, pods: 4, scale: 0.15, load: 1.0 };
     let w = workload::build(workload, &params).unwrap();
-    let roles: Vec<PodRole> = (0..params.pods)
-        .map(|i| match (w.prefill_pods, i < w.prefill_pods) {
-            (0, _) => PodRole::Both,
-            (_, true) => PodRole::Prefill,
-            (_, false) => PodRole::Decode,
-        })
-        .collect();
-    let config = ClusterConfig {
-        roles: roles.clone(),
-        engine: EngineConfig { num_blocks: w.num_blocks, hash_seed: Some("0".into()), ..EngineConfig::default() },
-        scrape_interval: 1.0,
-    };
-    let mut r = routers::build(router, &roles, seed).unwrap();
+    let config = ClusterConfig::for_workload(&w, params.pods);
+    let mut r = routers::build(router, &config.roles, seed).unwrap();
     let result = run(&w, &config, r.as_mut());
     assert_eq!(result.requests.len(), w.requests(), "every turn of every session ran");
-    let decode: Vec<usize> = (0..roles.len()).filter(|&p| roles[p] != PodRole::Prefill).collect();
-    Summary::of(workload, router, &result, &decode)
+    Summary::of(workload, router, &result, &config.decode_pods())
 }
 
 #[test]
@@ -45,18 +32,24 @@ fn cache_aware_routing_hits_the_shared_prefixes_that_round_robin_misses() {
     for w in ["chat", "documents"] {
         let kv = simulate(w, "kv", 1);
         let rr = simulate(w, "round-robin", 1);
-        let sglang = simulate(w, "sglang-cache-aware", 1);
         assert!(kv.prefix_hit_rate > rr.prefix_hit_rate + 0.05, "{w}: kv {kv:?} vs round-robin {rr:?}");
-        assert!(sglang.prefix_hit_rate > rr.prefix_hit_rate + 0.05, "{w}: sglang {sglang:?}");
+        for peer in ["sglang-cache-aware", "vllm-kv-aware"] {
+            let p = simulate(w, peer, 1);
+            assert!(p.prefix_hit_rate > rr.prefix_hit_rate + 0.05, "{w}: {p:?} vs round-robin {rr:?}");
+        }
         assert!(kv.ttft_mean_ms < rr.ttft_mean_ms, "{w}: kv {kv:?} vs round-robin {rr:?}");
     }
 }
 
 #[test]
 fn longest_prefix_piles_unique_prompts_on_one_pod_and_kv_does_not() {
-    let prefix = simulate("unique-long", "prefix", 1);
+    // vllm-router's kv_aware too: every pod that served holds the common prefix, and the
+    // tie goes to the last of them.
+    for longest_prefix in ["prefix", "vllm-kv-aware"] {
+        let s = simulate("unique-long", longest_prefix, 1);
+        assert!(s.imbalance > 3.0, "{s:?}");
+    }
     let kv = simulate("unique-long", "kv", 1);
-    assert!(prefix.imbalance > 3.0, "{prefix:?}");
     assert!(kv.imbalance < 1.5, "{kv:?}");
 }
 
@@ -68,4 +61,54 @@ fn disaggregated_requests_run_on_both_pools() {
     // The decode pod pulls the prompt's KV and computes one token: decode pools see no
     // prefill interference, so tokens stream faster than when every pod prefills.
     assert!(pd.itl_mean_ms < direct.itl_mean_ms, "pd {pd:?} vs direct {direct:?}");
+}
+
+#[test]
+fn a_load_sweep_reports_goodput_at_the_slo_with_its_plot() {
+    let out = std::env::temp_dir().join(format!("kvgate-sweep-{}", std::process::id()));
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_kvgate-cluster-sim"))
+        .args(["--workloads", "documents", "--routers", "kv", "round-robin", "--pods", "4", "--scale", "0.2"])
+        .args(["--seeds", "1", "--threads", "2", "--sweep", "0.25,0.5,1,2", "--out"])
+        .arg(&out)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(out.join("goodput.json")).unwrap()).unwrap();
+    let curve =
+        |router: &str| json["curves"].as_array().unwrap().iter().find(|c| c["router"] == router).unwrap().clone();
+    let (kv, rr) = (curve("kv"), curve("round-robin"));
+    // Round robin misses the documents' cache and breaks the SLO (3 × the best unloaded p90)
+    // at once; kvgate carries load before it does.
+    assert!(rr["goodput"]["Below"].is_number(), "{rr}");
+    let kv_goodput = kv["goodput"]["At"].as_f64().unwrap_or_else(|| panic!("{kv}"));
+    assert!(kv_goodput > rr["goodput"]["Below"].as_f64().unwrap());
+    let points = kv["points"].as_array().unwrap();
+    assert!(points.len() >= 2 && points[0]["offered"].as_f64() < points[1]["offered"].as_f64());
+    let svg = std::fs::read_to_string(out.join("documents-goodput.svg")).unwrap();
+    assert_eq!(svg.matches("<polyline").count(), 2);
+    let markdown = std::fs::read_to_string(out.join("goodput.md")).unwrap();
+    assert!(markdown.contains("| documents |") && markdown.contains("≥ "), "{markdown}");
+    std::fs::remove_dir_all(&out).unwrap();
+}
+
+#[test]
+fn a_mixed_fleet_has_slower_pods_and_a_smaller_cache() {
+    let params = Params { seed: 1, pods: 4, scale: 0.15, load: 1.0 };
+    let w = workload::build("heterogeneous", &params).unwrap();
+    let config = ClusterConfig::for_workload(&w, params.pods);
+    assert_eq!(config.engines[0].num_blocks * 8, config.engines[2].num_blocks);
+    let mut rr = routers::build("round-robin", &config.roles, 1).unwrap();
+    let result = run(&w, &config, rr.as_mut());
+    // Inter-token latency per pod parity: every step of an odd pod takes twice as long.
+    let itl = |odd: usize| {
+        let v: Vec<f64> = result
+            .requests
+            .iter()
+            .filter(|r| r.decode_pod % 2 == odd && r.output_tokens > 1)
+            .map(|r| (r.finished.unwrap() - r.first_token.unwrap()) / (r.output_tokens - 1) as f64)
+            .collect();
+        v.iter().sum::<f64>() / v.len() as f64
+    };
+    assert!(itl(1) > 1.6 * itl(0), "slow {} vs fast {}", itl(1), itl(0));
 }

@@ -81,6 +81,18 @@ impl TimingModel {
             + self.kv_read_ms * work.decode_context as f64
     }
 
+    /// The same engine `factor` times slower at computing (an older GPU beside newer ones):
+    /// every step coefficient multiplied, KV transfers (the network) unchanged.
+    pub fn slowed(&self, factor: f64) -> Self {
+        Self {
+            step_base_ms: self.step_base_ms * factor,
+            token_ms: self.token_ms * factor,
+            attention_pair_ms: self.attention_pair_ms * factor,
+            kv_read_ms: self.kv_read_ms * factor,
+            ..self.clone()
+        }
+    }
+
     /// Duration of pulling `tokens` tokens of KV from a prefill pod, in milliseconds.
     pub fn transfer_ms(&self, tokens: u64) -> f64 {
         self.transfer_base_ms + self.transfer_token_ms * tokens as f64
@@ -124,6 +136,14 @@ mod tests {
         let per_token_short = (t.isolated_prefill_ms(2048, 0) - t.step_base_ms) / 2048.0;
         let per_token_long = (t.isolated_prefill_ms(32768, 0) - t.step_base_ms) / 32768.0;
         assert!(per_token_long > 1.4 * per_token_short);
+    }
+
+    #[test]
+    fn a_slowed_engine_takes_longer_for_every_step_but_transfers_alike() {
+        let (t, slow) = (TimingModel::default(), TimingModel::default().slowed(2.0));
+        let work = StepWork { tokens: 512, prefill_pairs: 100_000, decode_context: 30_000 };
+        assert!((slow.step_ms(&work) - 2.0 * t.step_ms(&work)).abs() < 1e-9);
+        assert_eq!(slow.transfer_ms(1000), t.transfer_ms(1000));
     }
 
     #[test]
