@@ -2,7 +2,7 @@
 //! the SLO, read off a sweep of the offered load — the figure that says how many GPUs a
 //! fleet needs.
 
-use crate::report::{escape, ms};
+use crate::report::{escape, ms, svg_open};
 use serde::Serialize;
 
 /// One point of a sweep: the load offered (requests per second, or a burst's size) and the
@@ -114,15 +114,8 @@ pub fn svg_curves(title: &str, x_label: &str, slo_ms: f64, series: &[(String, Ve
         let v = if v.is_finite() { v.clamp(10f64.powf(y_lo), 10f64.powf(y_hi)) } else { 10f64.powf(y_hi) };
         top + plot_h - (v.log10() - y_lo) / (y_hi - y_lo) * plot_h
     };
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"10\" y=\"20\" font-size=\"14\" font-weight=\"bold\">{}</text>\n\
-         <text x=\"10\" y=\"36\" fill=\"#555\">p90 TTFT, ms (log scale) against {}; dashed: the SLO ({} ms)</text>\n",
-        escape(title),
-        escape(x_label),
-        ms(slo_ms)
-    );
+    let subtitle = format!("p90 TTFT, ms (log scale) against {}; dashed: the SLO ({} ms)", escape(x_label), ms(slo_ms));
+    let mut s = svg_open(width, height, title, &subtitle);
     let mut decade = y_lo;
     while decade <= y_hi {
         let gy = y(10f64.powf(decade));

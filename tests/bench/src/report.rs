@@ -123,6 +123,18 @@ pub(crate) fn escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
+/// An SVG document's opening: white background, the title in bold, then a grey subtitle
+/// (`subtitle` is markup, escaped by the caller).
+pub(crate) fn svg_open(width: f64, height: f64, title: &str, subtitle: &str) -> String {
+    format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <text x=\"10\" y=\"20\" font-size=\"14\" font-weight=\"bold\">{}</text>\n\
+         <text x=\"10\" y=\"36\" fill=\"#555\">{subtitle}</text>\n",
+        escape(title)
+    )
+}
+
 /// [`svg_bars`] of the summaries' TTFT p50 and p90.
 pub fn svg(title: &str, rows: &[&Summary]) -> String {
     let bars: Vec<(String, f64, f64)> = rows.iter().map(|r| (r.router.clone(), r.ttft_p50_ms, r.ttft_p90_ms)).collect();
@@ -140,12 +152,11 @@ pub fn svg_bars(title: &str, rows: &[(String, f64, f64)]) -> String {
     let hi = values.clone().fold(1.0f64, f64::max).log10().ceil();
     let lo = values.fold(f64::INFINITY, f64::min).max(0.01).log10().floor().min(hi - 1.0);
     let x = |v: f64| label_w + (v.max(10f64.powf(lo)).log10() - lo) / (hi - lo) * plot_w;
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"10\" y=\"20\" font-size=\"14\" font-weight=\"bold\">{}</text>\n\
-         <text x=\"10\" y=\"36\" fill=\"#555\">TTFT, ms (log scale): <tspan fill=\"#4a7bd0\">■ p50</tspan>  <tspan fill=\"#d0704a\">■ p90</tspan></text>\n",
-        escape(title)
+    let mut s = svg_open(
+        width,
+        height,
+        title,
+        "TTFT, ms (log scale): <tspan fill=\"#4a7bd0\">■ p50</tspan>  <tspan fill=\"#d0704a\">■ p90</tspan>",
     );
     let mut decade = lo;
     while decade <= hi {

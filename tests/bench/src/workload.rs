@@ -206,15 +206,21 @@ fn chat(g: &mut Gen, p: &Params) -> Workload {
     }
 }
 
+/// `n` single questions (20–80 tokens, 50–150 output tokens), each after one of `docs`
+/// (Zipf 0.8), arriving as a Poisson stream of `rate` per second.
+fn questions(g: &mut Gen, docs: &[Vec<u32>], n: usize, rate: f64) -> Vec<Session> {
+    poisson(g, n, rate, |g| {
+        let doc = docs[g.zipf(docs.len(), 0.8)].clone();
+        (doc, turn(g.text_between(20, 80), g.between(50, 150)))
+    })
+}
+
 /// Groups of questions about long shared documents (RAG, code review, …).
 fn documents(g: &mut Gen, p: &Params) -> Workload {
     let docs: Vec<Vec<u32>> = (0..4 * p.pods).map(|_| g.text_between(3000, 6000)).collect();
     let n = scaled(p, 300 * p.pods);
     let rate = 12.0 * p.pods as f64 * p.load;
-    let sessions = poisson(g, n, rate, |g| {
-        let doc = docs[g.zipf(docs.len(), 0.8)].clone();
-        (doc, turn(g.text_between(20, 80), g.between(50, 150)))
-    });
+    let sessions = questions(g, &docs, n, rate);
     Workload {
         name: "documents",
         description: format!(
@@ -304,10 +310,7 @@ fn heterogeneous(g: &mut Gen, p: &Params) -> Workload {
     let docs: Vec<Vec<u32>> = (0..4 * p.pods).map(|_| g.text_between(2000, 4000)).collect();
     let n = scaled(p, 300 * p.pods);
     let rate = 9.0 * p.pods as f64 * p.load;
-    let sessions = poisson(g, n, rate, |g| {
-        let doc = docs[g.zipf(docs.len(), 0.8)].clone();
-        (doc, turn(g.text_between(20, 80), g.between(50, 150)))
-    });
+    let sessions = questions(g, &docs, n, rate);
     let num_blocks = 26_000;
     let mut unlike: Vec<(usize, PodShape)> =
         (1..p.pods).step_by(2).map(|i| (i, PodShape { slowdown: 2.0, num_blocks })).collect();
