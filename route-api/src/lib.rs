@@ -147,9 +147,17 @@ pub struct PodExplain {
     /// Predicted KV blocks held by in-flight requests.
     pub decode_blocks: f64,
     pub inflight_requests: u32,
+    /// The pod's prefill time relative to the fleet's average, learned online (its costs
+    /// are scaled by it).
+    #[serde(default = "average_speed")]
+    pub slowness: f64,
     /// The policy's cost (lower wins); absent when the policy did not score this pod.
     pub cost: Option<f64>,
     pub chosen: bool,
+}
+
+fn average_speed() -> f64 {
+    1.0
 }
 
 /// An error answer, in the OpenAI shape clients already parse.

@@ -26,6 +26,7 @@ use kvgate_routing::index::IndexConfig;
 use kvgate_routing::load::LoadConfig;
 pub use kvgate_routing::router::Role;
 use kvgate_routing::router::{RouterConfig, Saturation};
+use kvgate_routing::speed::SpeedConfig;
 use std::collections::BTreeMap;
 
 /// One vLLM pod.
@@ -82,6 +83,10 @@ pub struct LoadSection {
     /// reported (a lifecycle batch lost while the scorer was frozen, a gateway replica
     /// gone). 0 turns this off (then only `request_ttl_seconds` drops them).
     pub reconcile_after_seconds: f64,
+    /// Learning each pod's prefill speed from the first tokens it reports, so that pods
+    /// of different speeds are compared in predicted seconds (`learn: false` to compare
+    /// them in tokens of work alone).
+    pub pod_speed: SpeedConfig,
 }
 
 impl Default for LoadSection {
@@ -91,6 +96,7 @@ impl Default for LoadSection {
             decode_tokens_per_second: 50.0,
             request_ttl_seconds: 600.0,
             reconcile_after_seconds: 10.0,
+            pod_speed: SpeedConfig::default(),
         }
     }
 }
@@ -490,6 +496,7 @@ impl Config {
                 default_output_tokens: self.load.default_output_tokens,
                 decode_tokens_per_second: self.load.decode_tokens_per_second,
                 request_ttl: self.load.request_ttl_seconds,
+                speed: self.load.pod_speed,
             },
             policy: self.policy.clone(),
             prefill_policy: self.pd.prefill_policy.clone(),
@@ -727,6 +734,9 @@ impl Config {
         if !positive(self.load.request_ttl_seconds) {
             return invalid("load.request_ttl_seconds", "must be positive");
         }
+        if let Err((field, why)) = self.load.pod_speed.validate() {
+            return invalid(format!("load.pod_speed.{field}"), why);
+        }
         if !positive(self.health.retry_seconds) {
             return invalid("health.retry_seconds", "must be positive");
         }
@@ -806,6 +816,11 @@ pods:
             ),
             ("policy: {name: fastest}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "fastest"),
             ("health: {unhealthy_after: 0}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "health"),
+            (
+                "load: {pod_speed: {window_samples: 1}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
+                "load.pod_speed.window_samples",
+            ),
+            ("load: {pod_speed: {learn: 3}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "learn"),
             ("discovery:\n  dns: [{name: '', port: 8000}]\n", "discovery.dns[0].name"),
             ("discovery:\n  dns: [{name: vllm, port: 0}]\n", "discovery.dns[0].port"),
             (

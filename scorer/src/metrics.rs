@@ -41,6 +41,7 @@ pub struct Metrics {
     pub index_entries: GaugeVec,
     pub inflight_requests: GaugeVec,
     pub queued_prefill_tokens: GaugeVec,
+    pub pod_slowness: GaugeVec,
     pub pod_healthy: GaugeVec,
     pub prefix_hit_ratio: CounterVec,
     pub sync: SyncMetrics,
@@ -196,6 +197,13 @@ impl Metrics {
             Opts::new("queued_prefill_tokens", "Uncached prompt tokens routed and not yet at first token."),
             &["pod"]
         ));
+        let pod_slowness = reg!(GaugeVec::new(
+            Opts::new(
+                "pod_slowness",
+                "Prefill time relative to the fleet's average (1 = average), learned from first tokens."
+            ),
+            &["pod"]
+        ));
         let pod_healthy = reg!(GaugeVec::new(Opts::new("pod_healthy", "1 if the pod can be chosen."), &["pod"]));
         let prefix_hit_ratio = reg!(CounterVec::new(
             Opts::new("prefix_hit_ratio_sum", "Σ cached/prompt tokens over decisions (÷ decisions = mean ratio)."),
@@ -265,6 +273,7 @@ impl Metrics {
             index_entries,
             inflight_requests,
             queued_prefill_tokens,
+            pod_slowness,
             pod_healthy,
             prefix_hit_ratio,
             sync,

@@ -236,6 +236,14 @@ pub struct PodView {
     pub inflight_requests: u32,
     pub queued_prefill_tokens: u64,
     pub decode_blocks: f64,
+    /// Its prefill time relative to the fleet's average (1 = average), learned from the
+    /// first tokens it reported; applied to its costs unless `load.pod_speed.learn` is off.
+    pub slowness: f64,
+    /// The (decayed) count of first tokens that taught it.
+    pub slowness_samples: f64,
+    /// Tokens per second one sequence decodes there, learned from `done` reports with
+    /// output tokens (absent until enough arrived).
+    pub decode_tokens_per_second: Option<f64>,
     pub events_received: u64,
     pub event_gaps: u64,
     /// Batches the gaps skipped (lost by the publisher's full queue or the network), before
@@ -412,6 +420,7 @@ impl Scorer {
                     queued_prefill_tokens: c.load.queued_prefill_tokens,
                     decode_blocks: c.load.decode_blocks,
                     inflight_requests: c.load.inflight_requests,
+                    slowness: c.slowness,
                     cost: *cost,
                     chosen: i == routed.decision.chosen,
                 })
@@ -568,6 +577,9 @@ impl Scorer {
         self.metrics.lifecycle_reports.with_label_values(&[label]).inc();
         if let Some(n) = output_tokens {
             self.metrics.output_tokens.inc_by(u64::from(n));
+            if event == Lifecycle::Done && label == "done" {
+                core.router.decoded(request_id, n, now);
+            }
         }
         core.router.report(request_id, event, label == "prefill_done", now).is_ok()
     }
@@ -837,6 +849,7 @@ impl Scorer {
                 let h = core.health[p.id.index()];
                 let load = core.router.load().load(p.id, now);
                 let cached = core.router.pod_blocks(p.id);
+                let speed = core.router.load().speed(p.id);
                 PodView {
                     name: p.name.clone(),
                     address: p.address.clone(),
@@ -847,6 +860,9 @@ impl Scorer {
                     inflight_requests: load.inflight_requests,
                     queued_prefill_tokens: load.queued_prefill_tokens,
                     decode_blocks: load.decode_blocks,
+                    slowness: speed.slowness,
+                    slowness_samples: speed.samples,
+                    decode_tokens_per_second: speed.decode_tokens_per_second,
                     events_received: h.events_received,
                     event_gaps: h.event_gaps,
                     event_batches_missed: h.batches_missed,
@@ -868,6 +884,7 @@ impl Scorer {
             self.metrics.index_blocks.with_label_values(&[&v.name, index]).set(v.cached_blocks as f64);
             self.metrics.inflight_requests.with_label_values(&[&v.name]).set(f64::from(v.inflight_requests));
             self.metrics.queued_prefill_tokens.with_label_values(&[&v.name]).set(v.queued_prefill_tokens as f64);
+            self.metrics.pod_slowness.with_label_values(&[&v.name]).set(v.slowness);
         }
         self.metrics.index_entries.with_label_values(&["block_pod_entries"]).set(entries as f64);
         self.metrics.index_entries.with_label_values(&["distinct_blocks"]).set(distinct as f64);
@@ -920,6 +937,33 @@ mod tests {
         s.expire();
         let picked: Vec<String> = (0..4).map(|i| decide(&s, &format!("y{i}")).decode.name.clone()).collect();
         assert!(picked.contains(&pick.decode.name), "{picked:?}");
+    }
+
+    #[test]
+    fn done_reports_with_output_tokens_teach_the_pods_decode_speed() {
+        let s = scorer("policy: {name: round-robin}\nload: {pod_speed: {prior_samples: 2}}\n");
+        let speed = |s: &Scorer, name: &str| {
+            s.pods_view().into_iter().find(|v| v.name == name).unwrap().decode_tokens_per_second
+        };
+        for i in 0..4 {
+            let id = format!("r{i}");
+            let pod = decide(&s, &id).decode.name.clone();
+            s.lifecycle(&[report(&id, LifecycleEvent::FirstToken, None)]);
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            // 5 tokens: 4 after the first, in at least 20 ms.
+            let done = LifecycleReport { output_tokens: Some(5), ..report(&id, LifecycleEvent::Done, None) };
+            assert_eq!(s.lifecycle(&[done]), 0);
+            assert_eq!(pod, if i % 2 == 0 { "a" } else { "b" });
+        }
+        for pod in ["a", "b"] {
+            let learned = speed(&s, pod).expect("two reports each");
+            assert!(learned > 0.0 && learned <= 200.0, "{pod}: {learned}");
+        }
+        // Without output tokens nothing is learned.
+        let s = scorer("load: {pod_speed: {prior_samples: 1}}\n");
+        decide(&s, "x");
+        s.lifecycle(&[report("x", LifecycleEvent::FirstToken, None), report("x", LifecycleEvent::Done, None)]);
+        assert!(speed(&s, "a").is_none() && speed(&s, "b").is_none());
     }
 
     #[test]

@@ -291,3 +291,55 @@ async fn debug_endpoints_can_be_turned_off_or_moved() {
     assert_eq!(status, 200);
     assert!(d.get("explain").is_none(), "explain is a debug endpoint: {d}");
 }
+
+#[tokio::test]
+async fn a_slower_pod_is_learned_from_first_tokens_and_avoided() {
+    // pod-1 is the same engine three times slower (an older GPU beside a newer one); no
+    // configuration says so.
+    let tokenizer = qwen3_tokenizer();
+    let mut pods = Vec::new();
+    for (i, scale) in ["0.5", "1.5"].iter().enumerate() {
+        let args = ["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", scale, "--model", MODEL];
+        pods.push(Sim::start(&format!("pod-{i}"), &args).await);
+    }
+    let scorer = ScorerProcess::start(&config(&pods, true, "load: {pod_speed: {prior_samples: 4}}\n")).await;
+    let mut served = [0; 2];
+    // Pairs of distinct prompts of one size (100–700 words), decided back to back and
+    // served together, each reported at its first token (non-streaming with one output
+    // token: the answer is the first token). While pod-1 looks less than twice as slow, the
+    // second of a pair goes there rather than queue behind the first.
+    for pair in 0..20 {
+        let mut legs = Vec::new();
+        for k in 0..2 {
+            let body = json!({"prompt": text(&format!("topic{pair}x{k}"), 100 + 150 * (pair % 5)), "max_tokens": 1});
+            let id = format!("speed-{pair}-{k}");
+            let (status, d) = scorer.route("/v1/completions", &id, &body, false).await;
+            assert_eq!(status, 200, "{d}");
+            let pod = if d["pod"] == "pod-0" { 0 } else { 1 };
+            served[pod] += 1;
+            legs.push((pod, id, body));
+        }
+        futures::future::join_all(legs.iter().map(|(pod, id, body)| async {
+            pods[*pod].post_json("/v1/completions", body).await;
+            scorer_lifecycle_done(&scorer, id).await;
+        }))
+        .await;
+    }
+    let (fast, slow) = (scorer.pod("pod-0").await, scorer.pod("pod-1").await);
+    let ratio = slow["slowness"].as_f64().unwrap() / fast["slowness"].as_f64().unwrap();
+    assert!(ratio > 1.8, "pod-1 should look about 3x slower: {fast} {slow}");
+    assert!(slow["slowness_samples"].as_f64().unwrap() >= 3.0, "{slow}");
+    // Idle pods, no cache: the work is the same, the time is not.
+    assert!(served[0] > served[1], "{served:?}");
+    for i in 0..5 {
+        let body = json!({"prompt": text(&format!("fresh{i}y"), 300), "max_tokens": 1});
+        let (_, d) = scorer.route("/v1/completions", &format!("after-{i}"), &body, true).await;
+        assert_eq!(d["pod"], "pod-0", "{d}");
+        let explain = d["explain"].as_array().unwrap();
+        let slowness: Vec<f64> = explain.iter().map(|e| e["slowness"].as_f64().unwrap()).collect();
+        assert!(slowness.iter().any(|&s| s > 1.0) && slowness.iter().any(|&s| s < 1.0), "{d}");
+        scorer_lifecycle_done(&scorer, &format!("after-{i}")).await;
+    }
+    let metrics = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kvgate_pod_slowness{pod=\"pod-1\"}"), "{metrics}");
+}

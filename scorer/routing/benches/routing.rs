@@ -67,6 +67,7 @@ fn fleet_router(encoder: &EventEncoder) -> Router {
             default_output_tokens: 256,
             decode_tokens_per_second: 50.0,
             request_ttl: 600.0,
+            speed: Default::default(),
         },
         policy: PolicyConfig::default(),
         prefill_policy: PolicyConfig::default(),

@@ -8,6 +8,7 @@
 //! - [`index`]: which pod holds which block, matched in one lookup per block;
 //! - [`sequence`]: batch sequence numbers → in order, gap, restart or duplicate;
 //! - [`load`]: in-flight bookkeeping (queued prefill work, decode blocks) with expiry;
+//! - [`speed`]: each pod's prefill speed, learned from its first tokens;
 //! - [`approx`]: blocks recently routed to pods that publish no events, with a TTL;
 //! - [`policy`]: one trait, one file per policy (`kv`, `prefix`, `ttft`, `least-loaded`,
 //!   `round-robin`, `random`, `power-of-two`), built from configuration;
@@ -24,3 +25,4 @@ pub mod pod_set;
 pub mod policy;
 pub mod router;
 pub mod sequence;
+pub mod speed;

@@ -19,6 +19,7 @@
 
 use crate::hash::SequenceHash;
 use crate::pod_set::PodId;
+use crate::speed::{PodSpeeds, SpeedConfig, SpeedView};
 use ahash::AHashMap;
 use std::sync::Arc;
 
@@ -32,6 +33,8 @@ pub struct LoadConfig {
     pub decode_tokens_per_second: f64,
     /// Seconds after which a booking without `done` is dropped.
     pub request_ttl: f64,
+    /// Learning each pod's prefill speed from its bookings' first tokens.
+    pub speed: SpeedConfig,
 }
 
 /// The trapezoid estimate of prefill attention work for `prompt` tokens with `cached`
@@ -178,6 +181,7 @@ pub struct LoadTracker {
     config: LoadConfig,
     pods: Vec<PodState>,
     requests: AHashMap<BookingKey, Inflight>,
+    speeds: PodSpeeds,
     expired: u64,
 }
 
@@ -194,12 +198,14 @@ impl UnknownRequest {
 
 impl LoadTracker {
     pub fn new(config: LoadConfig) -> Self {
-        Self { config, pods: Vec::new(), requests: AHashMap::new(), expired: 0 }
+        let speeds = PodSpeeds::new(config.speed);
+        Self { config, pods: Vec::new(), requests: AHashMap::new(), speeds, expired: 0 }
     }
 
     /// Registers a pod (ids are dense, as in the index).
     pub fn add_pod(&mut self) -> PodId {
         self.pods.push(PodState::default());
+        self.speeds.add_pod();
         PodId(self.pods.len() as u32 - 1)
     }
 
@@ -276,6 +282,15 @@ impl LoadTracker {
             return Err(UnknownRequest::of(key));
         };
         let pod = req.pod;
+        // The end of the pod's prefill: the first token, or a prefill leg done.
+        let prefilled = match event {
+            Lifecycle::FirstToken => true,
+            Lifecycle::Done => key.leg == Leg::Prefill,
+            Lifecycle::Cancelled => false,
+        };
+        if prefilled && req.first_token_at.is_none() {
+            self.speeds.prefill_done(pod, req.booked_at, req.prefill_tokens, now);
+        }
         match event {
             Lifecycle::FirstToken => {
                 if req.first_token_at.is_none() {
@@ -288,6 +303,16 @@ impl LoadTracker {
             Lifecycle::Done | Lifecycle::Cancelled => self.release(key),
         }
         Ok(pod)
+    }
+
+    /// A request finished with `output_tokens` (its usage): its pod's decode speed learns
+    /// from it (call before its `done`).
+    pub fn decoded(&mut self, key: &BookingKey, output_tokens: u32, now: f64) {
+        if let Some(req) = self.requests.get(key)
+            && let Some(first_token_at) = req.first_token_at
+        {
+            self.speeds.decode_done(req.pod, first_token_at, output_tokens, now);
+        }
     }
 
     fn release(&mut self, key: &BookingKey) {
@@ -397,9 +422,10 @@ impl LoadTracker {
     pub fn load(&self, pod: PodId, now: f64) -> PodLoad {
         let state = &self.pods[pod.index()];
         let bs = self.config.block_size as f64;
+        let decode_speed = self.speeds.decode_tokens_per_second(pod).unwrap_or(self.config.decode_tokens_per_second);
         let (mut output_blocks, mut read_blocks) = (0.0, 0.0);
         for r in state.inflight.iter().filter_map(|id| self.requests.get(id)) {
-            let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * self.config.decode_tokens_per_second);
+            let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * decode_speed);
             let remaining = (f64::from(r.output_tokens) - generated).max(0.0);
             output_blocks += remaining / bs;
             read_blocks += (r.prompt_blocks.len() + usize::from(r.partial_block)) as f64
@@ -412,6 +438,17 @@ impl LoadTracker {
             decode_blocks: (state.shared_blocks.len() as u64 + state.private_blocks) as f64 + output_blocks,
             decode_read_blocks: read_blocks,
         }
+    }
+
+    /// How much slower than the fleet's average the pod prefills (1 = average; always 1
+    /// with learning off). See [`crate::speed`].
+    pub fn slowness(&self, pod: PodId) -> f64 {
+        self.speeds.slowness(pod)
+    }
+
+    /// The pod's learned speed, applied or not.
+    pub fn speed(&self, pod: PodId) -> SpeedView {
+        self.speeds.view(pod)
     }
 
     /// Requests in flight on all pods.
@@ -430,6 +467,7 @@ mod tests {
             default_output_tokens: 8,
             decode_tokens_per_second: 4.0,
             request_ttl: 60.0,
+            speed: Default::default(),
         });
         let (a, b) = (t.add_pod(), t.add_pod());
         (t, a, b)

@@ -537,6 +537,7 @@ impl Router {
                     pod_blocks: self.pod_blocks(p) as u64,
                     load: self.load.load(p, now),
                     reported: self.pods[p.index()].reported,
+                    slowness: self.load.slowness(p),
                 }
             })
             .collect()
@@ -558,6 +559,12 @@ impl Router {
             return if prefill_known { Ok(()) } else { Err(UnknownRequest(request_id.to_string())) };
         }
         self.report_leg(request_id, Leg::Serve, event, now).map(|_| ())
+    }
+
+    /// `request_id` finished with `output_tokens` (its usage): the pod's decode speed learns
+    /// from it. Call before its `done` report.
+    pub fn decoded(&mut self, request_id: &str, output_tokens: u32, now: f64) {
+        self.load.decoded(&BookingKey::local(request_id, Leg::Serve), output_tokens, now);
     }
 
     /// The proxy reports which pod served `request_id` (after its retries): a booking made
@@ -655,6 +662,7 @@ mod tests {
                 default_output_tokens: 64,
                 decode_tokens_per_second: 50.0,
                 request_ttl: 600.0,
+                speed: Default::default(),
             },
             policy: PolicyConfig::default(),
             prefill_policy: PolicyConfig::default(),

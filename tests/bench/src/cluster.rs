@@ -42,7 +42,8 @@ pub trait ClusterRouter {
     /// The request's prefill leg finished (disaggregated requests only).
     fn prefill_done(&mut self, _id: u64, _now: f64) {}
     fn first_token(&mut self, _id: u64, _now: f64) {}
-    fn done(&mut self, id: u64, now: f64);
+    /// The request finished with `output_tokens` (`None`: the engine refused it).
+    fn done(&mut self, id: u64, output_tokens: Option<u32>, now: f64);
     /// A pod's cache changed (its KV events); routers without event support ignore it.
     fn kv_events(&mut self, _pod: usize, _changes: &[CacheChange], _now: f64) {}
     /// A pod's `/metrics`, scraped.
@@ -327,7 +328,7 @@ impl Sim<'_> {
             }
             Err(_) => {
                 self.records[id].rejected = true;
-                self.router.done(id as u64, now);
+                self.router.done(id as u64, None, now);
                 self.turn_over(id, now);
             }
         }
@@ -393,7 +394,7 @@ impl Sim<'_> {
                         if r.prefill_pod.is_none() {
                             r.cached_tokens = f.usage.cached_tokens;
                         }
-                        self.router.done(id as u64, now);
+                        self.router.done(id as u64, Some(f.usage.completion_tokens as u32), now);
                         self.turn_over(id, now);
                     }
                 }

@@ -29,14 +29,9 @@ pub struct Kvgate {
 }
 
 impl Kvgate {
-    /// `policy_yaml`: the scorer config's `policy:` value, e.g. `{name: kv}`; `pd_yaml` its
-    /// `pd:` section (or empty).
-    pub fn new(roles: &[PodRole], policy_yaml: &str, pd_yaml: &str, seed: u64) -> anyhow::Result<Self> {
-        let mut yaml = format!("policy: {policy_yaml}\nseed: {seed}\n");
-        if !pd_yaml.is_empty() {
-            yaml.push_str(&format!("pd: {pd_yaml}\n"));
-        }
-        yaml.push_str("pods:\n");
+    /// `sections`: the scorer config's YAML apart from its pods, e.g. `policy: {name: kv}`.
+    pub fn new(roles: &[PodRole], sections: &str, seed: u64) -> anyhow::Result<Self> {
+        let mut yaml = format!("{sections}\nseed: {seed}\npods:\n");
         for (i, role) in roles.iter().enumerate() {
             let role = match role {
                 PodRole::Both => "both",
@@ -77,8 +72,12 @@ impl ClusterRouter for Kvgate {
         let _ = self.router.report(&id.to_string(), Lifecycle::FirstToken, false, now);
     }
 
-    fn done(&mut self, id: u64, now: f64) {
-        let _ = self.router.report(&id.to_string(), Lifecycle::Done, false, now);
+    fn done(&mut self, id: u64, output_tokens: Option<u32>, now: f64) {
+        let id = id.to_string();
+        if let Some(n) = output_tokens {
+            self.router.decoded(&id, n, now);
+        }
+        let _ = self.router.report(&id, Lifecycle::Done, false, now);
     }
 
     fn kv_events(&mut self, pod: usize, changes: &[CacheChange], now: f64) {
@@ -161,8 +160,8 @@ impl ClusterRouter for Replicas {
         self.on(self.owner(id), now, |r| r.first_token(id, now))
     }
 
-    fn done(&mut self, id: u64, now: f64) {
-        self.on(self.owner(id), now, |r| r.done(id, now))
+    fn done(&mut self, id: u64, output_tokens: Option<u32>, now: f64) {
+        self.on(self.owner(id), now, |r| r.done(id, output_tokens, now))
     }
 
     fn kv_events(&mut self, pod: usize, changes: &[CacheChange], now: f64) {
@@ -252,7 +251,7 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
         }
     }
 
-    fn done(&mut self, id: u64, _now: f64) {
+    fn done(&mut self, id: u64, _output_tokens: Option<u32>, _now: f64) {
         let Some((decode, prefill)) = self.inflight.remove(&id) else { return };
         self.decode.rule.finished(decode);
         if let (Some(p), Some(pool)) = (prefill, self.prefill.as_mut()) {
@@ -271,8 +270,9 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
 
 /// A router by name: `sglang-cache-aware`, `vllm-kv-aware`, or a kvgate policy (`kv`, `prefix`, `ttft`,
 /// `least-loaded`, `power-of-two`, `round-robin`, `random`) with the scorer's defaults;
-/// on layouts with prefill pods the policy chooses in both pools, and a suffix `@pd-always`
-/// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold. A kvgate
+/// on layouts with prefill pods the policy chooses in both pools; a suffix `@pd-always`
+/// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold, and
+/// `@fixed-speed` turns off learning pod speeds (every pod counts as average). A kvgate
 /// router followed by `/N-replicas` runs as N replicas sharing their bookings at once,
 /// `/N-replicas-sync-Dms` after D ms, `/N-replicas-unsynced` not at all ([`Replicas`]).
 pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn ClusterRouter>> {
@@ -314,11 +314,17 @@ fn parse_replicas(spec: &str) -> anyhow::Result<(usize, Option<f64>)> {
 
 /// One kvgate router by policy name (see [`build`]).
 fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
-    let (policy, threshold) = match name.split_once('@') {
-        Some((p, "pd-always")) => (p, Some(0)),
-        Some((p, "no-pd")) => (p, Some(u32::MAX)),
-        Some((_, other)) => anyhow::bail!("unknown P/D variant {other:?} (pd-always, no-pd)"),
-        None => (name, None),
+    let (policy, variant) = name.split_once('@').map_or((name, None), |(p, v)| (p, Some(v)));
+    let mut sections = Vec::new();
+    let threshold = match variant {
+        Some("pd-always") => Some(0),
+        Some("no-pd") => Some(u32::MAX),
+        Some("fixed-speed") => {
+            sections.push("load: {pod_speed: {learn: false}}".to_string());
+            None
+        }
+        Some(other) => anyhow::bail!("unknown variant {other:?} (pd-always, no-pd, fixed-speed)"),
+        None => None,
     };
     // A policy written as YAML (`{name: kv, decode_weight: 0.2}`) is used as written.
     let policy_yaml = if policy.starts_with('{') { policy.to_string() } else { format!("{{name: {policy}}}") };
@@ -329,6 +335,9 @@ fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
     if roles.contains(&PodRole::Prefill) {
         pd.push(format!("prefill_policy: {policy_yaml}, decode_policy: {policy_yaml}"));
     }
-    let pd = if pd.is_empty() { String::new() } else { format!("{{{}}}", pd.join(", ")) };
-    Kvgate::new(roles, &policy_yaml, &pd, seed)
+    sections.push(format!("policy: {policy_yaml}"));
+    if !pd.is_empty() {
+        sections.push(format!("pd: {{{}}}", pd.join(", ")));
+    }
+    Kvgate::new(roles, &sections.join("\n"), seed)
 }

@@ -22,6 +22,8 @@
 //! in blocks, the unit of decode load. `prefix_weight` scales the cached tokens credited
 //! (0 = ignore the cache: pure load balancing). With `temperature > 0`, the pod is sampled
 //! with probability ∝ `exp(−normalised cost / temperature)` instead of taking the minimum.
+//! The whole cost is multiplied by the pod's learned slowness ([`crate::speed`]), putting
+//! pods of different speeds on one scale of predicted time.
 //! Optional busy thresholds drop pods that report too long a queue or too full a cache
 //! (unless every pod is busy, then all stay eligible).
 
@@ -146,9 +148,11 @@ impl KvPolicy {
                 c.load.queued_prefill_tokens as f64 + c.load.queued_prefill_work / self.config.attention_horizon_tokens
             }
         };
-        self.config.prefill_weight * (queued + own) / f64::from(input.block_size.max(1))
+        let work = self.config.prefill_weight * (queued + own) / f64::from(input.block_size.max(1))
             + self.config.decode_weight * c.load.decode_blocks
-            + self.config.decode_read_weight * c.load.decode_read_blocks
+            + self.config.decode_read_weight * c.load.decode_read_blocks;
+        // In the pod's time: the same work takes a slower pod longer.
+        work * c.slowness
     }
 }
 

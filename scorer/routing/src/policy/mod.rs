@@ -48,6 +48,9 @@ pub struct Candidate {
     /// kvgate's own bookkeeping of what it sent there.
     pub load: PodLoad,
     pub reported: Option<ReportedLoad>,
+    /// How much slower than the fleet's average the pod prefills (1 = average), learned
+    /// online ([`crate::speed`]): the policies that predict time scale their costs by it.
+    pub slowness: f64,
 }
 
 /// The request, as far as policies care.
@@ -145,6 +148,7 @@ pub(crate) mod test_support {
                 decode_read_blocks: f64::from(inflight) * 20.0,
             },
             reported: None,
+            slowness: 1.0,
         }
     }
 

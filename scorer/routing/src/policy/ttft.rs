@@ -1,7 +1,8 @@
 //! `ttft` — the seed's queue-workload estimate: the pod where this request's first token
 //! comes soonest, if a pod works through its queued prefill before this request's own:
 //! `queued prefill tokens + uncached tokens of this request` (linear tokens), with the pod's
-//! reported waiting queue as a tie-breaker. No decode term: it optimises time to first token
+//! reported waiting queue as a tie-breaker; tokens are scaled by the pod's learned slowness
+//! ([`crate::speed`]), so a slower pod's queue counts for longer. No decode term: it optimises time to first token
 //! only.
 
 use super::{Candidate, Decision, Policy, RouteInput, argmin_random_tie, uncached_tokens};
@@ -27,7 +28,8 @@ impl Policy for TtftPolicy {
             .iter()
             .map(|c| {
                 let waiting = c.reported.map_or(0.0, |r| r.waiting);
-                Some(c.load.queued_prefill_tokens as f64 + f64::from(uncached_tokens(input, c)) + waiting * 1e-3)
+                let tokens = c.load.queued_prefill_tokens as f64 + f64::from(uncached_tokens(input, c));
+                Some(tokens * c.slowness + waiting * 1e-3)
             })
             .collect();
         let chosen = argmin_random_tie(&costs, &mut self.rng);

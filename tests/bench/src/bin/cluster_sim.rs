@@ -30,6 +30,8 @@ const ROUTERS: [&str; 9] = [
 const PEERS: [&str; 2] = ["sglang-cache-aware", "vllm-kv-aware"];
 /// Extra variants on the P/D workload.
 const PD_VARIANTS: [&str; 2] = ["kv@pd-always", "kv@no-pd"];
+/// Extra variant on fleets of unlike pods: kv without learning their speeds.
+const UNLIKE_VARIANTS: [&str; 1] = ["kv@fixed-speed"];
 /// A sweep stops a router after this many points in a row over the SLO.
 const OVER_SLO_STOP: usize = 2;
 /// Bisections of the interval where a router's p90 crosses the SLO (each halves it on a log
@@ -48,7 +50,7 @@ struct Args {
     workloads: String,
     /// Routers (space-separated), or `all`: kv, prefix, ttft, least-loaded, power-of-two,
     /// round-robin, random, sglang-cache-aware, vllm-kv-aware (P/D variants kv@pd-always,
-    /// kv@no-pd are added on pd-mixed); a kvgate policy may be given as the scorer's YAML,
+    /// kv@no-pd are added on pd-mixed, kv@fixed-speed on heterogeneous); a kvgate policy may be given as the scorer's YAML,
     /// e.g. "{name: kv, decode_weight: 0.2}".
     #[arg(long, num_args = 1.., default_values_t = ["all".to_string()])]
     routers: Vec<String>,
@@ -163,6 +165,9 @@ fn main() -> anyhow::Result<()> {
             if all { ROUTERS.iter().map(|s| s.to_string()).collect() } else { args.routers.clone() };
         if w.prefill_pods > 0 && all {
             names.extend(PD_VARIANTS.iter().map(|s| s.to_string()));
+        }
+        if !w.unlike.is_empty() && all {
+            names.extend(UNLIKE_VARIANTS.iter().map(|s| s.to_string()));
         }
         let config = ClusterConfig::for_workload(&w, args.pods);
         for r in &names {
@@ -345,7 +350,8 @@ fn sweep(args: &Args, params: &Params, plan: &[(Workload, Vec<String>)]) -> anyh
             (Some((_, a)), Some((_, b))) => ratio(a, b),
             _ => "–".into(),
         };
-        let best_other = best_of(&|r| r != "kv");
+        // Other routers: not kv's own variants (kv@pd-always, kv@fixed-speed, …).
+        let best_other = best_of(&|r| r != "kv" && !r.starts_with("kv@"));
         let best_peer = best_of(&|r| PEERS.contains(&r));
         let rr = find("round-robin");
         markdown.push_str(&format!(

@@ -1,0 +1,408 @@
+//! Each pod's prefill speed, learned online from what it does — so a fleet mixing GPU
+//! generations (an A100 beside H100s) needs no per-pod configuration.
+//!
+//! A request's first token (the end of its prefill leg, when disaggregated) is a sample:
+//! `x` = the uncached prompt tokens it computed there, `y` = the seconds from its booking to
+//! its first token — taken only when no earlier prefill on that pod was still unfinished at
+//! its booking. A prefill queued behind others measures the queue, and under load (steps
+//! shared with many decoding sequences, a thrashing cache) a pod looks slower than it is:
+//! learning from those turned a loaded pod "slow", routed its prefixes away and broke cache
+//! affinity (the capacity workload's p90 at 1.4× its rate: 2,042 ms against 524 ms).
+//! Under sustained load a pod keeps what it learned when it had room.
+//!
+//! Two decayed fits turn samples into a comparison:
+//!
+//! - the **fleet**'s time per prefill, `y ≈ a + b·x`, least squares over every pod's samples
+//!   (the intercept is the fixed cost of a step and of reporting: short prefills are not
+//!   taken for slow ones);
+//! - per **pod**, the ratio of the seconds it took to the seconds the fleet fit predicted for
+//!   the same samples: its **slowness** (1 = the fleet's average speed, 2 = half as fast),
+//!   shrunk toward 1 by `prior_samples` pseudo-samples so a handful of reports cannot swing
+//!   it, clamped to `[1/max_slowness, max_slowness]`. While the learned slownesses span less
+//!   than `alike_spread` (slowest ÷ fastest) the fleet counts as alike and every pod is
+//!   applied as 1: on a fleet of one GPU type the ±5 % of noise would otherwise decide ties.
+//!
+//! Both fits forget at the rate of `window_samples` (each new sample multiplies the old
+//! sums by `1 − 1/window`), so a pod that changes speed is re-learned within a window of its
+//! own samples. The `kv` and `ttft` policies multiply a pod's cost by its slowness: pods are
+//! compared in predicted seconds, not tokens.
+//!
+//! Decode speed is learned beside it, per pod, from the `done` reports that carry the
+//! request's output tokens: tokens after the first ÷ seconds after the first token (decayed
+//! alike). It sets how fast a pod's bookings are taken to generate their expected output
+//! (in place of `load.decode_tokens_per_second`), so a slow pod's decode load is held
+//! longer. Time is the caller's (no clock here).
+
+use crate::pod_set::PodId;
+use serde::Deserialize;
+
+/// How pod speeds are learned.
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct SpeedConfig {
+    /// Learn and apply pod speeds; false = every pod counts as the fleet's average.
+    pub learn: bool,
+    /// Memory of both fits, in samples (a pod's own samples for its slowness).
+    pub window_samples: f64,
+    /// Pseudo-samples at slowness 1 every pod starts with; also the fleet samples needed
+    /// before any pod is judged.
+    pub prior_samples: f64,
+    /// Slowness is kept within `[1/max, max]`.
+    pub max_slowness: f64,
+    /// A fleet whose learned slownesses span less than this factor (slowest ÷ fastest) is
+    /// taken as alike and every pod's slowness applied as 1: noise, or one pod's passing
+    /// load, is not a slower GPU, and alike pods keep comparing on work alone.
+    pub alike_spread: f64,
+}
+
+impl Default for SpeedConfig {
+    fn default() -> Self {
+        Self { learn: true, window_samples: 200.0, prior_samples: 16.0, max_slowness: 8.0, alike_spread: 1.5 }
+    }
+}
+
+impl SpeedConfig {
+    /// What is wrong with this configuration, if anything: `(field, why)`.
+    pub fn validate(&self) -> Result<(), (&'static str, &'static str)> {
+        if !(self.window_samples >= 2.0 && self.window_samples.is_finite()) {
+            return Err(("window_samples", "must be at least 2"));
+        }
+        if !(self.prior_samples >= 0.0 && self.prior_samples.is_finite()) {
+            return Err(("prior_samples", "must be 0 or more"));
+        }
+        if !(self.max_slowness >= 1.0 && self.max_slowness.is_finite()) {
+            return Err(("max_slowness", "must be at least 1"));
+        }
+        if !(self.alike_spread >= 1.0 && self.alike_spread.is_finite()) {
+            return Err(("alike_spread", "must be at least 1"));
+        }
+        Ok(())
+    }
+}
+
+/// Exponentially decayed sums for a least-squares line `y = a + b·x`.
+#[derive(Clone, Copy, Debug, Default)]
+struct Line {
+    n: f64,
+    sx: f64,
+    sy: f64,
+    sxx: f64,
+    sxy: f64,
+}
+
+impl Line {
+    fn add(&mut self, x: f64, y: f64, keep: f64) {
+        *self = Line {
+            n: self.n * keep + 1.0,
+            sx: self.sx * keep + x,
+            sy: self.sy * keep + y,
+            sxx: self.sxx * keep + x * x,
+            sxy: self.sxy * keep + x * y,
+        };
+    }
+
+    /// Predicted `y` at `x`: the fitted line, kept non-negative in both coefficients (a
+    /// degenerate fit — every `x` alike — falls back to the mean of `y` per mean `x`).
+    fn predict(&self, x: f64) -> f64 {
+        let (mean_x, mean_y) = (self.sx / self.n, self.sy / self.n);
+        let var_x = self.sxx / self.n - mean_x * mean_x;
+        let slope = if var_x > 1e-9 * mean_x * mean_x.max(1.0) {
+            ((self.sxy / self.n - mean_x * mean_y) / var_x).max(0.0)
+        } else {
+            0.0
+        };
+        let intercept = (mean_y - slope * mean_x).max(0.0);
+        if slope == 0.0 && intercept == 0.0 { mean_y } else { intercept + slope * x }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct PodSpeed {
+    /// When the pod last finished a prefill (its next one started no earlier).
+    busy_until: f64,
+    /// Decayed seconds its samples took, and the fleet fit's prediction for them.
+    observed: f64,
+    expected: f64,
+    samples: f64,
+    /// Decayed output tokens after the first, the seconds they took, and the samples.
+    decoded_tokens: f64,
+    decode_seconds: f64,
+    decode_samples: f64,
+}
+
+impl Default for PodSpeed {
+    fn default() -> Self {
+        Self {
+            busy_until: f64::NEG_INFINITY,
+            observed: 0.0,
+            expected: 0.0,
+            samples: 0.0,
+            decoded_tokens: 0.0,
+            decode_seconds: 0.0,
+            decode_samples: 0.0,
+        }
+    }
+}
+
+/// A pod's learned speed, for `/v1/pods` and metrics.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SpeedView {
+    /// Seconds it takes per second the fleet's average pod would (1 = average).
+    pub slowness: f64,
+    /// Its decayed count of samples.
+    pub samples: f64,
+    /// Tokens per second one sequence decodes there, once `prior_samples` reports taught it.
+    pub decode_tokens_per_second: Option<f64>,
+}
+
+/// The learner (see the module doc).
+pub struct PodSpeeds {
+    config: SpeedConfig,
+    fleet: Line,
+    pods: Vec<PodSpeed>,
+    /// Whether the learned slownesses span more than `alike_spread` (updated per sample).
+    unlike: bool,
+}
+
+impl PodSpeeds {
+    pub fn new(config: SpeedConfig) -> Self {
+        Self { config, fleet: Line::default(), pods: Vec::new(), unlike: false }
+    }
+
+    /// Registers a pod (ids are dense, as everywhere).
+    pub fn add_pod(&mut self) {
+        self.pods.push(PodSpeed::default());
+    }
+
+    fn keep(&self) -> f64 {
+        1.0 - 1.0 / self.config.window_samples
+    }
+
+    /// A prefill of `tokens` uncached tokens, booked on `pod` at `booked_at`, finished at
+    /// `now`.
+    pub fn prefill_done(&mut self, pod: PodId, booked_at: f64, tokens: u64, now: f64) {
+        let keep = self.keep();
+        let Some(state) = self.pods.get_mut(pod.index()) else { return };
+        if tokens == 0 {
+            return; // Nothing computed there (its KV came from a prefill pod).
+        }
+        // Only a prefill that had the pod to itself from its booking teaches: one queued
+        // behind others measures the queue, and a pod under load looks slower than it is.
+        let queued = booked_at < state.busy_until;
+        state.busy_until = state.busy_until.max(now);
+        if queued || now < booked_at {
+            return;
+        }
+        let (x, y) = (tokens as f64, now - booked_at);
+        if self.fleet.n >= self.config.prior_samples.max(2.0) {
+            state.observed = state.observed * keep + y;
+            state.expected = state.expected * keep + self.fleet.predict(x);
+            state.samples = state.samples * keep + 1.0;
+        }
+        self.fleet.add(x, y, keep);
+        let judged = (0..self.pods.len() as u32)
+            .map(PodId)
+            .filter(|&p| self.pods[p.index()].samples > 0.0)
+            .map(|p| self.view(p).slowness);
+        let (fastest, slowest) = judged.fold((f64::INFINITY, 0.0_f64), |(lo, hi), s| (lo.min(s), hi.max(s)));
+        self.unlike = slowest > fastest * self.config.alike_spread;
+    }
+
+    /// A request on `pod` whose first token came at `first_token_at` finished at `now` with
+    /// `output_tokens` tokens.
+    pub fn decode_done(&mut self, pod: PodId, first_token_at: f64, output_tokens: u32, now: f64) {
+        let keep = self.keep();
+        let Some(state) = self.pods.get_mut(pod.index()) else { return };
+        if output_tokens < 2 || now <= first_token_at {
+            return;
+        }
+        state.decoded_tokens = state.decoded_tokens * keep + f64::from(output_tokens - 1);
+        state.decode_seconds = state.decode_seconds * keep + (now - first_token_at);
+        state.decode_samples = state.decode_samples * keep + 1.0;
+    }
+
+    /// The pod's learned decode speed per sequence, if learning is on and it has one.
+    pub fn decode_tokens_per_second(&self, pod: PodId) -> Option<f64> {
+        if !self.config.learn {
+            return None;
+        }
+        self.view(pod).decode_tokens_per_second
+    }
+
+    /// The pod's slowness as applied: 1 unless learning is on and the fleet's pods are
+    /// unlike (their learned slownesses span more than `alike_spread`).
+    pub fn slowness(&self, pod: PodId) -> f64 {
+        if self.config.learn && self.unlike { self.view(pod).slowness } else { 1.0 }
+    }
+
+    /// The pod's learned speed (whether or not it is applied).
+    pub fn view(&self, pod: PodId) -> SpeedView {
+        let Some(state) = self.pods.get(pod.index()) else {
+            return SpeedView { slowness: 1.0, samples: 0.0, decode_tokens_per_second: None };
+        };
+        // The prior: `prior_samples` samples that took what the fleet predicts (its mean).
+        let prior = if self.fleet.n > 0.0 { self.config.prior_samples * self.fleet.sy / self.fleet.n } else { 0.0 };
+        let (observed, expected) = (state.observed + prior, state.expected + prior);
+        let slowness = if expected > 0.0 { observed / expected } else { 1.0 };
+        let max = self.config.max_slowness;
+        // At least `prior_samples` reports (their decayed count: (1 − keepⁿ) / (1 − keep)).
+        let keep = self.keep();
+        let needed = (1.0 - keep.powf(self.config.prior_samples.max(1.0))) / (1.0 - keep);
+        let decode_tokens_per_second =
+            (state.decode_samples >= needed - 1e-9).then(|| state.decoded_tokens / state.decode_seconds);
+        SpeedView { slowness: slowness.clamp(1.0 / max, max), samples: state.samples, decode_tokens_per_second }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// Prefill seconds of `tokens` on a pod `slowness` times the reference: a step's fixed
+    /// cost plus a per-token one, with ±`noise` relative jitter.
+    fn prefill_secs(tokens: u64, slowness: f64, noise: f64, rng: &mut StdRng) -> f64 {
+        (0.006 + 40e-6 * tokens as f64) * slowness * (1.0 + noise * (2.0 * rng.random::<f64>() - 1.0))
+    }
+
+    /// Feeds `n` isolated prefills per pod (pods idle between them), prompt sizes drawn
+    /// from `sizes`, round robin over the pods.
+    fn feed(speeds: &mut PodSpeeds, slowness: &[f64], sizes: &[u64], n: usize, t: &mut f64, rng: &mut StdRng) {
+        for i in 0..n * slowness.len() {
+            let pod = i % slowness.len();
+            let tokens = sizes[rng.random_range(0..sizes.len())];
+            let secs = prefill_secs(tokens, slowness[pod], 0.3, rng);
+            speeds.prefill_done(PodId(pod as u32), *t, tokens, *t + secs);
+            *t += 1.0;
+        }
+    }
+
+    /// A learner for four pods.
+    fn learner(config: SpeedConfig) -> PodSpeeds {
+        let mut speeds = PodSpeeds::new(config);
+        (0..4).for_each(|_| speeds.add_pod());
+        speeds
+    }
+
+    /// What was learned (before the tolerance).
+    fn slowness(speeds: &PodSpeeds, pods: usize) -> Vec<f64> {
+        (0..pods as u32).map(|p| speeds.view(PodId(p)).slowness).collect()
+    }
+
+    #[test]
+    fn a_pod_twice_as_slow_is_found_through_noise() {
+        let mut speeds = learner(SpeedConfig::default());
+        let (mut rng, mut t) = (StdRng::seed_from_u64(3), 0.0);
+        let truth = [1.0, 2.0, 1.0, 2.0];
+        assert_eq!(slowness(&speeds, 4), vec![1.0; 4], "nothing learned yet");
+        feed(&mut speeds, &truth, &[16, 100, 500, 2000, 4000], 300, &mut t, &mut rng);
+        let s = slowness(&speeds, 4);
+        // Relative to the fleet's average (1.5): 2/3 and 4/3.
+        for (pod, &learned) in s.iter().enumerate() {
+            let expected = truth[pod] / 1.5;
+            assert!((learned / expected - 1.0).abs() < 0.12, "pod {pod}: {learned} vs {expected} ({s:?})");
+            assert_eq!(speeds.slowness(PodId(pod as u32)), learned, "unlike pods: applied");
+        }
+    }
+
+    #[test]
+    fn short_prefills_are_not_taken_for_a_slow_pod() {
+        // Same hardware; pod 0 gets only cache hits (16 new tokens: a step's fixed cost
+        // dominates), pod 1 only cold 4000-token prompts.
+        let mut speeds = learner(SpeedConfig::default());
+        let (mut rng, mut t) = (StdRng::seed_from_u64(5), 0.0);
+        for i in 0..600 {
+            let (pod, tokens) = if i % 2 == 0 { (0, 16) } else { (1, 4000) };
+            // Mix in both sizes on a third pod so the fleet fit sees the whole range.
+            speeds.prefill_done(PodId(pod), t, tokens, t + prefill_secs(tokens, 1.0, 0.2, &mut rng));
+            let mixed = if i % 3 == 0 { 16 } else { 4000 };
+            speeds.prefill_done(PodId(2), t, mixed, t + prefill_secs(mixed, 1.0, 0.2, &mut rng));
+            t += 1.0;
+        }
+        for (pod, s) in slowness(&speeds, 3).into_iter().enumerate() {
+            assert!((s - 1.0).abs() < 0.15, "pod {pod}: {s}");
+            assert_eq!(speeds.slowness(PodId(pod as u32)), 1.0, "alike pods");
+        }
+    }
+
+    #[test]
+    fn queued_prefills_teach_nothing() {
+        let mut speeds = learner(SpeedConfig { prior_samples: 0.0, ..Default::default() });
+        let (mut rng, mut t) = (StdRng::seed_from_u64(9), 0.0);
+        feed(&mut speeds, &[1.0, 1.0], &[1000], 100, &mut t, &mut rng);
+        let before = speeds.view(PodId(1));
+        // Pod 1 gets ten 1000-token requests at once: each finishes 46 ms after the previous
+        // one. Counted from their bookings they would look up to ten times slower.
+        for k in 1..=10 {
+            speeds.prefill_done(PodId(1), t, 1000, t + 0.046 * f64::from(k));
+        }
+        let after = speeds.view(PodId(1));
+        let keep = 1.0 - 1.0 / SpeedConfig::default().window_samples;
+        assert!((after.samples - (before.samples * keep + 1.0)).abs() < 1e-9, "only the first had the pod to itself");
+        assert!(after.slowness < 1.15, "pod 1 looks {}x slower", after.slowness);
+    }
+
+    #[test]
+    fn a_pod_that_slows_down_is_relearned_within_a_window() {
+        let config = SpeedConfig { window_samples: 50.0, ..Default::default() };
+        let mut speeds = learner(config);
+        let (mut rng, mut t) = (StdRng::seed_from_u64(11), 0.0);
+        let sizes = [50, 500, 3000];
+        feed(&mut speeds, &[1.0; 4], &sizes, 200, &mut t, &mut rng);
+        let before = speeds.view(PodId(3)).slowness;
+        assert!((before - 1.0).abs() < 0.15, "{before}");
+        // Pod 3 throttles to a third of its speed.
+        feed(&mut speeds, &[1.0, 1.0, 1.0, 3.0], &sizes, 150, &mut t, &mut rng);
+        let after = speeds.view(PodId(3)).slowness;
+        let fleet_average = (1.0 + 1.0 + 1.0 + 3.0) / 4.0;
+        assert!((after / (3.0 / fleet_average) - 1.0).abs() < 0.15, "{after}");
+        assert!(speeds.view(PodId(0)).slowness < 0.85, "the others now look faster than the average");
+    }
+
+    #[test]
+    fn learning_off_leaves_every_pod_average_but_still_shows_what_it_learned() {
+        let mut speeds = learner(SpeedConfig { learn: false, ..Default::default() });
+        let (mut rng, mut t) = (StdRng::seed_from_u64(1), 0.0);
+        feed(&mut speeds, &[1.0, 3.0], &[200, 2000], 200, &mut t, &mut rng);
+        assert_eq!(speeds.slowness(PodId(1)), 1.0);
+        assert!(speeds.view(PodId(1)).slowness > 1.3);
+        assert!(speeds.view(PodId(1)).samples > 100.0);
+    }
+
+    #[test]
+    fn decode_speed_is_learned_per_pod_from_done_reports() {
+        let mut speeds = learner(SpeedConfig::default());
+        let mut rng = StdRng::seed_from_u64(2);
+        for i in 0..100 {
+            for (pod, tokens_per_second) in [(0, 80.0), (1, 40.0)] {
+                let output = rng.random_range(10..300);
+                let secs = f64::from(output - 1) / tokens_per_second * (0.8 + 0.4 * rng.random::<f64>());
+                speeds.decode_done(PodId(pod), f64::from(i), output, f64::from(i) + secs);
+            }
+            // One-token answers and reports out of order teach nothing.
+            speeds.decode_done(PodId(2), 5.0, 1, 6.0);
+            speeds.decode_done(PodId(2), 5.0, 50, 4.0);
+        }
+        let learned = |p| speeds.decode_tokens_per_second(PodId(p));
+        assert!((learned(0).unwrap() / 80.0 - 1.0).abs() < 0.1, "{:?}", learned(0));
+        assert!((learned(1).unwrap() / 40.0 - 1.0).abs() < 0.1, "{:?}", learned(1));
+        assert_eq!(learned(2), None);
+        let off = learner(SpeedConfig { learn: false, ..Default::default() });
+        assert_eq!(off.decode_tokens_per_second(PodId(0)), None);
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        assert!(SpeedConfig::default().validate().is_ok());
+        for bad in [
+            SpeedConfig { window_samples: 1.0, ..Default::default() },
+            SpeedConfig { prior_samples: -1.0, ..Default::default() },
+            SpeedConfig { max_slowness: 0.5, ..Default::default() },
+            SpeedConfig { alike_spread: 0.9, ..Default::default() },
+            SpeedConfig { window_samples: f64::NAN, ..Default::default() },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+    }
+}
