@@ -33,7 +33,7 @@ pub struct LoadConfig {
     pub decode_tokens_per_second: f64,
     /// Seconds after which a booking without `done` is dropped.
     pub request_ttl: f64,
-    /// Learning each pod's prefill speed from its bookings' first tokens.
+    /// Learning each pod's prefill speed (first tokens) and decode speed (output tokens).
     pub speed: SpeedConfig,
 }
 

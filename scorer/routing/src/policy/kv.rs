@@ -217,6 +217,17 @@ mod tests {
     }
 
     #[test]
+    fn a_slower_pod_costs_its_work_in_its_own_time() {
+        let mut p = policy(KvPolicyConfig::default());
+        let (fast, slow) = (candidate(0, 0, 0, 0), Candidate { slowness: 2.0, ..candidate(1, 0, 0, 0) });
+        assert_eq!(p.cost(&INPUT, &slow), 2.0 * p.cost(&INPUT, &fast));
+        assert_eq!(p.select(&INPUT, &[slow, fast]).chosen, 1, "same work, the fast pod");
+        // A slow pod holding most of the prompt still beats a cold fast one.
+        let warm_slow = Candidate { slowness: 2.0, ..candidate(1, 800, 0, 0) };
+        assert_eq!(p.select(&INPUT, &[warm_slow, fast]).chosen, 0);
+    }
+
+    #[test]
     fn queued_work_outweighs_a_small_cache_gain() {
         let mut p = policy(KvPolicyConfig::default());
         // Pod 1 holds 160 of 1000 tokens but has 5000 prefill tokens queued.
