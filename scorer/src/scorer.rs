@@ -568,7 +568,7 @@ impl Scorer {
         output_tokens: Option<u32>,
         now: f64,
     ) -> bool {
-        let (event, label) = match event {
+        let (lifecycle, label) = match event {
             LifecycleEvent::FirstToken => (Lifecycle::FirstToken, "first_token"),
             LifecycleEvent::Done => (Lifecycle::Done, "done"),
             LifecycleEvent::Cancelled => (Lifecycle::Cancelled, "cancelled"),
@@ -577,11 +577,11 @@ impl Scorer {
         self.metrics.lifecycle_reports.with_label_values(&[label]).inc();
         if let Some(n) = output_tokens {
             self.metrics.output_tokens.inc_by(u64::from(n));
-            if event == Lifecycle::Done && label == "done" {
+            if event == LifecycleEvent::Done {
                 core.router.decoded(request_id, n, now);
             }
         }
-        core.router.report(request_id, event, label == "prefill_done", now).is_ok()
+        core.router.report(request_id, lifecycle, event == LifecycleEvent::PrefillDone, now).is_ok()
     }
 
     /// The proxy reports that `address` served the request (its retries may have moved it

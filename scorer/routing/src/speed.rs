@@ -7,7 +7,7 @@
 //! its booking. A prefill queued behind others measures the queue, and under load (steps
 //! shared with many decoding sequences, a thrashing cache) a pod looks slower than it is:
 //! learning from those turned a loaded pod "slow", routed its prefixes away and broke cache
-//! affinity (the capacity workload's p90 at 1.4× its rate: 2,042 ms against 524 ms).
+//! affinity (the cluster simulator's capacity workload collapsed past its knee).
 //! Under sustained load a pod keeps what it learned when it had room.
 //!
 //! Two decayed fits turn samples into a comparison:
@@ -102,17 +102,13 @@ impl Line {
     }
 
     /// Predicted `y` at `x`: the fitted line, kept non-negative in both coefficients (a
-    /// degenerate fit — every `x` alike — falls back to the mean of `y` per mean `x`).
+    /// degenerate fit — every `x` alike — predicts the mean `y`).
     fn predict(&self, x: f64) -> f64 {
         let (mean_x, mean_y) = (self.sx / self.n, self.sy / self.n);
         let var_x = self.sxx / self.n - mean_x * mean_x;
-        let slope = if var_x > 1e-9 * mean_x * mean_x.max(1.0) {
-            ((self.sxy / self.n - mean_x * mean_y) / var_x).max(0.0)
-        } else {
-            0.0
-        };
-        let intercept = (mean_y - slope * mean_x).max(0.0);
-        if slope == 0.0 && intercept == 0.0 { mean_y } else { intercept + slope * x }
+        let slope =
+            if var_x > 1e-9 * mean_x * mean_x { ((self.sxy / self.n - mean_x * mean_y) / var_x).max(0.0) } else { 0.0 };
+        (mean_y - slope * mean_x).max(0.0) + slope * x
     }
 }
 
@@ -158,6 +154,11 @@ pub struct SpeedView {
 /// The learner (see the module doc).
 pub struct PodSpeeds {
     config: SpeedConfig,
+    /// What each decayed sum keeps of itself per new sample: `1 − 1/window_samples`.
+    keep: f64,
+    /// The decayed count of `prior_samples` reports, `(1 − keepⁿ) / (1 − keep)`: the decode
+    /// reports a pod needs before its decode speed is used.
+    decode_reports_needed: f64,
     fleet: Line,
     pods: Vec<PodSpeed>,
     /// Whether the learned slownesses span more than `alike_spread` (updated per sample).
@@ -166,7 +167,9 @@ pub struct PodSpeeds {
 
 impl PodSpeeds {
     pub fn new(config: SpeedConfig) -> Self {
-        Self { config, fleet: Line::default(), pods: Vec::new(), unlike: false }
+        let keep = 1.0 - 1.0 / config.window_samples;
+        let decode_reports_needed = (1.0 - keep.powf(config.prior_samples.max(1.0))) / (1.0 - keep) - 1e-9;
+        Self { config, keep, decode_reports_needed, fleet: Line::default(), pods: Vec::new(), unlike: false }
     }
 
     /// Registers a pod (ids are dense, as everywhere).
@@ -174,14 +177,10 @@ impl PodSpeeds {
         self.pods.push(PodSpeed::default());
     }
 
-    fn keep(&self) -> f64 {
-        1.0 - 1.0 / self.config.window_samples
-    }
-
     /// A prefill of `tokens` uncached tokens, booked on `pod` at `booked_at`, finished at
     /// `now`.
     pub fn prefill_done(&mut self, pod: PodId, booked_at: f64, tokens: u64, now: f64) {
-        let keep = self.keep();
+        let keep = self.keep;
         let Some(state) = self.pods.get_mut(pod.index()) else { return };
         if tokens == 0 {
             return; // Nothing computed there (its KV came from a prefill pod).
@@ -200,10 +199,7 @@ impl PodSpeeds {
             state.samples = state.samples * keep + 1.0;
         }
         self.fleet.add(x, y, keep);
-        let judged = (0..self.pods.len() as u32)
-            .map(PodId)
-            .filter(|&p| self.pods[p.index()].samples > 0.0)
-            .map(|p| self.view(p).slowness);
+        let judged = self.pods.iter().filter(|p| p.samples > 0.0).map(|p| self.learned_slowness(p));
         let (fastest, slowest) = judged.fold((f64::INFINITY, 0.0_f64), |(lo, hi), s| (lo.min(s), hi.max(s)));
         self.unlike = slowest > fastest * self.config.alike_spread;
     }
@@ -211,7 +207,7 @@ impl PodSpeeds {
     /// A request on `pod` whose first token came at `first_token_at` finished at `now` with
     /// `output_tokens` tokens.
     pub fn decode_done(&mut self, pod: PodId, first_token_at: f64, output_tokens: u32, now: f64) {
-        let keep = self.keep();
+        let keep = self.keep;
         let Some(state) = self.pods.get_mut(pod.index()) else { return };
         if output_tokens < 2 || now <= first_token_at {
             return;
@@ -223,34 +219,42 @@ impl PodSpeeds {
 
     /// The pod's learned decode speed per sequence, if learning is on and it has one.
     pub fn decode_tokens_per_second(&self, pod: PodId) -> Option<f64> {
-        if !self.config.learn {
-            return None;
-        }
-        self.view(pod).decode_tokens_per_second
+        self.pods.get(pod.index()).filter(|_| self.config.learn).and_then(|p| self.learned_decode(p))
     }
 
     /// The pod's slowness as applied: 1 unless learning is on and the fleet's pods are
     /// unlike (their learned slownesses span more than `alike_spread`).
     pub fn slowness(&self, pod: PodId) -> f64 {
-        if self.config.learn && self.unlike { self.view(pod).slowness } else { 1.0 }
+        match self.pods.get(pod.index()) {
+            Some(p) if self.config.learn && self.unlike => self.learned_slowness(p),
+            _ => 1.0,
+        }
+    }
+
+    /// Seconds taken ÷ seconds the fleet fit predicted, with `prior_samples` samples that
+    /// took what the fleet predicts (its mean) added to both, clamped.
+    fn learned_slowness(&self, state: &PodSpeed) -> f64 {
+        let prior = if self.fleet.n > 0.0 { self.config.prior_samples * self.fleet.sy / self.fleet.n } else { 0.0 };
+        let (observed, expected) = (state.observed + prior, state.expected + prior);
+        let slowness = if expected > 0.0 { observed / expected } else { 1.0 };
+        slowness.clamp(1.0 / self.config.max_slowness, self.config.max_slowness)
+    }
+
+    /// Output tokens after the first ÷ their seconds, once enough reports arrived.
+    fn learned_decode(&self, state: &PodSpeed) -> Option<f64> {
+        (state.decode_samples >= self.decode_reports_needed).then(|| state.decoded_tokens / state.decode_seconds)
     }
 
     /// The pod's learned speed (whether or not it is applied).
     pub fn view(&self, pod: PodId) -> SpeedView {
-        let Some(state) = self.pods.get(pod.index()) else {
-            return SpeedView { slowness: 1.0, samples: 0.0, decode_tokens_per_second: None };
-        };
-        // The prior: `prior_samples` samples that took what the fleet predicts (its mean).
-        let prior = if self.fleet.n > 0.0 { self.config.prior_samples * self.fleet.sy / self.fleet.n } else { 0.0 };
-        let (observed, expected) = (state.observed + prior, state.expected + prior);
-        let slowness = if expected > 0.0 { observed / expected } else { 1.0 };
-        let max = self.config.max_slowness;
-        // At least `prior_samples` reports (their decayed count: (1 − keepⁿ) / (1 − keep)).
-        let keep = self.keep();
-        let needed = (1.0 - keep.powf(self.config.prior_samples.max(1.0))) / (1.0 - keep);
-        let decode_tokens_per_second =
-            (state.decode_samples >= needed - 1e-9).then(|| state.decoded_tokens / state.decode_seconds);
-        SpeedView { slowness: slowness.clamp(1.0 / max, max), samples: state.samples, decode_tokens_per_second }
+        match self.pods.get(pod.index()) {
+            Some(state) => SpeedView {
+                slowness: self.learned_slowness(state),
+                samples: state.samples,
+                decode_tokens_per_second: self.learned_decode(state),
+            },
+            None => SpeedView { slowness: 1.0, samples: 0.0, decode_tokens_per_second: None },
+        }
     }
 }
 
