@@ -142,6 +142,10 @@ pub struct PodExplain {
     pub address: String,
     pub cached_blocks: u32,
     pub cached_tokens: u32,
+    /// Prompt tokens past `cached_tokens` the pod holds offloaded (host memory, storage): it
+    /// loads them instead of computing them.
+    #[serde(default)]
+    pub offloaded_tokens: u32,
     /// Linear-equivalent prefill tokens already queued on the pod (kvgate's bookings).
     pub queued_prefill_tokens: u64,
     /// Predicted KV blocks held by in-flight requests.

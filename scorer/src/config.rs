@@ -22,7 +22,7 @@ fn invalid<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T,
     Err(ConfigError::Invalid { field: field.into(), message: message.into() })
 }
 
-use kvgate_routing::index::IndexConfig;
+use kvgate_routing::index::{IndexConfig, OffloadConfig};
 use kvgate_routing::load::LoadConfig;
 pub use kvgate_routing::router::Role;
 use kvgate_routing::router::{RouterConfig, Saturation};
@@ -60,11 +60,37 @@ pub struct IndexSection {
     pub max_blocks_per_pod: usize,
     /// How long blocks routed to a pod without events count as cached there.
     pub approximate_ttl_seconds: f64,
+    /// Blocks the pods' KV connectors offload to host memory or storage (events with
+    /// `medium` CPU or STORAGE).
+    pub offload: OffloadSection,
 }
 
 impl Default for IndexSection {
     fn default() -> Self {
-        Self { max_blocks_per_pod: 1 << 20, approximate_ttl_seconds: 120.0 }
+        Self { max_blocks_per_pod: 1 << 20, approximate_ttl_seconds: 120.0, offload: OffloadSection::default() }
+    }
+}
+
+/// `index.offload`: see [`OffloadConfig`].
+#[derive(Clone, Debug, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OffloadSection {
+    /// Most offloaded blocks indexed per pod and tier; 0 ignores offloaded blocks.
+    pub max_blocks_per_pod: usize,
+    /// Loading a block from host memory, as a fraction of computing it (0–1).
+    pub cpu_load_cost: f64,
+    /// Loading a block from storage, as a fraction of computing it (0–1).
+    pub storage_load_cost: f64,
+}
+
+impl Default for OffloadSection {
+    fn default() -> Self {
+        let d = OffloadConfig::default();
+        Self {
+            max_blocks_per_pod: d.max_blocks_per_pod,
+            cpu_load_cost: d.cpu_load_cost,
+            storage_load_cost: d.storage_load_cost,
+        }
     }
 }
 
@@ -489,7 +515,15 @@ impl Config {
     /// cluster simulator builds its routers from (same defaults, same validation).
     pub fn router_config(&self) -> RouterConfig {
         RouterConfig {
-            index: IndexConfig { block_size: self.block_size, max_blocks_per_pod: self.index.max_blocks_per_pod },
+            index: IndexConfig {
+                block_size: self.block_size,
+                max_blocks_per_pod: self.index.max_blocks_per_pod,
+                offload: OffloadConfig {
+                    max_blocks_per_pod: self.index.offload.max_blocks_per_pod,
+                    cpu_load_cost: self.index.offload.cpu_load_cost,
+                    storage_load_cost: self.index.offload.storage_load_cost,
+                },
+            },
             approximate_ttl_seconds: self.index.approximate_ttl_seconds,
             load: LoadConfig {
                 block_size: self.block_size,
@@ -722,6 +756,14 @@ impl Config {
         if self.index.max_blocks_per_pod == 0 {
             return invalid("index.max_blocks_per_pod", "must be positive");
         }
+        for (field, cost) in [
+            ("index.offload.cpu_load_cost", self.index.offload.cpu_load_cost),
+            ("index.offload.storage_load_cost", self.index.offload.storage_load_cost),
+        ] {
+            if !(0.0..=1.0).contains(&cost) {
+                return invalid(field, format!("{cost} is not between 0 and 1 (a fraction of computing the block)"));
+            }
+        }
         if !positive(self.index.approximate_ttl_seconds) {
             return invalid("index.approximate_ttl_seconds", "must be positive");
         }
@@ -821,6 +863,11 @@ pods:
                 "load.pod_speed.window_samples",
             ),
             ("load: {pod_speed: {learn: 3}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "learn"),
+            (
+                "index: {offload: {cpu_load_cost: 2}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
+                "index.offload.cpu_load_cost",
+            ),
+            ("index: {offload: {gpu_load_cost: 0.1}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "gpu_load_cost"),
             ("discovery:\n  dns: [{name: '', port: 8000}]\n", "discovery.dns[0].name"),
             ("discovery:\n  dns: [{name: vllm, port: 0}]\n", "discovery.dns[0].port"),
             (

@@ -188,8 +188,13 @@ impl Metrics {
             Opts::new("scrape_failures_total", "Failed scrapes of a pod's /metrics."),
             &["pod"]
         ));
-        let index_blocks =
-            reg!(GaugeVec::new(Opts::new("index_blocks", "Blocks indexed per pod, by index."), &["pod", "index"]));
+        let index_blocks = reg!(GaugeVec::new(
+            Opts::new(
+                "index_blocks",
+                "Blocks indexed per pod: on its GPU by index (precise, approximate), and offloaded."
+            ),
+            &["pod", "index"]
+        ));
         let index_entries = reg!(GaugeVec::new(Opts::new("index_size", "Index size."), &["measure"]));
         let inflight_requests =
             reg!(GaugeVec::new(Opts::new("inflight_requests", "Requests routed and not finished."), &["pod"]));

@@ -233,6 +233,8 @@ pub struct PodView {
     /// `precise` (KV events) or `approximate` (what kvgate routed there).
     pub index: &'static str,
     pub cached_blocks: usize,
+    /// Blocks its KV connector offloaded to host memory or storage (precise index only).
+    pub offloaded_blocks: usize,
     pub inflight_requests: u32,
     pub queued_prefill_tokens: u64,
     pub decode_blocks: f64,
@@ -417,6 +419,7 @@ impl Scorer {
                     address: p.address.clone(),
                     cached_blocks: c.cached_tokens / self.config.block_size as u32,
                     cached_tokens: c.cached_tokens,
+                    offloaded_tokens: c.offloaded_tokens,
                     queued_prefill_tokens: c.load.queued_prefill_tokens,
                     decode_blocks: c.load.decode_blocks,
                     inflight_requests: c.load.inflight_requests,
@@ -857,6 +860,7 @@ impl Scorer {
                     healthy: core.router.is_healthy(p.id),
                     index: if p.precise { "precise" } else { "approximate" },
                     cached_blocks: cached,
+                    offloaded_blocks: core.router.index().pod_offloaded_blocks(p.id),
                     inflight_requests: load.inflight_requests,
                     queued_prefill_tokens: load.queued_prefill_tokens,
                     decode_blocks: load.decode_blocks,
@@ -882,6 +886,9 @@ impl Scorer {
         for v in &views {
             let index = if v.index == "precise" { "precise" } else { "approximate" };
             self.metrics.index_blocks.with_label_values(&[&v.name, index]).set(v.cached_blocks as f64);
+            if v.index == "precise" {
+                self.metrics.index_blocks.with_label_values(&[&v.name, "offloaded"]).set(v.offloaded_blocks as f64);
+            }
             self.metrics.inflight_requests.with_label_values(&[&v.name]).set(f64::from(v.inflight_requests));
             self.metrics.queued_prefill_tokens.with_label_values(&[&v.name]).set(v.queued_prefill_tokens as f64);
             self.metrics.pod_slowness.with_label_values(&[&v.name]).set(v.slowness);

@@ -60,7 +60,7 @@ fn us(d: Duration) -> String {
 /// A `Router` as the scorer builds it, over a 64-pod index of ≈ 1M entries.
 fn fleet_router(encoder: &EventEncoder) -> Router {
     let mut router = Router::new(&RouterConfig {
-        index: IndexConfig { block_size: BS, max_blocks_per_pod: 1 << 22 },
+        index: IndexConfig { block_size: BS, max_blocks_per_pod: 1 << 22, offload: Default::default() },
         approximate_ttl_seconds: 120.0,
         load: LoadConfig {
             block_size: BS,
@@ -189,7 +189,8 @@ fn main() {
     let events_per_round = 2_000 * 64u64; // 32 stored + 32 removed blocks per batch pair
     let mut best = Duration::MAX;
     for _ in 0..5 {
-        let mut ingest = KvIndex::new(IndexConfig { block_size: BS, max_blocks_per_pod: 1 << 20 });
+        let mut ingest =
+            KvIndex::new(IndexConfig { block_size: BS, max_blocks_per_pod: 1 << 20, offload: Default::default() });
         let pod = ingest.add_pod();
         let t = Instant::now();
         for p in &payloads {

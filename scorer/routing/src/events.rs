@@ -32,12 +32,19 @@ pub enum KvEvent<'a> {
     Unknown(&'a str),
 }
 
-/// Where a block lives; only blocks in the engine's own GPU cache make its prefill cheaper.
+/// Where a block lives. Blocks in the engine's own GPU cache make its prefill free; blocks
+/// its KV connector offloaded to local host memory or storage (vLLM's `OffloadingConnector`,
+/// LMCache) are loaded back instead of recomputed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Tier {
-    /// `medium` absent, nil or `"GPU"`, and the first KV-cache group (`group_idx` 0 or nil).
+    /// `medium` absent, nil or `"GPU"`.
     Gpu,
-    /// Another medium (CPU, disk offload) or another KV-cache group (hybrid models).
+    /// `medium` `"CPU"`: offloaded to the pod's host memory.
+    Cpu,
+    /// `medium` `"STORAGE"`: offloaded to the pod's disk or object store.
+    Storage,
+    /// Another KV-cache group (hybrid models), a `REMOTE` locality (a tier shared by pods,
+    /// not this pod's) or an unknown medium: not indexed.
     Other,
 }
 
@@ -54,6 +61,15 @@ pub struct BlockStored<'a> {
     /// identifiers, prompt-embedding digests): such blocks never match a text request.
     pub opaque_extra_keys: bool,
     pub tier: Tier,
+}
+
+impl BlockStored<'_> {
+    /// An offload tier's announcement that names only the blocks' engine hashes (vLLM's
+    /// `OffloadingConnector` unless `self_describing_kv_events`: no tokens, no parent, block
+    /// size 0): the pod's index resolves them through the hashes it already knows.
+    pub fn is_placeholder(&self) -> bool {
+        self.token_ids.is_empty() && self.block_size == 0
+    }
 }
 
 /// Why a batch was dropped.
@@ -114,6 +130,7 @@ struct Fields<'a> {
     first_block_extra: Vec<&'a str>,
     opaque_extra_keys: bool,
     group_idx: Option<u64>,
+    locality: Option<&'a str>,
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -126,11 +143,12 @@ enum Field {
     LoraName,
     ExtraKeys,
     GroupIdx,
+    Locality,
     Ignored,
 }
 
 /// vLLM's field order, by event kind (new fields are only ever appended).
-const STORED_ORDER: [Field; 9] = [
+const STORED_ORDER: [Field; 12] = [
     Field::BlockHashes,
     Field::Parent,
     Field::TokenIds,
@@ -140,8 +158,11 @@ const STORED_ORDER: [Field; 9] = [
     Field::LoraName,
     Field::ExtraKeys,
     Field::GroupIdx,
+    Field::Ignored, // kv_cache_spec_kind
+    Field::Ignored, // kv_cache_spec_sliding_window
+    Field::Locality,
 ];
-const REMOVED_ORDER: [Field; 3] = [Field::BlockHashes, Field::Medium, Field::GroupIdx];
+const REMOVED_ORDER: [Field; 4] = [Field::BlockHashes, Field::Medium, Field::GroupIdx, Field::Locality];
 
 fn field_by_name(name: &str) -> Field {
     match name {
@@ -153,6 +174,7 @@ fn field_by_name(name: &str) -> Field {
         "lora_name" => Field::LoraName,
         "extra_keys" => Field::ExtraKeys,
         "group_idx" => Field::GroupIdx,
+        "locality" => Field::Locality,
         _ => Field::Ignored,
     }
 }
@@ -221,6 +243,7 @@ fn read_field<'a>(r: &mut Reader<'a>, field: Field, f: &mut Fields<'a>) -> Resul
         Field::Medium => f.medium = if r.try_nil()? { None } else { Some(r.str()?) },
         Field::LoraName => f.lora_name = if r.try_nil()? { None } else { Some(r.str()?) },
         Field::GroupIdx => f.group_idx = if r.try_nil()? { None } else { Some(r.uint()?) },
+        Field::Locality => f.locality = if r.try_nil()? { None } else { Some(r.str()?) },
         Field::ExtraKeys => read_extra_keys(r, f)?,
         Field::Ignored => r.skip()?,
     }
@@ -265,8 +288,11 @@ fn read_hash(r: &mut Reader<'_>) -> Result<EngineHash, DecodeError> {
 }
 
 fn finish<'a>(kind: &'a str, f: Fields<'a>) -> Result<KvEvent<'a>, DecodeError> {
-    let tier = match (f.medium, f.group_idx) {
-        (None | Some("GPU"), None | Some(0)) => Tier::Gpu,
+    let tier = match (f.medium, f.group_idx, f.locality) {
+        (_, Some(1..), _) | (_, _, Some("REMOTE")) => Tier::Other,
+        (None | Some("GPU"), _, _) => Tier::Gpu,
+        (Some("CPU"), _, _) => Tier::Cpu,
+        (Some("STORAGE"), _, _) => Tier::Storage,
         _ => Tier::Other,
     };
     match kind {
@@ -275,7 +301,10 @@ fn finish<'a>(kind: &'a str, f: Fields<'a>) -> Result<KvEvent<'a>, DecodeError> 
             else {
                 return shape("BlockStored needs block_hashes, token_ids and block_size");
             };
-            if block_size == 0 || token_ids.len() as u64 != block_size.saturating_mul(block_hashes.len() as u64) {
+            let placeholder = block_size == 0 && token_ids.is_empty() && tier != Tier::Gpu;
+            if !placeholder
+                && (block_size == 0 || token_ids.len() as u64 != block_size.saturating_mul(block_hashes.len() as u64))
+            {
                 return shape(format!(
                     "BlockStored has {} tokens for {} blocks of {block_size}",
                     token_ids.len(),
@@ -343,6 +372,85 @@ mod tests {
         check_fixture("vllm-0.33.0-kv-events.json");
     }
 
+    #[test]
+    fn decodes_offload_tier_events_as_vllm_0_33_publishes_them() {
+        // Batch 0: a GPU store, then the OffloadingConnector's placeholders (hash only,
+        // medium CPU, block size 0) in the same batch.
+        let first = fixture("vllm-0.33.0-offload-kv-events.json", 0);
+        let batch = decode_batch(&first).unwrap();
+        assert_eq!(batch.events.len(), 3, "placeholders do not spoil the batch");
+        let KvEvent::BlockStored(gpu) = &batch.events[0] else { panic!("{batch:?}") };
+        assert_eq!((gpu.tier, gpu.is_placeholder()), (Tier::Gpu, false));
+        for (event, hash) in batch.events[1..].iter().zip([0x1122334455667788, 17357102489901502592]) {
+            let KvEvent::BlockStored(cpu) = event else { panic!("{event:?}") };
+            assert_eq!((cpu.tier, cpu.is_placeholder()), (Tier::Cpu, true));
+            assert_eq!(cpu.block_hashes, vec![EngineHash(hash)]);
+        }
+        // Batch 1: a self-describing CPU store (tokens, parent), a GPU eviction.
+        let second = fixture("vllm-0.33.0-offload-kv-events.json", 1);
+        let batch = decode_batch(&second).unwrap();
+        let KvEvent::BlockStored(described) = &batch.events[0] else { panic!("{batch:?}") };
+        assert_eq!((described.tier, described.is_placeholder()), (Tier::Cpu, false));
+        assert_eq!((described.token_ids.as_slice(), described.block_size), (&[9, 10, 11, 12][..], 4));
+        assert_eq!(described.parent_block_hash, Some(EngineHash(17357102489901502592)));
+        assert!(matches!(batch.events[1], KvEvent::BlockRemoved { tier: Tier::Gpu, .. }));
+        // Batch 2: the CPU tier evicts.
+        let third = fixture("vllm-0.33.0-offload-kv-events.json", 2);
+        assert_eq!(
+            decode_batch(&third).unwrap().events,
+            vec![KvEvent::BlockRemoved { block_hashes: vec![EngineHash(42)], tier: Tier::Cpu }]
+        );
+    }
+
+    #[test]
+    fn tiers_by_medium_group_and_locality() {
+        // {"type": "BlockRemoved", "block_hashes": [1], "medium": M, "group_idx": G, "locality": L}
+        let removed = |medium: &str, group: u8, locality: Option<&str>| {
+            let mut ev = vec![0x85, 0xa4];
+            ev.extend(b"type");
+            ev.push(0xac);
+            ev.extend(b"BlockRemoved");
+            ev.push(0xac);
+            ev.extend(b"block_hashes");
+            ev.extend([0x91, 0x01, 0xa6]);
+            ev.extend(b"medium");
+            ev.push(0xa0 | medium.len() as u8);
+            ev.extend(medium.as_bytes());
+            ev.push(0xa9);
+            ev.extend(b"group_idx");
+            ev.push(group);
+            ev.push(0xa8);
+            ev.extend(b"locality");
+            match locality {
+                Some(l) => {
+                    ev.push(0xa0 | l.len() as u8);
+                    ev.extend(l.as_bytes());
+                }
+                None => ev.push(0xc0),
+            }
+            match &decode_batch(&batch_with(&ev)).unwrap().events[0] {
+                KvEvent::BlockRemoved { tier, .. } => *tier,
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(removed("GPU", 0, None), Tier::Gpu);
+        assert_eq!(removed("CPU", 0, Some("LOCAL")), Tier::Cpu);
+        assert_eq!(removed("STORAGE", 0, None), Tier::Storage);
+        assert_eq!(removed("CPU", 0, Some("REMOTE")), Tier::Other, "a shared tier is not the pod's");
+        assert_eq!(removed("GPU", 1, None), Tier::Other, "another KV-cache group");
+        assert_eq!(removed("NVME", 0, None), Tier::Other);
+    }
+
+    #[test]
+    fn a_gpu_store_without_tokens_is_malformed() {
+        // ["BlockStored", [1], nil, [], 0, nil, "GPU"]: only offload tiers send placeholders.
+        let mut ev = vec![0x97, 0xab];
+        ev.extend(b"BlockStored");
+        ev.extend([0x91, 0x01, 0xc0, 0x90, 0x00, 0xc0, 0xa3]);
+        ev.extend(b"GPU");
+        assert!(decode_batch(&batch_with(&ev)).is_err());
+    }
+
     /// Hand-built payload: `[ts, [event], nil]` with one event built by `event`.
     fn batch_with(event: &[u8]) -> Vec<u8> {
         let mut p = vec![0x93, 0xcb];
@@ -383,7 +491,7 @@ mod tests {
         match &decode_batch(&payload).unwrap().events[0] {
             KvEvent::BlockRemoved { block_hashes, tier } => {
                 assert_eq!(block_hashes, &vec![EngineHash::from_bytes(&[9u8; 32])]);
-                assert_eq!(*tier, Tier::Other);
+                assert_eq!(*tier, Tier::Cpu);
             }
             other => panic!("{other:?}"),
         }

@@ -1,19 +1,26 @@
-//! The precise KV index: which pod holds which block, learned from the pods' own KV events.
+//! The precise KV index: which pod holds which block, and in which tier, learned from the
+//! pods' own KV events.
 //!
-//! Two structures:
+//! Per tier (the GPU cache, and the host-memory and storage tiers a KV connector offloads
+//! to) two structures:
 //! - [`BlockHolders`]: `SequenceHash → pods` (a 64-bit mask per shard of 64 pods), so matching
 //!   a request costs one lookup per block of its prompt whatever the number of pods;
 //! - per pod, a map `EngineHash → SequenceHash`, so a `BlockRemoved`, which names only the
-//!   engine's hash, can be resolved; a side map counts the rare duplicate stores of one hash;
+//!   engine's hash, can be resolved; a side map counts repeated stores of one hash (an
+//!   engine may hold duplicates; vLLM's offloading connector re-announces shared blocks);
 //!   insertion order is kept for the per-pod cap.
 //!
-//! A `BlockStored` whose parent the pod's map does not know cannot be chained and is counted
-//! as an orphan (it happens after lost events); blocks of another tier (CPU offload, other
-//! KV-cache groups), of a different block size, or with extra keys kvgate cannot reproduce
-//! are counted and not indexed. Removing a pod's last engine entry for a sequence hash clears
-//! that pod's bit; should two different engine hashes of one pod map to the same sequence
-//! hash (an engine hashing inputs kvgate ignores), the first removal clears it early — an
-//! under-estimate, which can only cost affinity, never misroute to a pod lacking the block.
+//! A GPU `BlockStored` whose parent the pod's maps do not know cannot be chained and is
+//! counted as an orphan (it happens after lost events). An offload tier's store is chained
+//! the same way when it carries its tokens (vLLM's `self_describing_kv_events`); by default
+//! it names only engine hashes, which are resolved through what the pod's tiers already hold
+//! (the block was announced on the GPU when it was computed) and counted as unresolved
+//! otherwise. Blocks of another KV-cache group or a remote tier, of a different block size,
+//! or with extra keys kvgate cannot reproduce are counted and not indexed. Removing a pod's
+//! last engine entry for a sequence hash clears that pod's bit; should two different engine
+//! hashes of one pod map to the same sequence hash (an engine hashing inputs kvgate
+//! ignores), the first removal clears it early — an under-estimate, which can only cost
+//! affinity, never misroute to a pod lacking the block.
 
 use crate::events::{BlockStored, EventBatch, KvEvent, Tier};
 use crate::hash::{EngineHash, SequenceHash, chain, root_hash};
@@ -27,8 +34,28 @@ use std::collections::VecDeque;
 pub struct IndexConfig {
     /// Tokens per block; must equal the engines' block size.
     pub block_size: usize,
-    /// Most blocks indexed per pod; the oldest stored are forgotten first beyond it.
+    /// Most GPU blocks indexed per pod; the oldest stored are forgotten first beyond it.
     pub max_blocks_per_pod: usize,
+    pub offload: OffloadConfig,
+}
+
+/// The tiers a pod's KV connector offloads blocks to (vLLM's `OffloadingConnector`, LMCache):
+/// a block there is loaded back instead of recomputed.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OffloadConfig {
+    /// Most blocks indexed per pod in each offload tier; 0: offloaded blocks are not indexed
+    /// (counted as ignored).
+    pub max_blocks_per_pod: usize,
+    /// Loading a block from host memory, as a fraction of computing it.
+    pub cpu_load_cost: f64,
+    /// Loading a block from storage, as a fraction of computing it.
+    pub storage_load_cost: f64,
+}
+
+impl Default for OffloadConfig {
+    fn default() -> Self {
+        Self { max_blocks_per_pod: 1 << 22, cpu_load_cost: 0.1, storage_load_cost: 0.4 }
+    }
 }
 
 /// What happened to one pod's events, for metrics and `/v1/pods`.
@@ -39,146 +66,49 @@ pub struct PodIndexStats {
     pub clears: u64,
     /// Stored blocks whose parent was unknown (after lost events): not indexed.
     pub orphan_blocks: u64,
-    /// Blocks of another tier or KV-cache group, or with opaque extra keys: not indexed.
+    /// Blocks of another KV-cache group or a remote tier, offloaded blocks when offload tiers
+    /// are not indexed, or blocks with opaque extra keys: not indexed.
     pub ignored_blocks: u64,
     /// Blocks whose event announced a block size other than the configured one.
     pub block_size_mismatches: u64,
     /// Removals of blocks the index did not hold (after gaps, clears or cap evictions).
     pub unknown_removals: u64,
-    /// Blocks forgotten to respect `max_blocks_per_pod`.
+    /// Blocks forgotten to respect the per-pod caps.
     pub cap_evictions: u64,
     /// Events of kinds this version does not know.
     pub unknown_events: u64,
+    /// Blocks announced in an offload tier (host memory, storage), and removed from one.
+    pub offloaded_blocks: u64,
+    pub offload_removed_blocks: u64,
+    /// Offloaded blocks named only by an engine hash no tier of the pod knows: not indexed.
+    pub unresolved_offloads: u64,
+}
+
+/// Tiers of a pod's cache, in the order a request's prefix is matched.
+const TIERS: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Storage];
+
+fn tier_slot(tier: Tier) -> Option<usize> {
+    TIERS.iter().position(|t| *t == tier)
 }
 
 #[derive(Default)]
 struct PodBlocks {
     by_engine: AHashMap<EngineHash, SequenceHash>,
-    /// Stores beyond the first of the same engine hash (an engine may hold duplicates).
+    /// Stores beyond the first of the same engine hash.
     extra_refs: AHashMap<EngineHash, u32>,
     /// Engine hashes in the order they were first stored, for the cap. Slots of blocks
     /// removed meanwhile are skipped when popped (and compacted now and then).
     order: VecDeque<EngineHash>,
-    stats: PodIndexStats,
 }
 
-/// The index over all pods.
-pub struct KvIndex {
-    config: IndexConfig,
+/// One tier across pods.
+#[derive(Default)]
+struct TierBlocks {
     holders: BlockHolders,
     pods: Vec<PodBlocks>,
 }
 
-impl KvIndex {
-    pub fn new(config: IndexConfig) -> Self {
-        assert!(config.block_size > 0, "block_size must be positive");
-        Self { config, holders: BlockHolders::default(), pods: Vec::new() }
-    }
-
-    pub fn config(&self) -> &IndexConfig {
-        &self.config
-    }
-
-    /// Registers a pod; ids are dense, in registration order.
-    pub fn add_pod(&mut self) -> PodId {
-        self.pods.push(PodBlocks::default());
-        PodId(self.pods.len() as u32 - 1)
-    }
-
-    pub fn num_pods(&self) -> usize {
-        self.pods.len()
-    }
-
-    /// Blocks indexed for `pod`.
-    pub fn pod_blocks(&self, pod: PodId) -> usize {
-        self.pods[pod.index()].by_engine.len()
-    }
-
-    /// Distinct sequence hashes held by any pod (per shard of 64 pods).
-    pub fn distinct_blocks(&self) -> usize {
-        self.holders.len()
-    }
-
-    /// (block, pod) pairs indexed.
-    pub fn entries(&self) -> usize {
-        self.pods.iter().map(|p| p.by_engine.len()).sum()
-    }
-
-    /// Bytes the index holds in its tables, from their capacities: hash-map slots (key,
-    /// value and a control byte each) and order queues.
-    pub fn memory_bytes(&self) -> usize {
-        let slot = size_of::<EngineHash>() + size_of::<SequenceHash>() + 1;
-        let per_pod: usize = self
-            .pods
-            .iter()
-            .map(|p| {
-                p.by_engine.capacity() * slot
-                    + p.extra_refs.capacity() * (size_of::<EngineHash>() + size_of::<u32>() + 1)
-                    + p.order.capacity() * size_of::<EngineHash>()
-            })
-            .sum();
-        self.holders.memory_bytes() + per_pod
-    }
-
-    pub fn stats(&self, pod: PodId) -> PodIndexStats {
-        self.pods[pod.index()].stats
-    }
-
-    /// Applies one decoded batch of `pod`'s events.
-    pub fn apply(&mut self, pod: PodId, batch: &EventBatch<'_>) {
-        for event in &batch.events {
-            match event {
-                KvEvent::BlockStored(stored) => self.store(pod, stored),
-                KvEvent::BlockRemoved { block_hashes, tier } => {
-                    if *tier == Tier::Gpu {
-                        for &h in block_hashes {
-                            self.remove(pod, h);
-                        }
-                    }
-                }
-                KvEvent::AllBlocksCleared => {
-                    self.clear_pod(pod);
-                    self.pods[pod.index()].stats.clears += 1;
-                }
-                KvEvent::Unknown(_) => self.pods[pod.index()].stats.unknown_events += 1,
-            }
-        }
-    }
-
-    fn store(&mut self, pod: PodId, stored: &BlockStored<'_>) {
-        let n = stored.block_hashes.len() as u64;
-        let stats = &mut self.pods[pod.index()].stats;
-        if stored.block_size != self.config.block_size {
-            stats.block_size_mismatches += n;
-            return;
-        }
-        if stored.tier != Tier::Gpu || stored.opaque_extra_keys {
-            stats.ignored_blocks += n;
-            return;
-        }
-        let mut parent = match stored.parent_block_hash {
-            None => {
-                // vLLM's first-block extra keys: the LoRA name (if any), then the cache salt.
-                let skip = usize::from(stored.lora_name.is_some());
-                root_hash(stored.lora_name, stored.first_block_extra.get(skip).copied())
-            }
-            Some(engine_parent) => match self.pods[pod.index()].by_engine.get(&engine_parent) {
-                Some(seq) => *seq,
-                None => {
-                    self.pods[pod.index()].stats.orphan_blocks += n;
-                    return;
-                }
-            },
-        };
-        let bs = self.config.block_size;
-        for (i, &engine) in stored.block_hashes.iter().enumerate() {
-            parent = chain(parent, &stored.token_ids[i * bs..(i + 1) * bs]);
-            self.insert(pod, engine, parent);
-        }
-        self.pods[pod.index()].stats.stored_blocks += n;
-        self.enforce_cap(pod);
-    }
-
+impl TierBlocks {
     fn insert(&mut self, pod: PodId, engine: EngineHash, seq: SequenceHash) {
         let p = &mut self.pods[pod.index()];
         match p.by_engine.insert(engine, seq) {
@@ -194,33 +124,34 @@ impl KvIndex {
         self.holders.insert(seq, pod);
     }
 
-    fn remove(&mut self, pod: PodId, engine: EngineHash) {
+    /// Drops one announcement of `engine`; false if the tier did not hold it.
+    fn remove(&mut self, pod: PodId, engine: EngineHash) -> bool {
         let p = &mut self.pods[pod.index()];
         if let Some(extra) = p.extra_refs.get_mut(&engine) {
-            p.stats.removed_blocks += 1;
             *extra -= 1;
             if *extra == 0 {
                 p.extra_refs.remove(&engine);
             }
-            return;
+            return true;
         }
         match p.by_engine.remove(&engine) {
             Some(seq) => {
-                p.stats.removed_blocks += 1;
                 self.holders.remove(seq, pod);
+                true
             }
-            None => p.stats.unknown_removals += 1,
+            None => false,
         }
     }
 
-    fn enforce_cap(&mut self, pod: PodId) {
-        let cap = self.config.max_blocks_per_pod;
+    /// Forgets the oldest blocks beyond `cap`; returns how many.
+    fn enforce_cap(&mut self, pod: PodId, cap: usize) -> u64 {
         let p = &mut self.pods[pod.index()];
+        let mut evicted = 0;
         while p.by_engine.len() > cap {
             let Some(engine) = p.order.pop_front() else { break };
             if let Some(seq) = p.by_engine.remove(&engine) {
                 p.extra_refs.remove(&engine);
-                p.stats.cap_evictions += 1;
+                evicted += 1;
                 self.holders.remove(seq, pod);
             }
         }
@@ -231,11 +162,10 @@ impl KvIndex {
             let mut seen = ahash::AHashSet::with_capacity(live.len());
             p.order.retain(|h| live.contains_key(h) && seen.insert(*h));
         }
+        evicted
     }
 
-    /// Forgets everything `pod` holds (`AllBlocksCleared`, a restarted engine, a sequence gap
-    /// that could not be replayed, a pod that left).
-    pub fn clear_pod(&mut self, pod: PodId) {
+    fn clear_pod(&mut self, pod: PodId) {
         let p = &mut self.pods[pod.index()];
         let entries = std::mem::take(&mut p.by_engine);
         p.extra_refs.clear();
@@ -245,11 +175,220 @@ impl KvIndex {
         }
     }
 
-    /// For each pod in `eligible`, the number of leading blocks of `chain` it holds, written
-    /// to `out[pod]` (`out` is resized to the number of pods; other pods get 0). Costs one
-    /// map lookup per matched block plus a few bit operations, independent of pod count.
+    fn memory_bytes(&self) -> usize {
+        let slot = size_of::<EngineHash>() + size_of::<SequenceHash>() + 1;
+        let per_pod: usize = self
+            .pods
+            .iter()
+            .map(|p| {
+                p.by_engine.capacity() * slot
+                    + p.extra_refs.capacity() * (size_of::<EngineHash>() + size_of::<u32>() + 1)
+                    + p.order.capacity() * size_of::<EngineHash>()
+            })
+            .sum();
+        self.holders.memory_bytes() + per_pod
+    }
+}
+
+/// A pod's match of a request: leading blocks in its GPU cache, then the blocks right after
+/// them that it holds offloaded (it loads those instead of computing them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TieredMatch {
+    pub cpu_blocks: u32,
+    pub storage_blocks: u32,
+}
+
+/// The index over all pods.
+pub struct KvIndex {
+    config: IndexConfig,
+    /// GPU, CPU, storage (the order of [`TIERS`]).
+    tiers: [TierBlocks; 3],
+    stats: Vec<PodIndexStats>,
+}
+
+impl KvIndex {
+    pub fn new(config: IndexConfig) -> Self {
+        assert!(config.block_size > 0, "block_size must be positive");
+        Self { config, tiers: Default::default(), stats: Vec::new() }
+    }
+
+    pub fn config(&self) -> &IndexConfig {
+        &self.config
+    }
+
+    /// Registers a pod; ids are dense, in registration order.
+    pub fn add_pod(&mut self) -> PodId {
+        for tier in &mut self.tiers {
+            tier.pods.push(PodBlocks::default());
+        }
+        self.stats.push(PodIndexStats::default());
+        PodId(self.stats.len() as u32 - 1)
+    }
+
+    pub fn num_pods(&self) -> usize {
+        self.stats.len()
+    }
+
+    /// GPU blocks indexed for `pod`.
+    pub fn pod_blocks(&self, pod: PodId) -> usize {
+        self.tiers[0].pods[pod.index()].by_engine.len()
+    }
+
+    /// Blocks indexed for `pod` in its offload tiers (host memory and storage).
+    pub fn pod_offloaded_blocks(&self, pod: PodId) -> usize {
+        self.tiers[1..].iter().map(|t| t.pods[pod.index()].by_engine.len()).sum()
+    }
+
+    /// Distinct sequence hashes held by any pod on the GPU (per shard of 64 pods).
+    pub fn distinct_blocks(&self) -> usize {
+        self.tiers[0].holders.len()
+    }
+
+    /// (block, pod) pairs indexed on the GPU.
+    pub fn entries(&self) -> usize {
+        self.tiers[0].pods.iter().map(|p| p.by_engine.len()).sum()
+    }
+
+    /// Bytes the index holds in its tables, from their capacities: hash-map slots (key,
+    /// value and a control byte each) and order queues.
+    pub fn memory_bytes(&self) -> usize {
+        self.tiers.iter().map(TierBlocks::memory_bytes).sum()
+    }
+
+    pub fn stats(&self, pod: PodId) -> PodIndexStats {
+        self.stats[pod.index()]
+    }
+
+    /// The slot of `tier` if the index keeps it.
+    fn indexed(&self, tier: Tier) -> Option<usize> {
+        tier_slot(tier).filter(|&slot| slot == 0 || self.config.offload.max_blocks_per_pod > 0)
+    }
+
+    /// Applies one decoded batch of `pod`'s events.
+    pub fn apply(&mut self, pod: PodId, batch: &EventBatch<'_>) {
+        for event in &batch.events {
+            match event {
+                KvEvent::BlockStored(stored) => self.store(pod, stored),
+                KvEvent::BlockRemoved { block_hashes, tier } => {
+                    let Some(slot) = self.indexed(*tier) else { continue };
+                    for &h in block_hashes {
+                        let known = self.tiers[slot].remove(pod, h);
+                        let stats = &mut self.stats[pod.index()];
+                        match (known, slot) {
+                            (false, _) => stats.unknown_removals += 1,
+                            (true, 0) => stats.removed_blocks += 1,
+                            (true, _) => stats.offload_removed_blocks += 1,
+                        }
+                    }
+                }
+                KvEvent::AllBlocksCleared => {
+                    // vLLM resets the connector's tiers with the prefix cache; forgetting a
+                    // tier that survived only costs affinity.
+                    self.clear_pod(pod);
+                    self.stats[pod.index()].clears += 1;
+                }
+                KvEvent::Unknown(_) => self.stats[pod.index()].unknown_events += 1,
+            }
+        }
+    }
+
+    /// The sequence hash `engine` stands for on `pod`, from any tier.
+    fn resolve(&self, pod: PodId, engine: EngineHash) -> Option<SequenceHash> {
+        self.tiers.iter().find_map(|t| t.pods[pod.index()].by_engine.get(&engine).copied())
+    }
+
+    fn store(&mut self, pod: PodId, stored: &BlockStored<'_>) {
+        let n = stored.block_hashes.len() as u64;
+        let Some(slot) = self.indexed(stored.tier).filter(|_| !stored.opaque_extra_keys) else {
+            self.stats[pod.index()].ignored_blocks += n;
+            return;
+        };
+        if stored.is_placeholder() {
+            for &engine in &stored.block_hashes {
+                match self.resolve(pod, engine) {
+                    Some(seq) => {
+                        self.tiers[slot].insert(pod, engine, seq);
+                        self.stats[pod.index()].offloaded_blocks += 1;
+                    }
+                    None => self.stats[pod.index()].unresolved_offloads += 1,
+                }
+            }
+            self.enforce_cap(pod, slot);
+            return;
+        }
+        if stored.block_size != self.config.block_size {
+            self.stats[pod.index()].block_size_mismatches += n;
+            return;
+        }
+        let mut parent = match stored.parent_block_hash {
+            None => {
+                // vLLM's first-block extra keys: the LoRA name (if any), then the cache salt.
+                let skip = usize::from(stored.lora_name.is_some());
+                root_hash(stored.lora_name, stored.first_block_extra.get(skip).copied())
+            }
+            Some(engine_parent) => match self.resolve(pod, engine_parent) {
+                Some(seq) => seq,
+                None => {
+                    self.stats[pod.index()].orphan_blocks += n;
+                    return;
+                }
+            },
+        };
+        let bs = self.config.block_size;
+        for (i, &engine) in stored.block_hashes.iter().enumerate() {
+            parent = chain(parent, &stored.token_ids[i * bs..(i + 1) * bs]);
+            self.tiers[slot].insert(pod, engine, parent);
+        }
+        let stats = &mut self.stats[pod.index()];
+        if slot == 0 {
+            stats.stored_blocks += n;
+        } else {
+            stats.offloaded_blocks += n;
+        }
+        self.enforce_cap(pod, slot);
+    }
+
+    fn enforce_cap(&mut self, pod: PodId, slot: usize) {
+        let cap = if slot == 0 { self.config.max_blocks_per_pod } else { self.config.offload.max_blocks_per_pod };
+        self.stats[pod.index()].cap_evictions += self.tiers[slot].enforce_cap(pod, cap);
+    }
+
+    /// Forgets everything `pod` holds, in every tier (`AllBlocksCleared`, a restarted engine,
+    /// a sequence gap that could not be replayed, a pod that left).
+    pub fn clear_pod(&mut self, pod: PodId) {
+        for tier in &mut self.tiers {
+            tier.clear_pod(pod);
+        }
+    }
+
+    /// For each pod in `eligible`, the number of leading blocks of `chain` it holds on the
+    /// GPU, written to `out[pod]` (`out` is resized to the number of pods; other pods get 0).
+    /// Costs one map lookup per matched block plus a few bit operations, independent of pod
+    /// count.
     pub fn longest_prefixes(&self, chain: &[SequenceHash], eligible: &PodSet, out: &mut Vec<u32>) {
-        self.holders.longest_prefixes(chain, eligible, self.pods.len(), out);
+        self.tiers[0].holders.longest_prefixes(chain, eligible, self.num_pods(), out);
+    }
+
+    /// Whether any pod has offloaded blocks indexed (else [`KvIndex::offloaded_run`] is
+    /// always empty).
+    pub fn has_offloaded(&self) -> bool {
+        self.tiers[1..].iter().any(|t| !t.holders.is_empty())
+    }
+
+    /// The blocks of `chain` that `pod` holds offloaded right after its first `from` blocks
+    /// (its GPU prefix): host memory first, then storage, as a connector looks them up.
+    pub fn offloaded_run(&self, chain: &[SequenceHash], pod: PodId, from: usize) -> TieredMatch {
+        let mut run = TieredMatch::default();
+        for &block in chain.iter().skip(from) {
+            if self.tiers[1].holders.holds(block, pod) {
+                run.cpu_blocks += 1;
+            } else if self.tiers[2].holders.holds(block, pod) {
+                run.storage_blocks += 1;
+            } else {
+                break;
+            }
+        }
+        run
     }
 }
 
@@ -261,7 +400,8 @@ mod tests {
     const BS: usize = 4;
 
     fn index(pods: usize, cap: usize) -> (KvIndex, Vec<PodId>) {
-        let mut idx = KvIndex::new(IndexConfig { block_size: BS, max_blocks_per_pod: cap });
+        let mut idx =
+            KvIndex::new(IndexConfig { block_size: BS, max_blocks_per_pod: cap, offload: OffloadConfig::default() });
         let ids = (0..pods).map(|_| idx.add_pod()).collect();
         (idx, ids)
     }
@@ -359,7 +499,7 @@ mod tests {
         assert_eq!(idx.stats(pods[0]).orphan_blocks, 1);
         assert_eq!(idx.pod_blocks(pods[0]), 0);
         let KvEvent::BlockStored(mut cpu) = stored(&[30], None, &T[..4]) else { unreachable!() };
-        cpu.tier = Tier::Other;
+        cpu.tier = Tier::Other; // another KV-cache group
         let KvEvent::BlockStored(mut odd) = stored(&[31, 32], None, &T[..8]) else { unreachable!() };
         odd.block_size = 8;
         odd.token_ids = T[..8].repeat(2);
@@ -382,8 +522,104 @@ mod tests {
             idx.apply(pods[0], &batch(vec![stored(&[100 + i], None, &[i as u32, 0, 0, 0])]));
             idx.apply(pods[0], &batch(vec![removed(&[100 + i])]));
         }
-        assert!(idx.pods[0].order.len() <= 2 * 1024 + 1);
+        assert!(idx.tiers[0].pods[0].order.len() <= 2 * 1024 + 1);
         assert!(idx.memory_bytes() < 200_000);
+    }
+
+    /// The OffloadingConnector's default announcement: hashes only.
+    fn offloaded<'a>(engine: &[u64], tier: Tier) -> KvEvent<'a> {
+        KvEvent::BlockStored(BlockStored {
+            block_hashes: engine.iter().map(|&h| EngineHash(h)).collect(),
+            parent_block_hash: None,
+            token_ids: vec![],
+            block_size: 0,
+            lora_name: None,
+            first_block_extra: vec![],
+            opaque_extra_keys: false,
+            tier,
+        })
+    }
+
+    fn runs(idx: &KvIndex, tokens: &[u32]) -> Vec<(u32, TieredMatch)> {
+        let chain = chain_of(tokens);
+        overlaps(idx, tokens)
+            .into_iter()
+            .enumerate()
+            .map(|(p, gpu)| (gpu, idx.offloaded_run(&chain, PodId(p as u32), gpu as usize)))
+            .collect()
+    }
+
+    fn cpu(blocks: u32) -> TieredMatch {
+        TieredMatch { cpu_blocks: blocks, storage_blocks: 0 }
+    }
+
+    #[test]
+    fn offloaded_blocks_extend_the_gpu_prefix() {
+        let (mut idx, pods) = index(2, 100);
+        assert!(!idx.has_offloaded());
+        // Pod 0 computes 3 blocks, its connector offloads them (placeholders resolve through
+        // the GPU announcement), then the GPU evicts the last two.
+        idx.apply(pods[0], &batch(vec![stored(&[10, 11, 12], None, &T), offloaded(&[10, 11, 12], Tier::Cpu)]));
+        idx.apply(pods[0], &batch(vec![removed(&[12, 11])]));
+        assert!(idx.has_offloaded());
+        assert_eq!(runs(&idx, &T), vec![(1, cpu(2)), (0, cpu(0))]);
+        assert_eq!((idx.pod_blocks(pods[0]), idx.pod_offloaded_blocks(pods[0])), (1, 3));
+        // The GPU prefix comes first; the offloaded run stops at the first block in no tier.
+        assert_eq!(runs(&idx, &[1, 2, 3, 4, 5, 6, 7, 8, 0, 0, 0, 0])[0], (1, cpu(1)));
+        // Pod 1's storage tier, described in full (tokens, parent): chained like GPU blocks.
+        let KvEvent::BlockStored(mut first) = stored(&[20, 21], None, &T[..8]) else { unreachable!() };
+        first.tier = Tier::Storage;
+        idx.apply(pods[1], &batch(vec![KvEvent::BlockStored(first)]));
+        assert_eq!(runs(&idx, &T)[1], (0, TieredMatch { cpu_blocks: 0, storage_blocks: 2 }));
+        let s = idx.stats(pods[0]);
+        assert_eq!((s.stored_blocks, s.offloaded_blocks, s.removed_blocks), (3, 3, 2));
+        assert_eq!(idx.stats(pods[1]).offloaded_blocks, 2);
+        // An eviction from the CPU tier.
+        idx.apply(pods[0], &batch(vec![KvEvent::BlockRemoved { block_hashes: vec![EngineHash(11)], tier: Tier::Cpu }]));
+        assert_eq!(runs(&idx, &T)[0], (1, cpu(0)));
+        assert_eq!(idx.stats(pods[0]).offload_removed_blocks, 1);
+        // Clearing the pod clears its tiers too.
+        idx.apply(pods[0], &batch(vec![KvEvent::AllBlocksCleared]));
+        assert_eq!(idx.pod_offloaded_blocks(pods[0]), 0);
+    }
+
+    #[test]
+    fn offloads_resolve_through_any_tier_and_repeats_are_counted() {
+        let (mut idx, pods) = index(1, 100);
+        // A placeholder for a hash the pod never announced cannot be placed.
+        idx.apply(pods[0], &batch(vec![offloaded(&[99], Tier::Cpu)]));
+        assert_eq!((idx.stats(pods[0]).unresolved_offloads, idx.pod_offloaded_blocks(pods[0])), (1, 0));
+        // Offloaded while on the GPU, evicted from the GPU, then promoted to storage: the
+        // CPU tier still knows the hash.
+        idx.apply(pods[0], &batch(vec![stored(&[10], None, &T[..4]), offloaded(&[10], Tier::Cpu)]));
+        idx.apply(pods[0], &batch(vec![removed(&[10]), offloaded(&[10], Tier::Storage)]));
+        assert_eq!(idx.pod_offloaded_blocks(pods[0]), 2);
+        // A self-describing child chains from a parent only the offload tiers hold.
+        let KvEvent::BlockStored(mut child) = stored(&[11], Some(10), &T[4..8]) else { unreachable!() };
+        child.tier = Tier::Cpu;
+        idx.apply(pods[0], &batch(vec![KvEvent::BlockStored(child.clone()), KvEvent::BlockStored(child)]));
+        assert_eq!(runs(&idx, &T)[0], (0, cpu(2)));
+        // Re-announced twice (vLLM's connector re-announces shared blocks): two removals.
+        let cpu_removed = || KvEvent::BlockRemoved { block_hashes: vec![EngineHash(11)], tier: Tier::Cpu };
+        idx.apply(pods[0], &batch(vec![cpu_removed()]));
+        assert_eq!(runs(&idx, &T)[0], (0, cpu(2)));
+        idx.apply(pods[0], &batch(vec![cpu_removed()]));
+        assert_eq!(runs(&idx, &T)[0], (0, cpu(1)));
+    }
+
+    #[test]
+    fn offload_tiers_can_be_left_out_and_are_capped() {
+        let off = OffloadConfig { max_blocks_per_pod: 0, ..OffloadConfig::default() };
+        let mut idx = KvIndex::new(IndexConfig { block_size: BS, max_blocks_per_pod: 100, offload: off });
+        let pod = idx.add_pod();
+        idx.apply(pod, &batch(vec![stored(&[10, 11], None, &T[..8]), offloaded(&[10, 11], Tier::Cpu)]));
+        assert_eq!((idx.pod_offloaded_blocks(pod), idx.stats(pod).ignored_blocks), (0, 2));
+        let two = OffloadConfig { max_blocks_per_pod: 2, ..OffloadConfig::default() };
+        let mut idx = KvIndex::new(IndexConfig { block_size: BS, max_blocks_per_pod: 100, offload: two });
+        let pod = idx.add_pod();
+        idx.apply(pod, &batch(vec![stored(&[10, 11, 12], None, &T), offloaded(&[10, 11, 12], Tier::Cpu)]));
+        assert_eq!((idx.pod_offloaded_blocks(pod), idx.stats(pod).cap_evictions), (2, 1));
+        assert_eq!(idx.pod_blocks(pod), 3, "the GPU tier has its own cap");
     }
 
     #[test]

@@ -13,7 +13,7 @@
 use crate::approx::ApproxIndex;
 use crate::events::EventBatch;
 use crate::hash::SequenceHash;
-use crate::index::{IndexConfig, KvIndex};
+use crate::index::{IndexConfig, KvIndex, TieredMatch};
 use crate::load::{
     Booking, BookingKey, BookingUpdate, Leg, Lifecycle, LoadConfig, LoadTracker, Origin, UnknownRequest,
 };
@@ -417,7 +417,7 @@ impl Router {
             }
             decoders = direct.iter().map(|c| c.pod).collect();
         }
-        let best_cached = direct.iter().map(|c| c.cached_tokens).max().unwrap_or(0);
+        let best_cached = direct.iter().map(|c| c.credited_tokens()).max().unwrap_or(0);
         let uncached_tokens = request.prompt_tokens - best_cached;
         let prefill_pods = !prefillers.is_empty();
         let mut prefill_choice = None;
@@ -428,7 +428,7 @@ impl Router {
             // least-busy decode-capable pod could compute it itself; an overloaded prefill
             // pool sends long prompts direct instead of queueing them (threshold 0: always).
             let backlog =
-                |c: &Candidate| c.load.queued_prefill_tokens + u64::from(request.prompt_tokens - c.cached_tokens);
+                |c: &Candidate| c.load.queued_prefill_tokens + u64::from(request.prompt_tokens - c.credited_tokens());
             let local = direct.iter().map(backlog).min().unwrap_or(u64::MAX);
             if self.pd_threshold_tokens == 0 || backlog(&prefill) <= local {
                 prefill_choice = Some(prefill);
@@ -445,7 +445,7 @@ impl Router {
                 &Booking {
                     pod: prefill.pod,
                     prompt_tokens: request.prompt_tokens,
-                    cached_tokens: prefill.cached_tokens,
+                    cached_tokens: prefill.credited_tokens(),
                     chain: request.chain,
                     max_output_tokens: Some(0),
                 },
@@ -486,7 +486,7 @@ impl Router {
             &Booking {
                 pod: routed.decode.pod,
                 prompt_tokens: request.prompt_tokens,
-                cached_tokens: routed.decode.cached_tokens,
+                cached_tokens: routed.decode.credited_tokens(),
                 chain: request.chain,
                 max_output_tokens: request.max_output_tokens,
             },
@@ -524,16 +524,36 @@ impl Router {
             self.index.longest_prefixes(request.chain, &precise, &mut self.overlap);
             self.approx.longest_prefixes(request.chain, &approximate, &mut self.approx_overlap);
         }
+        let offloaded = cached_override.is_none() && self.index.has_offloaded();
+        let offload = self.index.config().offload;
+        let tokens =
+            |blocks: u32| (u64::from(blocks) * u64::from(self.block_size)).min(u64::from(request.prompt_tokens)) as u32;
         pods.iter()
             .map(|&p| {
-                let cached = cached_override.unwrap_or_else(|| {
-                    let indexed = self.overlap[p.index()].max(self.approx_overlap[p.index()]);
-                    let blocks = indexed.max(self.load.inflight_prefix(p, request.chain) as u32);
-                    (u64::from(blocks) * u64::from(self.block_size)).min(u64::from(request.prompt_tokens)) as u32
-                });
+                let (cached, offloaded_tokens, offload_work_tokens) = match cached_override {
+                    Some(cached) => (cached, 0, 0),
+                    None => {
+                        let indexed = self.overlap[p.index()].max(self.approx_overlap[p.index()]);
+                        let blocks = indexed.max(self.load.inflight_prefix(p, request.chain) as u32);
+                        let cached = tokens(blocks);
+                        // Blocks past the GPU prefix the pod holds offloaded: loaded, not computed.
+                        let run = if offloaded {
+                            self.index.offloaded_run(request.chain, p, blocks as usize)
+                        } else {
+                            TieredMatch::default()
+                        };
+                        let loaded = tokens(blocks + run.cpu_blocks + run.storage_blocks) - cached;
+                        let storage = loaded.min(run.storage_blocks * self.block_size);
+                        let work = f64::from(loaded - storage) * offload.cpu_load_cost
+                            + f64::from(storage) * offload.storage_load_cost;
+                        (cached, loaded, (work.ceil() as u32).min(loaded))
+                    }
+                };
                 Candidate {
                     pod: p,
                     cached_tokens: cached,
+                    offloaded_tokens,
+                    offload_work_tokens,
                     pod_blocks: self.pod_blocks(p) as u64,
                     load: self.load.load(p, now),
                     reported: self.pods[p.index()].reported,
@@ -579,7 +599,7 @@ impl Router {
         let (chain, prompt_tokens) =
             self.load.booked_prompt(&key).ok_or_else(|| UnknownRequest(request_id.to_string()))?;
         let request = RouteRequest::new(request_id, &chain, prompt_tokens, None);
-        let cached = self.candidates(&[pod], &request, now, None)[0].cached_tokens;
+        let cached = self.candidates(&[pod], &request, now, None)[0].credited_tokens();
         self.load.rebook(&key, pod, cached)?;
         self.record_approx(pod, &chain, now);
         if let Some(shared) = &mut self.shared {
@@ -655,7 +675,7 @@ mod tests {
 
     fn test_config(threshold: u32) -> RouterConfig {
         RouterConfig {
-            index: IndexConfig { block_size: 16, max_blocks_per_pod: 1 << 20 },
+            index: IndexConfig { block_size: 16, max_blocks_per_pod: 1 << 20, offload: Default::default() },
             approximate_ttl_seconds: 60.0,
             load: LoadConfig {
                 block_size: 16,
@@ -678,6 +698,56 @@ mod tests {
         let mut out = Vec::new();
         sequence_hashes(root_hash(None, None), &ids, 16, &mut out);
         out
+    }
+
+    /// `pod` announces the 512-token prompt of `chain(1, 512)`'s first `blocks` blocks in `tier`.
+    fn announce(r: &mut Router, pod: PodId, blocks: usize, tier: crate::events::Tier) {
+        use crate::events::{BlockStored, EventBatch, KvEvent};
+        let stored = BlockStored {
+            block_hashes: (0..blocks as u64).map(|h| crate::hash::EngineHash(h + 1)).collect(),
+            parent_block_hash: None,
+            token_ids: (0..blocks as u32 * 16).map(|i| 100_000 + i).collect(),
+            block_size: 16,
+            lora_name: None,
+            first_block_extra: vec![],
+            opaque_extra_keys: false,
+            tier,
+        };
+        r.apply_events(
+            pod,
+            &EventBatch { ts: 0.0, events: vec![KvEvent::BlockStored(stored)], data_parallel_rank: None },
+        );
+    }
+
+    #[test]
+    fn a_prompt_held_offloaded_is_loaded_not_recomputed() {
+        use crate::events::Tier;
+        let c = chain(1, 512);
+        let setup = |offload: crate::index::OffloadConfig| {
+            let mut config = test_config(0);
+            config.index.offload = offload;
+            let mut r = Router::new(&config);
+            let pods = [r.add_pod(Role::Both, true), r.add_pod(Role::Both, true), r.add_pod(Role::Both, true)];
+            announce(&mut r, pods[1], 32, Tier::Cpu);
+            announce(&mut r, pods[2], 16, Tier::Gpu);
+            (r, pods)
+        };
+        let (mut r, pods) = setup(Default::default());
+        let routed = r.route(&RouteRequest::new("a", &c, 512, Some(8)), 0.0).unwrap();
+        assert_eq!(routed.decode.pod, pods[1], "loading 512 tokens from host memory beats computing 256");
+        assert_eq!((routed.decode.cached_tokens, routed.decode.offloaded_tokens), (0, 512));
+        assert_eq!(routed.decode.offload_work_tokens, 52, "a tenth of computing them, rounded up");
+        assert_eq!(routed.candidates[2].offloaded_tokens, 0);
+        // The booking counts the loading as prefill work, not the whole prompt.
+        assert_eq!(r.load().load(pods[1], 0.0).queued_prefill_tokens, 52);
+        // Offload tiers left out: the GPU prefix wins.
+        let off = crate::index::OffloadConfig { max_blocks_per_pod: 0, ..Default::default() };
+        let (mut r, pods) = setup(off);
+        assert_eq!(r.route(&RouteRequest::new("a", &c, 512, Some(8)), 0.0).unwrap().decode.pod, pods[2]);
+        // Loading costing as much as computing: a GPU prefix of half the prompt wins again.
+        let dear = crate::index::OffloadConfig { cpu_load_cost: 1.0, ..Default::default() };
+        let (mut r, pods) = setup(dear);
+        assert_eq!(r.route(&RouteRequest::new("a", &c, 512, Some(8)), 0.0).unwrap().decode.pod, pods[2]);
     }
 
     #[test]

@@ -135,8 +135,11 @@ impl KvPolicy {
 
     fn cost_with(&self, input: &RouteInput, c: &Candidate, miss_weight: f64) -> f64 {
         let prompt = u64::from(input.prompt_tokens);
-        let credited = (f64::from(c.cached_tokens) * self.config.prefix_weight) as u64;
-        let uncached = u64::from(uncached_tokens(input, &Candidate { cached_tokens: credited as u32, ..*c }));
+        let credited = (f64::from(c.credited_tokens()) * self.config.prefix_weight) as u64;
+        let uncached = u64::from(uncached_tokens(
+            input,
+            &Candidate { cached_tokens: credited as u32, offloaded_tokens: 0, offload_work_tokens: 0, ..*c },
+        ));
         let fullness = match c.reported {
             Some(r) if r.num_gpu_blocks > 0.0 => (c.pod_blocks as f64 / r.num_gpu_blocks).min(1.0),
             _ => 1.0,

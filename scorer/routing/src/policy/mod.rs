@@ -43,6 +43,11 @@ pub struct Candidate {
     pub pod: PodId,
     /// Prompt tokens this pod holds in its prefix cache (leading full blocks).
     pub cached_tokens: u32,
+    /// Prompt tokens right after those that the pod holds offloaded (host memory, storage):
+    /// loaded back, not computed.
+    pub offloaded_tokens: u32,
+    /// What loading them costs, in tokens of computing ([`crate::index::OffloadConfig`]).
+    pub offload_work_tokens: u32,
     /// Blocks the router believes the pod holds in all (how full its cache is).
     pub pod_blocks: u64,
     /// kvgate's own bookkeeping of what it sent there.
@@ -124,10 +129,18 @@ pub(crate) fn argmin_random_tie(costs: &[Option<f64>], rng: &mut StdRng) -> usiz
     }
 }
 
-/// Prompt tokens a candidate would compute: at least one, since an engine always recomputes
-/// the last prompt token to sample from.
+impl Candidate {
+    /// Prompt tokens the pod need not compute: its cached prefix, and its offloaded blocks
+    /// less what loading them costs.
+    pub fn credited_tokens(&self) -> u32 {
+        self.cached_tokens + self.offloaded_tokens - self.offload_work_tokens
+    }
+}
+
+/// Prompt tokens a candidate would compute (loading offloaded blocks counted at its cost):
+/// at least one, since an engine always recomputes the last prompt token to sample from.
 pub(crate) fn uncached_tokens(input: &RouteInput, c: &Candidate) -> u32 {
-    let uncached = input.prompt_tokens.saturating_sub(c.cached_tokens);
+    let uncached = input.prompt_tokens.saturating_sub(c.credited_tokens());
     if input.prompt_tokens > 0 { uncached.max(1) } else { 0 }
 }
 
@@ -139,6 +152,8 @@ pub(crate) mod test_support {
         Candidate {
             pod: PodId(pod),
             cached_tokens,
+            offloaded_tokens: 0,
+            offload_work_tokens: 0,
             pod_blocks: 0,
             load: PodLoad {
                 inflight_requests: inflight,

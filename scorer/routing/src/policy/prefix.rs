@@ -26,7 +26,7 @@ impl Policy for LongestPrefix {
             .iter()
             .map(|c| {
                 Some(
-                    -f64::from(c.cached_tokens) * 1e9
+                    -f64::from(c.credited_tokens()) * 1e9
                         + f64::from(c.load.inflight_requests) * 1e4
                         + c.load.decode_blocks.min(9e3),
                 )
