@@ -135,6 +135,8 @@ impl KvAware {
                         }
                     }
                 }
+                // The offload tier's announcements: this rule indexes the GPU cache only.
+                CacheChange::Offloaded { .. } | CacheChange::OffloadRemoved { .. } => {}
                 CacheChange::Cleared => {
                     self.index.retain(|_, holders| {
                         holders.retain(|h| h.worker != worker);

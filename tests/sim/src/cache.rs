@@ -103,11 +103,88 @@ pub enum CacheChange {
     },
     /// A cached block was evicted (reused for other data).
     Removed { hash: EngineBlockHash },
+    /// The KV connector copied a block to host memory (vLLM's `OffloadingConnector`
+    /// announces it by hash only: a placeholder `BlockStored` with medium CPU).
+    Offloaded { hash: EngineBlockHash },
+    /// Host memory evicted an offloaded block (`BlockRemoved`, medium CPU).
+    OffloadRemoved { hash: EngineBlockHash },
     /// The whole cache was dropped (`reset_prefix_cache`).
     Cleared,
 }
 
 const NIL: u32 = u32::MAX;
+
+/// The host-memory tier of a KV connector that offloads every computed block (vLLM's
+/// `OffloadingConnector` with a CPU backend): least recently used blocks are evicted first;
+/// a request whose prefix continues here past its GPU hit loads those blocks instead of
+/// computing them.
+pub struct OffloadTier {
+    capacity: usize,
+    /// hash → last use; use → hash (the oldest first).
+    used: HashMap<EngineBlockHash, u64>,
+    by_use: std::collections::BTreeMap<u64, EngineBlockHash>,
+    clock: u64,
+}
+
+impl OffloadTier {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity, used: HashMap::new(), by_use: Default::default(), clock: 0 }
+    }
+
+    pub fn len(&self) -> usize {
+        self.used.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.used.is_empty()
+    }
+
+    fn touch(&mut self, hash: EngineBlockHash) -> bool {
+        self.clock += 1;
+        match self.used.insert(hash, self.clock) {
+            Some(old) => {
+                self.by_use.remove(&old);
+                self.by_use.insert(self.clock, hash);
+                true
+            }
+            None => {
+                self.by_use.insert(self.clock, hash);
+                false
+            }
+        }
+    }
+
+    /// Copies `hashes` here (already held ones are only marked used), evicting the least
+    /// recently used beyond capacity; records what changed.
+    pub fn store(&mut self, hashes: &[EngineBlockHash], changes: &mut Vec<CacheChange>) {
+        for &hash in hashes {
+            if self.touch(hash) {
+                continue;
+            }
+            changes.push(CacheChange::Offloaded { hash });
+            while self.used.len() > self.capacity {
+                let (_, oldest) = self.by_use.pop_first().expect("a full tier has entries");
+                self.used.remove(&oldest);
+                changes.push(CacheChange::OffloadRemoved { hash: oldest });
+            }
+        }
+    }
+
+    /// Number of leading `hashes` held here; they are marked used (they are about to load).
+    pub fn take_run(&mut self, hashes: &[EngineBlockHash]) -> usize {
+        let run = hashes.iter().take_while(|h| self.used.contains_key(h)).count();
+        for &hash in &hashes[..run] {
+            self.touch(hash);
+        }
+        run
+    }
+
+    /// Drops everything (`reset_prefix_cache` resets the connector's tier too).
+    pub fn clear(&mut self) {
+        self.used.clear();
+        self.by_use.clear();
+    }
+}
 
 /// The block pool: reference counts, the hash → blocks map and the LRU free queue.
 pub struct BlockPool {
@@ -259,6 +336,11 @@ impl BlockPool {
         self.hash_of.iter_mut().for_each(|h| *h = None);
         self.changes.push(CacheChange::Cleared);
         Ok(())
+    }
+
+    /// The changes not yet taken, for the offload tier to record its own after the pool's.
+    pub fn changes_mut(&mut self) -> &mut Vec<CacheChange> {
+        &mut self.changes
     }
 
     /// Cache changes since the last call.

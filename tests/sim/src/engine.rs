@@ -12,7 +12,9 @@
 //! Nothing here does I/O or reads a wall clock, so the same engine runs live behind the HTTP
 //! server (`kvgate-sim`) and in an offline cluster simulator in virtual time.
 
-use crate::cache::{BlockId, BlockPool, CacheChange, EngineBlockHash, HashKeys, block_hash, hash_blocks, root_hash};
+use crate::cache::{
+    BlockId, BlockPool, CacheChange, EngineBlockHash, HashKeys, OffloadTier, block_hash, hash_blocks, root_hash,
+};
 use crate::timing::{StepWork, TimingModel, prefill_pairs};
 use std::collections::{HashMap, VecDeque};
 
@@ -36,6 +38,9 @@ pub struct EngineConfig {
     pub max_model_len: usize,
     /// Seed of the block-hash chain (vLLM: `PYTHONHASHSEED`); `None` = random per engine.
     pub hash_seed: Option<String>,
+    /// Blocks of a host-memory offload tier (vLLM's `OffloadingConnector`, `num_cpu_blocks`);
+    /// 0: none.
+    pub offload_blocks: usize,
     pub timing: TimingModel,
     /// Token ids the engine "generates", cycled (the text is filler; counts and timing are real).
     pub filler_tokens: Vec<u32>,
@@ -50,6 +55,7 @@ impl Default for EngineConfig {
             max_num_batched_tokens: 8192,
             max_model_len: 131_072,
             hash_seed: None,
+            offload_blocks: 0,
             timing: TimingModel::default(),
             filler_tokens: vec![0],
         }
@@ -156,6 +162,8 @@ pub struct Counters {
     pub prefill_tokens_computed: u64,
     /// Prompt tokens whose KV was pulled from a prefill pod.
     pub transferred_tokens: u64,
+    /// Prompt tokens whose KV was loaded back from the offload tier.
+    pub offload_loaded_tokens: u64,
     pub preemptions: u64,
     pub finished_requests: u64,
     pub steps: u64,
@@ -177,8 +185,10 @@ struct Sequence {
     registered: usize,
     /// Prompt tokens found in the prefix cache at first admission.
     cached_tokens: Option<usize>,
-    /// Model time at which a pending KV transfer completes.
+    /// Model time at which a pending KV transfer (from a prefill pod or the offload tier)
+    /// completes, and the tokens computed then.
     transfer_done_at: Option<f64>,
+    transfer_to: usize,
 }
 
 impl Sequence {
@@ -192,6 +202,7 @@ pub struct Engine {
     config: EngineConfig,
     root: EngineBlockHash,
     pool: BlockPool,
+    offload: Option<OffloadTier>,
     seqs: HashMap<RequestId, Sequence>,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
@@ -205,10 +216,12 @@ impl Engine {
         assert!(!config.filler_tokens.is_empty(), "filler_tokens must not be empty");
         let pool = BlockPool::new(config.num_blocks, config.block_size);
         let root = root_hash(config.hash_seed.as_deref());
+        let offload = (config.offload_blocks > 0).then(|| OffloadTier::new(config.offload_blocks));
         Self {
             config,
             root,
             pool,
+            offload,
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
@@ -300,6 +313,7 @@ impl Engine {
                 registered: 0,
                 cached_tokens: None,
                 transfer_done_at: None,
+                transfer_to: 0,
             },
         );
         self.waiting.push_back(id);
@@ -319,6 +333,9 @@ impl Engine {
     /// blocks (vLLM refuses too); the error says how many.
     pub fn reset_prefix_cache(&mut self) -> Result<Vec<CacheChange>, usize> {
         self.pool.reset()?;
+        if let Some(tier) = &mut self.offload {
+            tier.clear();
+        }
         Ok(self.pool.take_changes())
     }
 
@@ -432,7 +449,18 @@ impl Engine {
         let max_hit = (seq.tokens.len() - 1) / bs;
         let hit = self.pool.longest_cached_prefix(&seq.hashes[..max_hit]);
         let remote = seq.kv_transfer == KvTransfer::RemotePrefill;
-        let target = if remote { seq.tokens.len() } else { (hit * bs + budget).min(seq.tokens.len()) };
+        // The offload tier's blocks right after the GPU hit are loaded, not computed.
+        let loaded = match &mut self.offload {
+            Some(tier) if !remote => tier.take_run(&seq.hashes[hit..max_hit]),
+            _ => 0,
+        };
+        let target = if remote {
+            seq.tokens.len()
+        } else if loaded > 0 {
+            (hit + loaded) * bs
+        } else {
+            (hit * bs + budget).min(seq.tokens.len())
+        };
         let needed = target.div_ceil(bs) - hit;
         let touched = self.pool.touch(&seq.hashes[..hit]);
         let Some(fresh) = self.pool.allocate(needed) else {
@@ -446,7 +474,7 @@ impl Engine {
         seq.registered = hit;
         let first_admission = seq.cached_tokens.is_none();
         if first_admission {
-            seq.cached_tokens = Some(hit * bs);
+            seq.cached_tokens = Some((hit + loaded) * bs);
             self.counters.prefix_cache_queries += seq.prompt_len as u64;
             self.counters.prefix_cache_hits += (hit * bs) as u64;
             self.counters.prompt_tokens += seq.prompt_len as u64;
@@ -454,6 +482,14 @@ impl Engine {
         if remote {
             let transferred = seq.prompt_len - 1 - seq.computed.min(seq.prompt_len - 1);
             seq.transfer_done_at = Some(self.now + self.config.timing.transfer_ms(transferred as u64) / 1000.0);
+            seq.transfer_to = seq.prompt_len - 1;
+            return Some(0);
+        }
+        if loaded > 0 {
+            // vLLM's connector loads asynchronously; the request waits for its blocks.
+            self.counters.offload_loaded_tokens += (loaded * bs) as u64;
+            seq.transfer_done_at = Some(self.now + self.config.timing.offload_load_ms((loaded * bs) as u64) / 1000.0);
+            seq.transfer_to = (hit + loaded) * bs;
             return Some(0);
         }
         Some(target - seq.computed)
@@ -467,10 +503,12 @@ impl Engine {
             let seq = self.seqs.get_mut(&id).expect("running request exists");
             if seq.transfer_done_at.is_some_and(|t| t <= now) {
                 seq.transfer_done_at = None;
-                let loaded = seq.prompt_len - 1;
-                self.counters.transferred_tokens += (loaded - seq.computed.min(loaded)) as u64;
+                let loaded = seq.transfer_to;
+                if seq.kv_transfer == KvTransfer::RemotePrefill {
+                    self.counters.transferred_tokens += (loaded - seq.computed.min(loaded)) as u64;
+                }
                 seq.computed = seq.computed.max(loaded);
-                register_full_blocks(&mut self.pool, seq, self.config.block_size, &self.root);
+                register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, self.config.block_size, &self.root);
             }
         }
     }
@@ -483,7 +521,7 @@ impl Engine {
         let prompt_computed = seq.prompt_len.saturating_sub(seq.computed).min(n);
         self.counters.prefill_tokens_computed += prompt_computed as u64;
         seq.computed += n;
-        register_full_blocks(&mut self.pool, seq, bs, &self.root);
+        register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, bs, &self.root);
         if seq.computed < seq.tokens.len() {
             return; // a prompt chunk; more to prefill
         }
@@ -537,8 +575,15 @@ fn extend_hashes(seq: &mut Sequence, full: usize, root: &EngineBlockHash, bs: us
     }
 }
 
-/// Registers the sequence's computed full blocks that are not cached yet (→ `BlockStored`).
-fn register_full_blocks(pool: &mut BlockPool, seq: &mut Sequence, bs: usize, root: &EngineBlockHash) {
+/// Registers the sequence's computed full blocks that are not cached yet (→ `BlockStored`),
+/// and offloads them when there is an offload tier.
+fn register_full_blocks(
+    pool: &mut BlockPool,
+    offload: Option<&mut OffloadTier>,
+    seq: &mut Sequence,
+    bs: usize,
+    root: &EngineBlockHash,
+) {
     let full = seq.computed.min(seq.tokens.len()) / bs;
     if full <= seq.registered {
         return;
@@ -548,6 +593,9 @@ fn register_full_blocks(pool: &mut BlockPool, seq: &mut Sequence, bs: usize, roo
     let parent = start.checked_sub(1).map(|p| seq.hashes[p]);
     let token_ids = seq.tokens[start * bs..full * bs].to_vec();
     pool.cache_blocks(&seq.blocks[start..full], &seq.hashes[start..full], parent, token_ids, &seq.keys, start);
+    if let Some(tier) = offload {
+        tier.store(&seq.hashes[start..full], pool.changes_mut());
+    }
     seq.registered = full;
 }
 
@@ -621,6 +669,46 @@ mod tests {
         );
         assert_eq!(e.counters().generation_tokens, 5);
         assert_eq!(e.kv_cache_usage(), 0.0);
+    }
+
+    #[test]
+    fn a_prefix_evicted_from_the_gpu_is_loaded_back_from_the_offload_tier() {
+        // 32 GPU blocks of 4 tokens, 80 offloaded: a 100-token prompt (25 blocks) is evicted
+        // from the GPU by two others, but stays offloaded.
+        let mut e = Engine::new(EngineConfig { num_blocks: 32, offload_blocks: 80, ..config() });
+        let a: Vec<u32> = (0..100).collect();
+        let (b, c): (Vec<u32>, Vec<u32>) = ((1000..1100).collect(), (2000..2100).collect());
+        e.add_request(request(a.clone(), 1)).unwrap();
+        let (_, changes) = run(&mut e);
+        let offloaded = changes.iter().filter(|c| matches!(c, CacheChange::Offloaded { .. })).count();
+        assert_eq!(offloaded, 25, "every computed block is offloaded");
+        let first_offload = changes.iter().position(|c| matches!(c, CacheChange::Offloaded { .. })).unwrap();
+        assert!(matches!(changes[first_offload - 1], CacheChange::Stored { .. }), "announced on the GPU first");
+        for other in [b, c] {
+            e.add_request(request(other, 1)).unwrap();
+            run(&mut e);
+        }
+        assert_eq!(e.cached_prefix_blocks(&a, &HashKeys::default()), 0, "gone from the GPU");
+        let computed = e.counters().prefill_tokens_computed;
+        let t0 = e.now();
+        let id = e.add_request(request(a.clone(), 1)).unwrap();
+        let (done, changes) = run(&mut e);
+        // The 24 blocks before the last (recomputed to sample from) are loaded.
+        assert_eq!(e.counters().offload_loaded_tokens, 96);
+        assert_eq!(e.counters().prefill_tokens_computed - computed, 4);
+        assert_eq!(done[&id].cached_tokens, 96, "vLLM counts connector hits as cached");
+        assert!(e.now() - t0 >= e.config().timing.offload_load_ms(96) / 1000.0, "the load takes its time");
+        assert!(changes.iter().any(|c| matches!(c, CacheChange::Stored { hashes, .. } if hashes.len() == 24)));
+        // The tier holds a's, b's and c's 25 blocks: a fourth prompt's 25 evict the least
+        // recently used — b's — with CPU removals.
+        e.add_request(request((5000..5100).collect(), 1)).unwrap();
+        let (_, changes) = run(&mut e);
+        let removed = changes.iter().filter(|c| matches!(c, CacheChange::OffloadRemoved { .. })).count();
+        assert_eq!(removed, 4 * 25 - 80);
+        e.reset_prefix_cache().unwrap();
+        e.add_request(request(a, 1)).unwrap();
+        run(&mut e);
+        assert_eq!(e.counters().offload_loaded_tokens, 96, "a reset clears the offload tier too");
     }
 
     #[test]

@@ -61,6 +61,8 @@ impl EventEncoder {
                     );
                 }
                 CacheChange::Removed { hash } => self.block_removed(&mut w, std::slice::from_ref(hash)),
+                CacheChange::Offloaded { hash } => self.offload_placeholder(&mut w, hash),
+                CacheChange::OffloadRemoved { hash } => self.offload_removed(&mut w, hash),
                 CacheChange::Cleared => match self.format {
                     EventFormat::Map => {
                         w.map_len(1);
@@ -186,6 +188,73 @@ impl EventEncoder {
                 self.hashes(w, hashes);
                 w.str("GPU");
                 w.nil();
+            }
+        }
+    }
+
+    /// vLLM's `OffloadingConnector` announcing a block copied to host memory, as it does
+    /// unless `self_describing_kv_events` is set: the hash alone, no tokens, block size 0,
+    /// medium CPU, KV-cache group 0.
+    fn offload_placeholder(&self, w: &mut Writer, hash: &EngineBlockHash) {
+        let field = |w: &mut Writer, name: &str| {
+            if self.format == EventFormat::Map {
+                w.str(name);
+            }
+        };
+        match self.format {
+            // type + the 7 fields without defaults + group_idx.
+            EventFormat::Map => {
+                w.map16_len(9);
+                w.str("type");
+            }
+            EventFormat::Array => w.array_len(12),
+        }
+        w.str("BlockStored");
+        field(w, "block_hashes");
+        self.hashes(w, std::slice::from_ref(hash));
+        field(w, "parent_block_hash");
+        w.nil();
+        field(w, "token_ids");
+        w.array_len(0);
+        field(w, "block_size");
+        w.uint(0);
+        field(w, "lora_id");
+        w.nil();
+        field(w, "medium");
+        w.str("CPU");
+        field(w, "lora_name");
+        w.nil();
+        if self.format == EventFormat::Array {
+            w.nil(); // extra_keys
+        }
+        field(w, "group_idx");
+        w.uint(0);
+        if self.format == EventFormat::Array {
+            w.nil(); // kv_cache_spec_kind
+            w.nil(); // kv_cache_spec_sliding_window
+        }
+    }
+
+    /// Host memory evicting an offloaded block: `BlockRemoved` with medium CPU, group 0.
+    fn offload_removed(&self, w: &mut Writer, hash: &EngineBlockHash) {
+        match self.format {
+            EventFormat::Map => {
+                w.map_len(4);
+                w.str("type");
+                w.str("BlockRemoved");
+                w.str("block_hashes");
+                self.hashes(w, std::slice::from_ref(hash));
+                w.str("medium");
+                w.str("CPU");
+                w.str("group_idx");
+                w.uint(0);
+            }
+            EventFormat::Array => {
+                w.array_len(4);
+                w.str("BlockRemoved");
+                self.hashes(w, std::slice::from_ref(hash));
+                w.str("CPU");
+                w.uint(0);
             }
         }
     }
@@ -323,6 +392,17 @@ mod tests {
         for (i, (ts, changes)) in fixture_batches().iter().enumerate() {
             assert_eq!(encoder(EventFormat::Map).encode_batch(*ts, changes), fixture("vllm-0.33.0-kv-events.json", i));
         }
+    }
+
+    #[test]
+    fn offload_events_are_byte_identical_to_vllm_0_33s_connector() {
+        let (a, b) = (hash_from_u64(0x1122334455667788), hash_from_u64(0xf0e0d0c0b0a09080));
+        let [(ts, mut changes), _] = fixture_batches();
+        changes.extend([CacheChange::Offloaded { hash: a }, CacheChange::Offloaded { hash: b }]);
+        let fixture = |i| fixture("vllm-0.33.0-offload-kv-events.json", i);
+        assert_eq!(encoder(EventFormat::Map).encode_batch(ts, &changes), fixture(0));
+        let evicted = [CacheChange::OffloadRemoved { hash: hash_from_u64(42) }];
+        assert_eq!(encoder(EventFormat::Map).encode_batch(1700000002.5, &evicted), fixture(2));
     }
 
     #[test]

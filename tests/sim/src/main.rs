@@ -120,6 +120,17 @@ struct Args {
     /// Timing model: cost per transferred token, ms.
     #[arg(long, default_value_t = TimingModel::default().transfer_token_ms)]
     transfer_token_ms: f64,
+    /// Blocks of a host-memory offload tier (vLLM's OffloadingConnector with a CPU backend:
+    /// every computed block is copied there, announced as a CPU placeholder event; a prefix
+    /// found there past the GPU hit is loaded instead of computed). 0: none.
+    #[arg(long, default_value_t = 0)]
+    offload_blocks: usize,
+    /// Timing model: fixed cost of loading a request's blocks from the offload tier, ms.
+    #[arg(long, default_value_t = TimingModel::default().offload_base_ms)]
+    offload_base_ms: f64,
+    /// Timing model: cost per token loaded from the offload tier, ms.
+    #[arg(long, default_value_t = TimingModel::default().offload_token_ms)]
+    offload_token_ms: f64,
 }
 
 /// Text the engine "generates", tokenized once; its token ids are cycled.
@@ -158,6 +169,8 @@ async fn main() -> anyhow::Result<()> {
         kv_read_ms: args.kv_read_ms,
         transfer_base_ms: args.transfer_base_ms,
         transfer_token_ms: args.transfer_token_ms,
+        offload_base_ms: args.offload_base_ms,
+        offload_token_ms: args.offload_token_ms,
     };
     let engine = Engine::new(EngineConfig {
         block_size: args.block_size,
@@ -166,6 +179,7 @@ async fn main() -> anyhow::Result<()> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_model_len: args.max_model_len,
         hash_seed: args.hash_seed.clone(),
+        offload_blocks: args.offload_blocks,
         timing,
         filler_tokens,
     });

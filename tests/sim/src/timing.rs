@@ -40,6 +40,11 @@ pub struct TimingModel {
     pub transfer_base_ms: f64,
     /// P/D: per transferred token, 128 KiB over ≈ 40 GB/s effective RDMA ≈ 0.0033 ms.
     pub transfer_token_ms: f64,
+    /// Offload tier: fixed cost of loading a request's blocks back from host memory ≈ 0.5 ms.
+    pub offload_base_ms: f64,
+    /// Offload tier: per loaded token, 128 KiB over ≈ 25 GB/s effective PCIe ≈ 0.0052 ms
+    /// (an eighth of computing it).
+    pub offload_token_ms: f64,
 }
 
 impl Default for TimingModel {
@@ -51,6 +56,8 @@ impl Default for TimingModel {
             kv_read_ms: 4.9e-5,
             transfer_base_ms: 2.0,
             transfer_token_ms: 0.0033,
+            offload_base_ms: 0.5,
+            offload_token_ms: 0.0052,
         }
     }
 }
@@ -96,6 +103,11 @@ impl TimingModel {
     /// Duration of pulling `tokens` tokens of KV from a prefill pod, in milliseconds.
     pub fn transfer_ms(&self, tokens: u64) -> f64 {
         self.transfer_base_ms + self.transfer_token_ms * tokens as f64
+    }
+
+    /// Duration of loading `tokens` tokens of KV back from host memory, in milliseconds.
+    pub fn offload_load_ms(&self, tokens: u64) -> f64 {
+        self.offload_base_ms + self.offload_token_ms * tokens as f64
     }
 
     /// Time to prefill a `prompt`-token prompt with `cached` tokens cached, alone on the
