@@ -343,3 +343,39 @@ async fn a_slower_pod_is_learned_from_first_tokens_and_avoided() {
     let metrics = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
     assert!(metrics.contains("kvgate_pod_slowness{pod=\"pod-1\"}"), "{metrics}");
 }
+
+#[tokio::test]
+async fn a_prefix_offloaded_to_host_memory_keeps_its_pod() {
+    // GPU caches of 256 blocks (4,096 tokens), host-memory tiers of 4,096: the engines offload
+    // every computed block and announce it as vLLM's connector does (hash-only placeholders).
+    let pods = pods(2, &["--num-blocks", "256", "--offload-blocks", "4096"]).await;
+    let scorer = ScorerProcess::start(&config(&pods, true, "")).await;
+    for p in &pods {
+        scorer.wait_pod(&p.pod_id, Duration::from_secs(10), |v| v["events_received"].as_u64().is_some()).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let system = text("You are a careful assistant for orchard irrigation schedules", 200);
+    let warm = pods[1].post_json("/v1/chat/completions", &chat(&system, "warm up")).await;
+    let blocks = warm["usage"]["prompt_tokens"].as_u64().unwrap() / 16;
+    // Other prompts push the prefix out of pod-1's GPU cache; it stays in host memory.
+    for i in 0..5 {
+        let other = text(&format!("Unrelated instructions number {i} about bridge maintenance"), 200);
+        pods[1].post_json("/v1/chat/completions", &chat(&other, "go")).await;
+    }
+    let pod = scorer
+        .wait_pod("pod-1", Duration::from_secs(10), |p| {
+            p["index_stats"]["removed_blocks"].as_u64().unwrap() >= blocks
+                && p["offloaded_blocks"].as_u64().unwrap() >= 2 * blocks
+        })
+        .await;
+    assert_eq!(pod["index_stats"]["unresolved_offloads"], 0, "{pod}");
+    let (status, decision) = scorer.route("/v1/chat/completions", "again", &chat(&system, "q"), true).await;
+    assert_eq!(status, 200, "{decision}");
+    assert_eq!(decision["pod"], "pod-1", "the prefix loads from pod-1's host memory: {decision}");
+    let explain = decision["explain"].as_array().unwrap();
+    let held = explain.iter().find(|e| e["pod"] == "pod-1").unwrap();
+    let (gpu, offloaded) = (held["cached_tokens"].as_u64().unwrap(), held["offloaded_tokens"].as_u64().unwrap());
+    assert!(gpu < blocks * 16 && gpu + offloaded >= (blocks - 1) * 16, "{held}");
+    let metrics = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kvgate_index_blocks{index=\"offloaded\",pod=\"pod-1\"}"), "{metrics}");
+}

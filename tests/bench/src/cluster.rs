@@ -77,6 +77,7 @@ impl ClusterConfig {
             .collect();
         let reference = EngineConfig {
             num_blocks: workload.num_blocks,
+            offload_blocks: workload.offload_blocks,
             hash_seed: Some(HASH_SEED.into()),
             ..EngineConfig::default()
         };

@@ -272,7 +272,8 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
 /// `least-loaded`, `power-of-two`, `round-robin`, `random`) with the scorer's defaults;
 /// on layouts with prefill pods the policy chooses in both pools; a suffix `@pd-always`
 /// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold, and
-/// `@fixed-speed` turns off learning pod speeds (every pod counts as average). A kvgate
+/// `@fixed-speed` turns off learning pod speeds (every pod counts as average), `@gpu-only`
+/// ignores the pods' offload tiers (`index.offload.max_blocks_per_pod: 0`). A kvgate
 /// router followed by `/N-replicas` runs as N replicas sharing their bookings at once,
 /// `/N-replicas-sync-Dms` after D ms, `/N-replicas-unsynced` not at all ([`Replicas`]).
 pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn ClusterRouter>> {
@@ -323,7 +324,11 @@ fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
             sections.push("load: {pod_speed: {learn: false}}".to_string());
             None
         }
-        Some(other) => anyhow::bail!("unknown variant {other:?} (pd-always, no-pd, fixed-speed)"),
+        Some("gpu-only") => {
+            sections.push("index: {offload: {max_blocks_per_pod: 0}}".to_string());
+            None
+        }
+        Some(other) => anyhow::bail!("unknown variant {other:?} (pd-always, no-pd, fixed-speed, gpu-only)"),
         None => None,
     };
     // A policy written as YAML (`{name: kv, decode_weight: 0.2}`) is used as written.

@@ -41,6 +41,8 @@ pub struct Workload {
     pub num_blocks: usize,
     /// Prefill-only pods placed before the others (P/D workload), else 0.
     pub prefill_pods: usize,
+    /// Blocks of each pod's host-memory offload tier (vLLM's OffloadingConnector), else 0.
+    pub offload_blocks: usize,
     /// Pods unlike the others (a mixed fleet), by index; the rest are the reference engine
     /// with `num_blocks` blocks.
     pub unlike: Vec<(usize, PodShape)>,
@@ -84,7 +86,8 @@ pub struct Params {
 }
 
 /// Every workload's name, in report order.
-pub const NAMES: [&str; 7] = ["chat", "documents", "unique-long", "burst", "capacity", "heterogeneous", "pd-mixed"];
+pub const NAMES: [&str; 8] =
+    ["chat", "documents", "unique-long", "burst", "capacity", "tiered", "heterogeneous", "pd-mixed"];
 
 /// Builds workload `name`.
 pub fn build(name: &str, p: &Params) -> Option<Workload> {
@@ -95,6 +98,7 @@ pub fn build(name: &str, p: &Params) -> Option<Workload> {
         "unique-long" => unique_long(&mut g, p),
         "burst" => burst(&mut g, p),
         "capacity" => capacity(&mut g, p),
+        "tiered" => tiered(&mut g, p),
         "heterogeneous" => heterogeneous(&mut g, p),
         "pd-mixed" => pd_mixed(&mut g, p),
         _ => return None,
@@ -202,6 +206,7 @@ fn chat(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks: 26_000,
         prefill_pods: 0,
+        offload_blocks: 0,
         unlike: Vec::new(),
     }
 }
@@ -230,6 +235,7 @@ fn documents(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks: 26_000,
         prefill_pods: 0,
+        offload_blocks: 0,
         unlike: Vec::new(),
     }
 }
@@ -249,6 +255,7 @@ fn unique_long(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks: 26_000,
         prefill_pods: 0,
+        offload_blocks: 0,
         unlike: Vec::new(),
     }
 }
@@ -272,6 +279,7 @@ fn burst(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks: 26_000,
         prefill_pods: 0,
+        offload_blocks: 0,
         unlike: Vec::new(),
     }
 }
@@ -298,6 +306,35 @@ fn capacity(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks,
         prefill_pods: 0,
+        offload_blocks: 0,
+        unlike: Vec::new(),
+    }
+}
+
+/// Tiered KV caches: `capacity`'s small GPU caches, each backed by a host-memory tier 8×
+/// larger that every computed block is offloaded to (vLLM's OffloadingConnector with a CPU
+/// backend), and a working set twice the cluster's GPU cache: a prefix the GPU evicted is
+/// loaded back from host memory by the pod that held it, at an eighth of computing it.
+fn tiered(g: &mut Gen, p: &Params) -> Workload {
+    let num_blocks = 3_000; // 48k tokens per pod on the GPU
+    let offload_blocks = 8 * num_blocks;
+    let groups = p.pods * num_blocks * 16 * 2 / 6000;
+    let prefixes: Vec<Vec<u32>> = (0..groups).map(|_| g.text(6000)).collect();
+    let n = scaled(p, 300 * p.pods);
+    let rate = 5.0 * p.pods as f64 * p.load;
+    let sessions = poisson(g, n, rate, |g| {
+        let turns = turn(g.text_between(30, 100), g.between(50, 100));
+        (prefixes[g.between(0, groups - 1)].clone(), turns)
+    });
+    Workload {
+        name: "tiered",
+        description: format!(
+            "{n} requests over {groups} 6,000-token prefixes (uniform) on pods of {num_blocks} GPU blocks (48k tokens) offloading to {offload_blocks} host-memory blocks: working set ≈ 2× the cluster's GPU cache, ¼ of its host memory; Poisson {rate}/s"
+        ),
+        sessions,
+        num_blocks,
+        prefill_pods: 0,
+        offload_blocks,
         unlike: Vec::new(),
     }
 }
@@ -324,6 +361,7 @@ fn heterogeneous(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks,
         prefill_pods: 0,
+        offload_blocks: 0,
         unlike,
     }
 }
@@ -347,6 +385,7 @@ fn pd_mixed(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks: 26_000,
         prefill_pods: (p.pods / 4).max(1),
+        offload_blocks: 0,
         unlike: Vec::new(),
     }
 }

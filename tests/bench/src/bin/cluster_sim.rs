@@ -32,6 +32,8 @@ const PEERS: [&str; 2] = ["sglang-cache-aware", "vllm-kv-aware"];
 const PD_VARIANTS: [&str; 2] = ["kv@pd-always", "kv@no-pd"];
 /// Extra variant on fleets of unlike pods: kv without learning their speeds.
 const UNLIKE_VARIANTS: [&str; 1] = ["kv@fixed-speed"];
+/// Extra variant on pods with offload tiers: kv blind to them.
+const TIERED_VARIANTS: [&str; 1] = ["kv@gpu-only"];
 /// A sweep stops a router after this many points in a row over the SLO.
 const OVER_SLO_STOP: usize = 2;
 /// Bisections of the interval where a router's p90 crosses the SLO (each halves it on a log
@@ -45,12 +47,12 @@ const REFINE_STEPS: usize = 2;
 )]
 struct Args {
     /// Comma-separated workloads, or `all`: chat, documents, unique-long, burst, capacity,
-    /// heterogeneous, pd-mixed.
+    /// tiered, heterogeneous, pd-mixed.
     #[arg(long, default_value = "all")]
     workloads: String,
     /// Routers (space-separated), or `all`: kv, prefix, ttft, least-loaded, power-of-two,
     /// round-robin, random, sglang-cache-aware, vllm-kv-aware (P/D variants kv@pd-always,
-    /// kv@no-pd are added on pd-mixed, kv@fixed-speed on heterogeneous); a kvgate policy may be given as the scorer's YAML,
+    /// kv@no-pd are added on pd-mixed, kv@fixed-speed on heterogeneous, kv@gpu-only on tiered); a kvgate policy may be given as the scorer's YAML,
     /// e.g. "{name: kv, decode_weight: 0.2}".
     #[arg(long, num_args = 1.., default_values_t = ["all".to_string()])]
     routers: Vec<String>,
@@ -168,6 +170,9 @@ fn main() -> anyhow::Result<()> {
         }
         if !w.unlike.is_empty() && all {
             names.extend(UNLIKE_VARIANTS.iter().map(|s| s.to_string()));
+        }
+        if w.offload_blocks > 0 && all {
+            names.extend(TIERED_VARIANTS.iter().map(|s| s.to_string()));
         }
         let config = ClusterConfig::for_workload(&w, args.pods);
         for r in &names {
