@@ -278,7 +278,17 @@ async fn scorer_down_fail_closed_answers_503_then_recovers(path: Path) {
         assert_eq!(s.envoy.stat("wasmcustom.kvgate_fail_closed").await, 1);
     }
     s.scorer.restart().await;
-    assert_eq!(send(&s.envoy, "/v1/completions", &body, &[]).await.status, 200);
+    // The filter's route stream reconnects after a backoff: recovery within seconds, not at
+    // once on a loaded machine.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let status = send(&s.envoy, "/v1/completions", &body, &[]).await.status;
+        if status == 200 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no recovery within 10 s (last status {status})");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
 
 async fn bad_input_and_destination_spoofing_are_handled(path: Path) {
