@@ -41,6 +41,17 @@ fn chat(system: &str, question: &str) -> Value {
         {"role": "system", "content": system}, {"role": "user", "content": question}]})
 }
 
+/// A scorer following the pods' KV events, once its subscriptions are in place.
+async fn following_events(pods: &[Sim]) -> ScorerProcess {
+    let scorer = ScorerProcess::start(&config(pods, true, "")).await;
+    for p in pods {
+        scorer.wait_pod(&p.pod_id, Duration::from_secs(10), |v| v["events_received"].as_u64().is_some()).await;
+    }
+    // Let the SUB sockets subscribe before the events we rely on are published.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    scorer
+}
+
 /// Waits until the scorer's index holds at least `blocks` blocks of `pod`.
 async fn indexed(scorer: &ScorerProcess, pod: &str, blocks: u64) {
     scorer.wait_pod(pod, Duration::from_secs(10), |p| p["cached_blocks"].as_u64().unwrap() >= blocks).await;
@@ -49,12 +60,7 @@ async fn indexed(scorer: &ScorerProcess, pod: &str, blocks: u64) {
 #[tokio::test]
 async fn routes_to_the_pod_whose_events_announced_the_prefix() {
     let pods = pods(3, &[]).await;
-    let scorer = ScorerProcess::start(&config(&pods, true, "")).await;
-    for p in &pods {
-        scorer.wait_pod(&p.pod_id, Duration::from_secs(10), |v| v["events_received"].as_u64().is_some()).await;
-    }
-    // Let the SUB sockets subscribe before the events we rely on are published.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let scorer = following_events(&pods).await;
 
     // Warm a long system prompt on pod-1 directly: only its events can tell the scorer.
     let system = text("You are a meticulous assistant for harbor logistics", 200);
@@ -349,11 +355,7 @@ async fn a_prefix_offloaded_to_host_memory_keeps_its_pod() {
     // GPU caches of 256 blocks (4,096 tokens), host-memory tiers of 4,096: the engines offload
     // every computed block and announce it as vLLM's connector does (hash-only placeholders).
     let pods = pods(2, &["--num-blocks", "256", "--offload-blocks", "4096"]).await;
-    let scorer = ScorerProcess::start(&config(&pods, true, "")).await;
-    for p in &pods {
-        scorer.wait_pod(&p.pod_id, Duration::from_secs(10), |v| v["events_received"].as_u64().is_some()).await;
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let scorer = following_events(&pods).await;
     let system = text("You are a careful assistant for orchard irrigation schedules", 200);
     let warm = pods[1].post_json("/v1/chat/completions", &chat(&system, "warm up")).await;
     let blocks = warm["usage"]["prompt_tokens"].as_u64().unwrap() / 16;

@@ -406,26 +406,18 @@ mod tests {
     fn tiers_by_medium_group_and_locality() {
         // {"type": "BlockRemoved", "block_hashes": [1], "medium": M, "group_idx": G, "locality": L}
         let removed = |medium: &str, group: u8, locality: Option<&str>| {
-            let mut ev = vec![0x85, 0xa4];
-            ev.extend(b"type");
-            ev.push(0xac);
-            ev.extend(b"BlockRemoved");
-            ev.push(0xac);
-            ev.extend(b"block_hashes");
-            ev.extend([0x91, 0x01, 0xa6]);
-            ev.extend(b"medium");
-            ev.push(0xa0 | medium.len() as u8);
-            ev.extend(medium.as_bytes());
-            ev.push(0xa9);
-            ev.extend(b"group_idx");
+            let mut ev = vec![0x85];
+            for s in ["type", "BlockRemoved", "block_hashes"] {
+                fixstr(&mut ev, s);
+            }
+            ev.extend([0x91, 0x01]);
+            for s in ["medium", medium, "group_idx"] {
+                fixstr(&mut ev, s);
+            }
             ev.push(group);
-            ev.push(0xa8);
-            ev.extend(b"locality");
+            fixstr(&mut ev, "locality");
             match locality {
-                Some(l) => {
-                    ev.push(0xa0 | l.len() as u8);
-                    ev.extend(l.as_bytes());
-                }
+                Some(l) => fixstr(&mut ev, l),
                 None => ev.push(0xc0),
             }
             match &decode_batch(&batch_with(&ev)).unwrap().events[0] {
@@ -449,6 +441,13 @@ mod tests {
         ev.extend([0x91, 0x01, 0xc0, 0x90, 0x00, 0xc0, 0xa3]);
         ev.extend(b"GPU");
         assert!(decode_batch(&batch_with(&ev)).is_err());
+    }
+
+    /// Appends `s` as a msgpack fixstr (under 32 bytes).
+    fn fixstr(ev: &mut Vec<u8>, s: &str) {
+        assert!(s.len() < 32);
+        ev.push(0xa0 | s.len() as u8);
+        ev.extend(s.as_bytes());
     }
 
     /// Hand-built payload: `[ts, [event], nil]` with one event built by `event`.
@@ -475,18 +474,14 @@ mod tests {
             KvEvent::BlockRemoved { block_hashes: vec![EngineHash(u64::MAX - 1), EngineHash(5)], tier: Tier::Gpu }
         );
         // {"type": "BlockRemoved", "block_hashes": [bin32], "medium": "CPU"}
-        let mut ev = vec![0x83, 0xa4];
-        ev.extend(b"type");
-        ev.push(0xac);
-        ev.extend(b"BlockRemoved");
-        ev.push(0xac);
-        ev.extend(b"block_hashes");
+        let mut ev = vec![0x83];
+        for s in ["type", "BlockRemoved", "block_hashes"] {
+            fixstr(&mut ev, s);
+        }
         ev.extend([0x91, 0xc4, 32]);
         ev.extend([9u8; 32]);
-        ev.push(0xa6);
-        ev.extend(b"medium");
-        ev.push(0xa3);
-        ev.extend(b"CPU");
+        fixstr(&mut ev, "medium");
+        fixstr(&mut ev, "CPU");
         let payload = batch_with(&ev);
         match &decode_batch(&payload).unwrap().events[0] {
             KvEvent::BlockRemoved { block_hashes, tier } => {

@@ -291,13 +291,8 @@ fn capacity(g: &mut Gen, p: &Params) -> Workload {
     let num_blocks = 3_000; // 48k tokens per pod
     // Working set ≈ 75 % of the cluster's KV, ≈ 6× one pod's.
     let groups = (p.pods * num_blocks * 16 * 3 / 4) / 6000;
-    let prefixes: Vec<Vec<u32>> = (0..groups).map(|_| g.text(6000)).collect();
-    let n = scaled(p, 300 * p.pods);
     let rate = 10.0 * p.pods as f64 * p.load;
-    let sessions = poisson(g, n, rate, |g| {
-        let turns = turn(g.text_between(30, 100), g.between(50, 100));
-        (prefixes[g.between(0, groups - 1)].clone(), turns)
-    });
+    let (n, sessions) = over_prefix_groups(g, p, groups, rate);
     Workload {
         name: "capacity",
         description: format!(
@@ -311,6 +306,19 @@ fn capacity(g: &mut Gen, p: &Params) -> Workload {
     }
 }
 
+/// `capacity`'s and `tiered`'s requests: 300 per pod, Poisson at `rate`, each a short
+/// question (50–100 output tokens) after one of `groups` 6,000-token prefixes drawn
+/// uniformly. Returns (requests, sessions).
+fn over_prefix_groups(g: &mut Gen, p: &Params, groups: usize, rate: f64) -> (usize, Vec<Session>) {
+    let prefixes: Vec<Vec<u32>> = (0..groups).map(|_| g.text(6000)).collect();
+    let n = scaled(p, 300 * p.pods);
+    let sessions = poisson(g, n, rate, |g| {
+        let turns = turn(g.text_between(30, 100), g.between(50, 100));
+        (prefixes[g.between(0, groups - 1)].clone(), turns)
+    });
+    (n, sessions)
+}
+
 /// Tiered KV caches: `capacity`'s small GPU caches, each backed by a host-memory tier 8×
 /// larger that every computed block is offloaded to (vLLM's OffloadingConnector with a CPU
 /// backend), and a working set twice the cluster's GPU cache: a prefix the GPU evicted is
@@ -319,13 +327,8 @@ fn tiered(g: &mut Gen, p: &Params) -> Workload {
     let num_blocks = 3_000; // 48k tokens per pod on the GPU
     let offload_blocks = 8 * num_blocks;
     let groups = p.pods * num_blocks * 16 * 2 / 6000;
-    let prefixes: Vec<Vec<u32>> = (0..groups).map(|_| g.text(6000)).collect();
-    let n = scaled(p, 300 * p.pods);
     let rate = 5.0 * p.pods as f64 * p.load;
-    let sessions = poisson(g, n, rate, |g| {
-        let turns = turn(g.text_between(30, 100), g.between(50, 100));
-        (prefixes[g.between(0, groups - 1)].clone(), turns)
-    });
+    let (n, sessions) = over_prefix_groups(g, p, groups, rate);
     Workload {
         name: "tiered",
         description: format!(

@@ -131,14 +131,6 @@ impl OffloadTier {
         Self { capacity, used: HashMap::new(), by_use: Default::default(), clock: 0 }
     }
 
-    pub fn len(&self) -> usize {
-        self.used.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.used.is_empty()
-    }
-
     fn touch(&mut self, hash: EngineBlockHash) -> bool {
         self.clock += 1;
         match self.used.insert(hash, self.clock) {
