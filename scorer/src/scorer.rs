@@ -297,6 +297,7 @@ impl Scorer {
         let precise = has_events && self.tokenizer.is_exact();
         let mut core = self.lock();
         let id = core.router.add_pod(role, precise);
+        core.router.set_pod_key(id, address);
         core.pods.push(Arc::new(Pod {
             id,
             name: name.to_string(),

@@ -20,6 +20,7 @@ use crate::load::{
 use crate::pod_set::{PodId, PodSet};
 use crate::policy::{Candidate, Decision, Policy, PolicyConfig, ReportedLoad, RouteInput};
 use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// Which side of prefill/decode disaggregation a pod serves.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Serialize)]
@@ -165,6 +166,8 @@ struct PodState {
     present: bool,
     healthy: bool,
     reported: Option<ReportedLoad>,
+    /// The pod's identity in [`Candidate::tie_rank`]s: the same on every gateway replica.
+    key: u64,
 }
 
 /// The routing state machine (see the module doc).
@@ -335,8 +338,16 @@ impl Router {
         let id = self.index.add_pod();
         self.approx.add_pod();
         self.load.add_pod();
-        self.pods.push(PodState { role, precise, present: true, healthy: true, reported: None });
+        let key = xxh3_64(&(id.index() as u64).to_le_bytes());
+        self.pods.push(PodState { role, precise, present: true, healthy: true, reported: None, key });
         id
+    }
+
+    /// Names the pod for tie-breaking by something every gateway replica knows it by (its
+    /// address), whatever order discovery found the pods in; until then it goes by its id,
+    /// the same on every replica only while all add the same pods in the same order.
+    pub fn set_pod_key(&mut self, pod: PodId, name: &str) {
+        self.pods[pod.index()].key = xxh3_64(name.as_bytes());
     }
 
     /// Discovery lost the pod: never chosen, and everything known about it forgotten
@@ -528,6 +539,11 @@ impl Router {
         let offload = self.index.config().offload;
         let tokens =
             |blocks: u32| (u64::from(blocks) * u64::from(self.block_size)).min(u64::from(request.prompt_tokens)) as u32;
+        // Rendezvous hashing of the prompt's first block: its own order of pods.
+        let first_block = request.chain.first();
+        let tie_rank = |p: PodId| {
+            first_block.map_or(0, |b| xxh3_64_with_seed(&self.pods[p.index()].key.to_le_bytes(), b.0).max(1))
+        };
         pods.iter()
             .map(|&p| {
                 let (cached, offloaded_tokens, offload_work_tokens) = match cached_override {
@@ -558,6 +574,7 @@ impl Router {
                     load: self.load.load(p, now),
                     reported: self.pods[p.index()].reported,
                     slowness: self.load.slowness(p),
+                    tie_rank: tie_rank(p),
                 }
             })
             .collect()
@@ -845,6 +862,39 @@ mod tests {
                 .unwrap_err(),
             Unroutable::NoPod
         );
+    }
+
+    #[test]
+    fn replicas_that_cannot_hear_each_other_send_a_new_prefix_to_the_same_pod() {
+        // Two gateway replicas that found the same 6 pods in different orders, and differ in
+        // seed: on an idle fleet every pod ties, and each prefix still goes to the same pod
+        // (by address) on both, while different prefixes spread over the pods.
+        let addresses: Vec<String> = (0..6).map(|i| format!("10.0.0.{i}:8000")).collect();
+        let replica = |order: &mut dyn Iterator<Item = usize>, seed| {
+            let mut r = Router::new(&RouterConfig { seed, ..test_config(1024) });
+            let mut address_of = Vec::new();
+            for i in order {
+                let pod = r.add_pod(Role::Both, true);
+                r.set_pod_key(pod, &addresses[i]);
+                address_of.push(addresses[i].clone());
+            }
+            (r, address_of)
+        };
+        let (mut a, a_address) = replica(&mut (0..6), 1);
+        let (mut b, b_address) = replica(&mut (0..6).rev(), 2);
+        let mut used = std::collections::HashSet::new();
+        for seed in 0..40 {
+            let c = chain(seed, 320);
+            let pick = |r: &mut Router| r.route(&RouteRequest::new("x", &c, 320, None), 0.0).unwrap().decode.pod;
+            let (on_a, on_b) = (pick(&mut a), pick(&mut b));
+            assert_eq!(a_address[on_a.index()], b_address[on_b.index()], "prefix {seed}");
+            used.insert(a_address[on_a.index()].clone());
+            // Idle again for the next prefix.
+            for r in [&mut a, &mut b] {
+                r.report("x", Lifecycle::Done, false, 0.0).unwrap();
+            }
+        }
+        assert_eq!(used.len(), 6, "40 prefixes over 6 pods use them all");
     }
 
     #[test]

@@ -27,7 +27,7 @@
 //! Optional busy thresholds drop pods that report too long a queue or too full a cache
 //! (unless every pod is busy, then all stay eligible).
 
-use super::{Candidate, Decision, Policy, RouteInput, argmin_random_tie, uncached_tokens};
+use super::{Candidate, Decision, Policy, RouteInput, argmin_tie, uncached_tokens};
 use crate::load::prefill_work;
 use rand::Rng;
 use rand::rngs::StdRng;
@@ -174,7 +174,7 @@ impl Policy for KvPolicy {
         let chosen = if self.config.temperature > 0.0 {
             softmax_sample(&costs, self.config.temperature, &mut self.rng)
         } else {
-            argmin_random_tie(&costs, &mut self.rng)
+            argmin_tie(&costs, candidates, &mut self.rng)
         };
         Decision { chosen, costs }
     }

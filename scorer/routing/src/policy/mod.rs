@@ -56,6 +56,12 @@ pub struct Candidate {
     /// How much slower than the fleet's average the pod prefills (1 = average), learned
     /// online ([`crate::speed`]): the policies that predict time scale their costs by it.
     pub slowness: f64,
+    /// Where the pod stands in this prompt's own order of pods (a rendezvous hash of the
+    /// prompt's first block and the pod's key): ties between equally good pods go to the
+    /// highest, so gateway replicas that have not yet heard of each other's latest choices
+    /// still send a new prefix to the same pod. 0 when the prompt has no full block (ties
+    /// broken at random).
+    pub tie_rank: u64,
 }
 
 /// The request, as far as policies care.
@@ -116,8 +122,9 @@ impl PolicyConfig {
     }
 }
 
-/// Index of the lowest cost, ties broken uniformly at random; `None` costs are skipped.
-pub(crate) fn argmin_random_tie(costs: &[Option<f64>], rng: &mut StdRng) -> usize {
+/// Index of the lowest cost; `None` costs are skipped. Ties go to the candidate with the
+/// highest [`Candidate::tie_rank`], or uniformly at random when the prompt gave no ranks.
+pub(crate) fn argmin_tie(costs: &[Option<f64>], candidates: &[Candidate], rng: &mut StdRng) -> usize {
     use rand::Rng;
     let best = costs.iter().flatten().copied().fold(f64::INFINITY, f64::min);
     let ties: smallvec::SmallVec<[usize; 8]> =
@@ -125,7 +132,8 @@ pub(crate) fn argmin_random_tie(costs: &[Option<f64>], rng: &mut StdRng) -> usiz
     match ties.len() {
         0 => 0,
         1 => ties[0],
-        n => ties[rng.random_range(0..n)],
+        n if candidates[ties[0]].tie_rank == 0 => ties[rng.random_range(0..n)],
+        _ => ties.iter().copied().max_by_key(|&i| candidates[i].tie_rank).unwrap_or(ties[0]),
     }
 }
 
@@ -164,6 +172,7 @@ pub(crate) mod test_support {
             },
             reported: None,
             slowness: 1.0,
+            tie_rank: 0,
         }
     }
 
@@ -199,14 +208,24 @@ mod tests {
     }
 
     #[test]
-    fn ties_are_broken_at_random() {
+    fn ties_go_to_the_highest_rank_or_at_random_without_ranks() {
+        use test_support::candidate;
         let mut rng = StdRng::seed_from_u64(1);
         let costs = [Some(2.0), Some(1.0), None, Some(1.0)];
+        let unranked: Vec<Candidate> = (0..4).map(|i| candidate(i, 0, 0, 0)).collect();
         let mut seen = [0; 4];
         for _ in 0..200 {
-            seen[argmin_random_tie(&costs, &mut rng)] += 1;
+            seen[argmin_tie(&costs, &unranked, &mut rng)] += 1;
         }
         assert_eq!((seen[0], seen[2]), (0, 0));
         assert!(seen[1] > 50 && seen[3] > 50, "{seen:?}");
+        // Ranked: always the same of the tied, never a cheaper-ranked but dearer pod.
+        let ranks = [99, 5, 7, 3];
+        let ranked: Vec<Candidate> =
+            (0..4).map(|i| Candidate { tie_rank: ranks[i], ..candidate(i as u32, 0, 0, 0) }).collect();
+        assert!((0..50).all(|_| argmin_tie(&costs, &ranked, &mut rng) == 1));
+        let reranked: Vec<Candidate> =
+            ranked.iter().map(|c| Candidate { tie_rank: 9 - c.tie_rank % 9, ..*c }).collect();
+        assert_eq!(argmin_tie(&costs, &reranked, &mut rng), 3);
     }
 }

@@ -2,7 +2,7 @@
 //! in flight (then the smallest decode load), then at random. Blind to queued work: the
 //! policy that piles a hot prefix onto one pod, kept as a reference point.
 
-use super::{Candidate, Decision, Policy, RouteInput, argmin_random_tie};
+use super::{Candidate, Decision, Policy, RouteInput, argmin_tie};
 use rand::rngs::StdRng;
 
 pub struct LongestPrefix {
@@ -32,7 +32,7 @@ impl Policy for LongestPrefix {
                 )
             })
             .collect();
-        let chosen = argmin_random_tie(&costs, &mut self.rng);
+        let chosen = argmin_tie(&costs, candidates, &mut self.rng);
         Decision { chosen, costs }
     }
 }

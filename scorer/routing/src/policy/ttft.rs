@@ -5,7 +5,7 @@
 //! ([`crate::speed`]), so a slower pod's queue counts for longer. No decode term: it optimises time to first token
 //! only.
 
-use super::{Candidate, Decision, Policy, RouteInput, argmin_random_tie, uncached_tokens};
+use super::{Candidate, Decision, Policy, RouteInput, argmin_tie, uncached_tokens};
 use rand::rngs::StdRng;
 
 pub struct TtftPolicy {
@@ -32,7 +32,7 @@ impl Policy for TtftPolicy {
                 Some(tokens * c.slowness + waiting * 1e-3)
             })
             .collect();
-        let chosen = argmin_random_tie(&costs, &mut self.rng);
+        let chosen = argmin_tie(&costs, candidates, &mut self.rng);
         Decision { chosen, costs }
     }
 }
