@@ -1,6 +1,7 @@
 //! `prefix` — the longest cached prefix wins; among equals, the pod with the fewest requests
-//! in flight (then the smallest decode load), then at random. Blind to queued work: the
-//! policy that piles a hot prefix onto one pod, kept as a reference point.
+//! in flight (then the smallest decode load), then the prompt's own order of pods
+//! ([`Candidate::tie_rank`]). Blind to queued work: the policy that piles a hot prefix onto
+//! one pod, kept as a reference point.
 
 use super::{Candidate, Decision, Policy, RouteInput, argmin_tie};
 use rand::rngs::StdRng;
