@@ -70,6 +70,13 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
             tracing::info!(pod = %name, %endpoint, "kv events: subscribed again; index rebuilt from this stream");
             scorer.resync(pod);
             tracker = SequenceTracker::default();
+            // What the engine published while no one listened (a restarted engine's first
+            // batches) is in its replay buffer: rebuild from it now, not only when the next
+            // batch arrives — an engine left idle may publish none for a long time.
+            if let Some(replay) = replay.as_deref() {
+                rebuild(&scorer, pod, replay, &mut tracker).await;
+            }
+            engine_changes = scorer.engine_changes(pod);
         } else {
             tracing::info!(pod = %name, %endpoint, "kv events: subscribed");
         }
@@ -203,6 +210,35 @@ async fn catch_up(scorer: &Scorer, pod: PodId, endpoint: &str, seq: u64) {
         }
         Err(e) => {
             tracing::warn!(pod = %name, "kv events: replay on joining failed: {e}");
+            "failed"
+        }
+    };
+    scorer.metrics.kv_replays.with_label_values(&[name, outcome]).inc();
+}
+
+/// Rebuilds a resubscribed pod's index from its whole replay buffer: the unbroken run of
+/// batches that ends at the newest, which `tracker` then continues from (live batches
+/// already applied here arrive as duplicates and are dropped).
+async fn rebuild(scorer: &Scorer, pod: PodId, endpoint: &str, tracker: &mut SequenceTracker) {
+    let name = &scorer.pod(pod).name;
+    let outcome = match fetch_replay(endpoint, 0).await {
+        Ok(mut batches) => {
+            batches.sort_by_key(|(s, _)| *s);
+            batches.dedup_by_key(|(s, _)| *s);
+            let mut from = batches.len();
+            while from > 1 && batches[from - 2].0 + 1 == batches[from - 1].0 {
+                from -= 1;
+            }
+            let from = from.saturating_sub(1);
+            for (seq, payload) in &batches[from..] {
+                tracker.observe(*seq);
+                apply(scorer, pod, payload);
+            }
+            tracing::info!(pod = %name, batches = batches.len() - from, "kv events: rebuilt from the replay buffer");
+            if batches.get(from).is_none_or(|(s, _)| *s == 0) { "caught_up" } else { "caught_up_partly" }
+        }
+        Err(e) => {
+            tracing::warn!(pod = %name, "kv events: replay on resubscribing failed: {e}");
             "failed"
         }
     };
