@@ -195,13 +195,7 @@ async fn catch_up(scorer: &Scorer, pod: PodId, endpoint: &str, seq: u64) {
     let outcome = match fetch_replay(endpoint, 0).await {
         Ok(mut batches) => {
             batches.retain(|(s, _)| *s < seq);
-            batches.sort_by_key(|(s, _)| *s);
-            batches.dedup_by_key(|(s, _)| *s);
-            // The unbroken run that ends at seq − 1.
-            let mut from = batches.len();
-            while from > 0 && batches[from - 1].0 + (batches.len() - from) as u64 + 1 == seq {
-                from -= 1;
-            }
+            let from = unbroken_run(&batches, seq);
             for (_, payload) in &batches[from..] {
                 apply(scorer, pod, payload);
             }
@@ -222,14 +216,8 @@ async fn catch_up(scorer: &Scorer, pod: PodId, endpoint: &str, seq: u64) {
 async fn rebuild(scorer: &Scorer, pod: PodId, endpoint: &str, tracker: &mut SequenceTracker) {
     let name = &scorer.pod(pod).name;
     let outcome = match fetch_replay(endpoint, 0).await {
-        Ok(mut batches) => {
-            batches.sort_by_key(|(s, _)| *s);
-            batches.dedup_by_key(|(s, _)| *s);
-            let mut from = batches.len();
-            while from > 1 && batches[from - 2].0 + 1 == batches[from - 1].0 {
-                from -= 1;
-            }
-            let from = from.saturating_sub(1);
+        Ok(batches) => {
+            let from = batches.last().map_or(0, |(newest, _)| unbroken_run(&batches, newest + 1));
             for (seq, payload) in &batches[from..] {
                 tracker.observe(*seq);
                 apply(scorer, pod, payload);
@@ -245,6 +233,16 @@ async fn rebuild(scorer: &Scorer, pod: PodId, endpoint: &str, tracker: &mut Sequ
     scorer.metrics.kv_replays.with_label_values(&[name, outcome]).inc();
 }
 
+/// Where the unbroken run of `batches` (sorted, distinct) that ends at `end − 1` starts;
+/// `batches.len()` when the last one is not `end − 1`.
+fn unbroken_run(batches: &[(u64, Bytes)], end: u64) -> usize {
+    let mut from = batches.len();
+    while from > 0 && batches[from - 1].0 + (batches.len() - from) as u64 + 1 == end {
+        from -= 1;
+    }
+    from
+}
+
 /// Applies replayed batches `missing_from..until` in order; true if none was missing.
 fn apply_replayed(scorer: &Scorer, pod: PodId, missing_from: u64, until: u64, batches: Vec<(u64, Bytes)>) -> bool {
     let mut want = missing_from;
@@ -258,7 +256,7 @@ fn apply_replayed(scorer: &Scorer, pod: PodId, missing_from: u64, until: u64, ba
     want == until
 }
 
-/// vLLM's replay protocol: every buffered batch with sequence ≥ `start`.
+/// vLLM's replay protocol: every buffered batch with sequence ≥ `start`, in order, each once.
 async fn fetch_replay(endpoint: &str, start: u64) -> anyhow::Result<Vec<(u64, Bytes)>> {
     let mut dealer = DealerSocket::new();
     tokio::time::timeout(REPLAY_TIMEOUT, dealer.connect(endpoint)).await??;
@@ -274,9 +272,25 @@ async fn fetch_replay(endpoint: &str, start: u64) -> anyhow::Result<Vec<(u64, By
             other => anyhow::bail!("replay reply with {} frames", other.len()),
         };
         if seq.as_ref() == END_SEQ {
+            out.sort_by_key(|(s, _)| *s);
+            out.dedup_by_key(|(s, _)| *s);
             return Ok(out);
         }
         let seq: [u8; 8] = seq.as_ref().try_into().map_err(|_| anyhow::anyhow!("replay sequence is not 8 bytes"))?;
         out.push((u64::from_be_bytes(seq), payload));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_unbroken_run_before_a_sequence_number() {
+        let batches: Vec<(u64, Bytes)> = [0, 1, 4, 5, 6].iter().map(|&s| (s, Bytes::new())).collect();
+        assert_eq!(unbroken_run(&batches, 7), 2, "4, 5, 6");
+        assert_eq!(unbroken_run(&batches[..2], 2), 0, "0, 1");
+        assert_eq!(unbroken_run(&batches, 8), 5, "6 is not 7: nothing");
+        assert_eq!(unbroken_run(&[], 3), 0);
     }
 }
