@@ -28,10 +28,17 @@ pub async fn send_concurrently(
     n: usize,
     in_flight: usize,
 ) -> Vec<Measured> {
+    send_each(client, url, vec![body.clone(); n], in_flight).await
+}
+
+/// Each of `bodies` sent to `url`, `in_flight` at a time; each measured, in sending order.
+pub async fn send_each(client: &reqwest::Client, url: &str, bodies: Vec<Value>, in_flight: usize) -> Vec<Measured> {
+    let n = bodies.len();
     let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(in_flight));
-    let tasks: Vec<_> = (0..n)
-        .map(|_| {
-            let (client, url, body, gate) = (client.clone(), url.to_string(), body.clone(), gate.clone());
+    let tasks: Vec<_> = bodies
+        .into_iter()
+        .map(|body| {
+            let (client, url, gate) = (client.clone(), url.to_string(), gate.clone());
             tokio::spawn(async move {
                 let _permit = gate.acquire().await.expect("semaphore");
                 send(&client, &url, &body).await

@@ -5,13 +5,20 @@
 //! kvgate wasm filter and its scorer sidecar; through Envoy with the scorer's Endpoint Picker
 //! over ext_proc (the bootstrap's default mode), in plain h2c and in TLS. For each prompt size and concurrency the paths run in interleaved rounds
 //! (the order rotating each round) so the shared machine's noise hits all alike. Short (≈30
-//! tokens) and long (≈8k tokens) prompts at 1 and 24 in flight, and a 220 kB prompt at 64 in
-//! flight — the case where llm-d's picker adds over a second. Non-streaming, one output token.
+//! tokens) and long (≈8k tokens) prompts at 1 and 24 in flight, a chat whose ≈8k-token history
+//! every request resends with a new last turn, and a 220 kB prompt at 64 in flight — the case
+//! where llm-d's picker adds over a second. Non-streaming, one output token. Every request's
+//! prompt is its own, and each path gets its own prompts (two paths share a scorer): the
+//! completions prompts end with the request's own question (no cache of whole prompts helps;
+//! the pod's prefix cache does, as with many questions on one document), the chats resend a
+//! shared history (as conversations do), and the `long-new` prompts differ from their first
+//! word (every block is new: the pod computes and the scorer indexes ≈ 500 new blocks per
+//! request).
 
 use clap::Parser;
-use kvgate_e2e::{ms, percentile, send, send_concurrently};
+use kvgate_e2e::{ms, percentile, send, send_each};
 use kvgate_test_harness::{EPP_PORT, EnvoyProcess, ScorerProcess, Sim, cpu_time, qwen3_tokenizer, text};
-use serde_json::json;
+use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
 #[derive(Parser, Debug)]
@@ -22,7 +29,7 @@ struct Args {
     /// Rounds each cell's requests are split into (paths alternate between rounds).
     #[arg(long, default_value_t = 8)]
     rounds: usize,
-    /// Only these cells, e.g. `short@1,long@24,220kB@64` (all by default).
+    /// Only these cells, e.g. `short@1,long@24,long-new@24,chat@24,220kB@64` (all by default).
     #[arg(long, value_delimiter = ',')]
     cells: Vec<String>,
     /// The Endpoint Picker paths' ext_proc body mode (`kvgate-envoy-config --epp-body-mode`).
@@ -38,22 +45,67 @@ struct Args {
     perf: Option<std::path::PathBuf>,
 }
 
-/// A prompt size: its label, the words of its text, its cell name.
+/// A prompt size: its label, its cell name, the words of its text, and its shape.
 struct Prompt {
     label: &'static str,
     name: &'static str,
     words: usize,
+    shape: Shape,
 }
 
-const PROMPTS: [Prompt; 3] = [
-    Prompt { label: "short (≈30 tokens)", name: "short", words: 10 },
-    Prompt { label: "long (≈8k tokens)", name: "long", words: 2700 },
+/// Where a request's own words go.
+#[derive(PartialEq)]
+enum Shape {
+    /// A completions prompt ending with the request's own question.
+    OwnEnd,
+    /// A completions prompt that is the request's own from its first word.
+    OwnStart,
+    /// A chat: the shared history, then the request's own question.
+    Chat,
+}
+
+const PROMPTS: [Prompt; 5] = [
+    Prompt { label: "short (≈30 tokens)", name: "short", words: 10, shape: Shape::OwnEnd },
+    Prompt { label: "long (≈8k tokens)", name: "long", words: 2700, shape: Shape::OwnEnd },
+    Prompt { label: "long, every block new (≈8k tokens)", name: "long-new", words: 2700, shape: Shape::OwnStart },
+    Prompt { label: "chat (≈8k-token history, new turn)", name: "chat", words: 2700, shape: Shape::Chat },
     // 220 kB of text (≈ 55k tokens).
-    Prompt { label: "220 kB (≈55k tokens)", name: "220kB", words: 22_000 },
+    Prompt { label: "220 kB (≈55k tokens)", name: "220kB", words: 22_000, shape: Shape::OwnEnd },
 ];
 
+/// Turns of the chat prompt's history (user and assistant alternating), before its new turn.
+const CHAT_HISTORY_TURNS: usize = 8;
+
+impl Prompt {
+    /// The API path and body of request `n`.
+    fn request(&self, n: usize) -> (&'static str, Value) {
+        let question = format!("Question {n}: what does part {} say?", n % 7);
+        if self.shape != Shape::Chat {
+            let text = text("overhead", self.words);
+            let prompt = match self.shape {
+                Shape::OwnStart => format!("{question} {text}"),
+                _ => format!("{text} {question}"),
+            };
+            return ("/v1/completions", json!({"prompt": prompt, "max_tokens": 1}));
+        }
+        let turn_words = self.words / CHAT_HISTORY_TURNS;
+        let mut messages = vec![json!({"role": "system", "content": "You are a careful assistant."})];
+        for turn in 0..CHAT_HISTORY_TURNS {
+            let role = if turn % 2 == 0 { "user" } else { "assistant" };
+            messages.push(json!({"role": role, "content": text(&format!("turn{turn}x"), turn_words)}));
+        }
+        messages.push(json!({"role": "user", "content": question}));
+        ("/v1/chat/completions", json!({"messages": messages, "max_tokens": 1}))
+    }
+}
+
 /// (prompt index, in flight).
-const CELLS: [(usize, usize); 5] = [(0, 1), (0, 24), (1, 1), (1, 24), (2, 64)];
+const CELLS: [(usize, usize); 7] = [(0, 1), (0, 24), (1, 1), (1, 24), (2, 24), (3, 24), (4, 64)];
+
+/// Request numbers of path `k`'s requests start here (paths never send the same prompt).
+fn first_request(path: usize) -> usize {
+    (path + 1) * 10_000_000
+}
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -122,10 +174,10 @@ async fn main() -> anyhow::Result<()> {
     );
     for (p, in_flight) in cells {
         let prompt = &PROMPTS[p];
-        let body = json!({"prompt": text("overhead", prompt.words), "max_tokens": 1});
-        for path in &paths {
-            for _ in 0..5 {
-                let m = send(&client, &format!("{}/v1/completions", path.url), &body).await; // warm-up
+        for (k, path) in paths.iter().enumerate() {
+            for i in 0..5 {
+                let (api, body) = prompt.request(first_request(k) + 9_000_000 + i);
+                let m = send(&client, &format!("{}{api}", path.url), &body).await; // warm-up
                 anyhow::ensure!(m.status == 200, "{} answered {} to the warm-up", path.url, m.status);
             }
         }
@@ -139,10 +191,13 @@ async fn main() -> anyhow::Result<()> {
         };
         for round in 0..args.rounds {
             for k in (0..paths.len()).map(|i| (i + round) % paths.len()) {
-                let url = format!("{}/v1/completions", paths[k].url);
+                let first = first_request(k) + round * per_round;
+                let requests: Vec<(&str, Value)> = (first..first + per_round).map(|n| prompt.request(n)).collect();
+                let url = format!("{}{}", paths[k].url, requests[0].0);
+                let bodies = requests.into_iter().map(|(_, body)| body).collect();
                 let cpu_before = paths[k].cpu();
                 let started = Instant::now();
-                let measured = send_concurrently(&client, &url, &body, per_round, in_flight).await;
+                let measured = send_each(&client, &url, bodies, in_flight).await;
                 busy[k] += started.elapsed();
                 samples[k].extend(measured.iter().map(|m| m.total));
                 let statuses: Vec<u16> = measured.iter().map(|m| m.status).collect();
