@@ -391,6 +391,11 @@ pub struct Config {
     /// `tokenizer_config.json` beside it. Without it tokens are estimated (bytes/4) and only
     /// the approximate index is used.
     pub tokenizer: Option<PathBuf>,
+    /// Token ids of long pieces of prompt text between special tokens (a chat's messages,
+    /// mostly) kept so that resent history is not tokenized again, at most this many in all
+    /// (4 bytes each); 0 turns the cache off.
+    #[serde(default = "default_tokenizer_cache_tokens")]
+    pub tokenizer_cache_tokens: u64,
     /// Tokens per KV block: must equal the engines' `--block-size`.
     #[serde(default = "default_block_size")]
     pub block_size: usize,
@@ -504,6 +509,10 @@ fn default_listen() -> SocketAddr {
 
 fn default_fallback_endpoints() -> usize {
     2
+}
+
+fn default_tokenizer_cache_tokens() -> u64 {
+    4 << 20
 }
 
 fn default_block_size() -> usize {

@@ -38,7 +38,15 @@ async fn main() -> anyhow::Result<()> {
     let config =
         Config::load(&args.config).with_context(|| format!("invalid configuration {}", args.config.display()))?;
     let tokenizer = match &config.tokenizer {
-        Some(path) => Tokenizer::from_file(path).with_context(|| format!("tokenizer: {}", path.display()))?,
+        Some(path) => {
+            let mut tokenizer = Tokenizer::from_file(path).with_context(|| format!("tokenizer: {}", path.display()))?;
+            if config.tokenizer_cache_tokens > 0
+                && let Err(why) = tokenizer.cache_segments(config.tokenizer_cache_tokens)
+            {
+                tracing::warn!("tokenizer cache off: {why}; every prompt is tokenized in full");
+            }
+            tokenizer
+        }
         None => {
             tracing::warn!(
                 "no tokenizer configured: prompt tokens are estimated (4 bytes per token) and every pod is indexed \

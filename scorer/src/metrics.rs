@@ -12,6 +12,8 @@ pub struct Metrics {
     pub decisions_by_path: IntCounterVec,
     pub decision_seconds: Histogram,
     pub tokenize_seconds: HistogramVec,
+    pub tokenizer_cache_pieces: IntCounterVec,
+    pub tokenizer_cache_tokens: prometheus::IntGauge,
     pub route_errors: IntCounterVec,
     pub route_streams: prometheus::IntGauge,
     pub prompt_tokens: IntCounter,
@@ -102,6 +104,15 @@ impl Metrics {
                 .buckets(buckets()),
             &["api"]
         ));
+        let tokenizer_cache_pieces = reg!(IntCounterVec::new(
+            Opts::new(
+                "tokenizer_cache_pieces_total",
+                "Long pieces of prompt text between special tokens: their ids from the cache (hit) or encoded (miss)."
+            ),
+            &["outcome"]
+        ));
+        let tokenizer_cache_tokens =
+            reg!(prometheus::IntGauge::new("tokenizer_cache_tokens", "Token ids the tokenizer cache holds."));
         let route_errors =
             reg!(IntCounterVec::new(Opts::new("route_errors_total", "Route calls answered with an error."), &["code"]));
         let route_streams =
@@ -249,6 +260,8 @@ impl Metrics {
             decisions_by_path,
             decision_seconds,
             tokenize_seconds,
+            tokenizer_cache_pieces,
+            tokenizer_cache_tokens,
             route_errors,
             route_streams,
             prompt_tokens,

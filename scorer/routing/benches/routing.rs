@@ -242,6 +242,44 @@ fn main() {
                     chat.as_secs_f64() * 1e3
                 );
             }
+            // A conversation resent with a new last turn: its history's pieces come from the
+            // segment cache (the scorer's default) instead of being encoded again.
+            let mut cached = kvgate_tokenize::Tokenizer::from_file(&path).expect("loaded above");
+            cached.cache_segments(1 << 22).expect("Qwen3's pieces can be cached");
+            let history: Vec<serde_json::Value> = (0..8)
+                .map(|turn| {
+                    let role = if turn % 2 == 0 { "user" } else { "assistant" };
+                    serde_json::json!({"role": role, "content": format!("Turn {turn}. {}", sentence.repeat(55))})
+                })
+                .collect();
+            let asked = std::cell::Cell::new(0);
+            let with_new_turn = || {
+                asked.set(asked.get() + 1);
+                let mut messages = history.clone();
+                messages.push(serde_json::json!({"role": "user", "content": format!("Question {}?", asked.get())}));
+                messages
+            };
+            let options = kvgate_tokenize::ChatOptions::default();
+            let median = |f: &dyn Fn() -> usize| {
+                let mut runs: Vec<Duration> = (0..9)
+                    .map(|_| {
+                        let t = Instant::now();
+                        f();
+                        t.elapsed()
+                    })
+                    .collect();
+                runs.sort();
+                runs[4]
+            };
+            let n = tok.encode_chat(&with_new_turn(), &options).unwrap().len();
+            let plain = median(&|| tok.encode_chat(&with_new_turn(), &options).unwrap().len());
+            let resent = median(&|| cached.encode_chat(&with_new_turn(), &options).unwrap().len());
+            println!(
+                "| tokenization, {n}-token chat resent with a new turn (Qwen3) | {:.3} ms · segment cache {:.3} ms ({:.1}×) | |",
+                plain.as_secs_f64() * 1e3,
+                resent.as_secs_f64() * 1e3,
+                plain.as_secs_f64() / resent.as_secs_f64()
+            );
         }
         Err(e) => println!("| tokenization | skipped: {e} (run `make setup`) | |"),
     }

@@ -14,8 +14,11 @@
 
 mod chat;
 mod pyjson;
+mod segments;
 
 pub use chat::{ChatOptions, ChatTemplate};
+use segments::SegmentCache;
+pub use segments::{MIN_CACHED_BYTES, SegmentCacheStats};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use tokenizers::pipeline::{EncodeOptions, PipelineToken, PipelineTokenizer};
@@ -49,7 +52,7 @@ pub struct Tokenizer {
 }
 
 enum Kind {
-    Hf { tokenizer: Box<PipelineTokenizer>, chat: Option<Box<ChatTemplate>> },
+    Hf { tokenizer: Box<PipelineTokenizer>, chat: Option<Box<ChatTemplate>>, segments: Option<SegmentCache> },
     Fallback,
 }
 
@@ -67,7 +70,31 @@ impl Tokenizer {
         let tokenizer = tokenizers::from_json(&canonical).map_err(|e| load(e.to_string()))?;
         let config_path = path.with_file_name("tokenizer_config.json");
         let chat = if config_path.exists() { load_chat_template(&config_path)?.map(Box::new) } else { None };
-        Ok(Self { kind: Kind::Hf { tokenizer: Box::new(tokenizer), chat } })
+        Ok(Self { kind: Kind::Hf { tokenizer: Box::new(tokenizer), chat, segments: None } })
+    }
+
+    /// Remembers the token ids of long pieces of text between special tokens (a chat's
+    /// messages, mostly), up to `max_tokens` ids in all, so that a conversation's history is
+    /// not tokenized again on every turn. The ids are the same as without the cache; a
+    /// tokenizer for which that cannot be guaranteed (the `segments` module says when) is refused with the
+    /// reason, as is the fallback, which has nothing worth caching.
+    pub fn cache_segments(&mut self, max_tokens: u64) -> Result<(), String> {
+        match &mut self.kind {
+            Kind::Hf { tokenizer, segments, .. } => {
+                SegmentCache::supports(tokenizer)?;
+                *segments = Some(SegmentCache::new(max_tokens));
+                Ok(())
+            }
+            Kind::Fallback => Err("the fallback tokenizer has nothing worth caching".into()),
+        }
+    }
+
+    /// What the segment cache did so far; `None` without one.
+    pub fn segment_cache_stats(&self) -> Option<SegmentCacheStats> {
+        match &self.kind {
+            Kind::Hf { segments: Some(cache), .. } => Some(cache.stats()),
+            _ => None,
+        }
     }
 
     /// The deterministic stand-in used when no tokenizer is configured: the UTF-8 bytes of
@@ -87,6 +114,14 @@ impl Tokenizer {
     /// Token ids of a completions prompt. vLLM's default is `add_special_tokens = true`.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TokenizeError> {
         match &self.kind {
+            Kind::Hf { tokenizer, segments: Some(cache), .. }
+                if text.len() >= MIN_CACHED_BYTES
+                    && (!add_special_tokens || tokenizer.get_post_processor().single.n_special() == 0) =>
+            {
+                let mut ids = Vec::with_capacity(text.len() / 3);
+                cache.encode_into(tokenizer, text, &mut ids).map_err(|e| TokenizeError::Encode(e.to_string()))?;
+                Ok(ids)
+            }
             Kind::Hf { tokenizer, .. } => {
                 let options = EncodeOptions { add_special_tokens, ..EncodeOptions::default() };
                 let mut out: Vec<PipelineToken> = Vec::with_capacity(text.len() / 3);

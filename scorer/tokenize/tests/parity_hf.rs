@@ -85,6 +85,9 @@ fn reference(cases: &[Value]) -> Vec<Value> {
 #[test]
 fn token_ids_equal_hf_transformers_on_qwen3() {
     let tokenizer = Tokenizer::from_file(qwen3_tokenizer()).expect("load Qwen3");
+    // The scorer's default: long pieces between special tokens from the segment cache.
+    let mut cached = Tokenizer::from_file(qwen3_tokenizer()).expect("load Qwen3");
+    cached.cache_segments(1 << 20).expect("Qwen3's pieces can be cached");
     let cases = cases();
     let expected = reference(&cases);
     assert_eq!(expected.len(), cases.len());
@@ -93,6 +96,10 @@ fn token_ids_equal_hf_transformers_on_qwen3() {
         let want_ids: Vec<u32> = want["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         let got = if case["kind"] == "prompt" {
             let add = case.get("add_special_tokens").and_then(Value::as_bool).unwrap_or(true);
+            for pass in ["first", "cached"] {
+                let ids = cached.encode(case["text"].as_str().unwrap(), add).unwrap();
+                assert_eq!(ids, want_ids, "case {i}: token ids differ with the segment cache ({pass} pass)");
+            }
             tokenizer.encode(case["text"].as_str().unwrap(), add).unwrap()
         } else {
             let options = ChatOptions {
@@ -104,10 +111,15 @@ fn token_ids_equal_hf_transformers_on_qwen3() {
             let messages = case["messages"].as_array().unwrap();
             let text = tokenizer.render_chat(messages, &options).unwrap();
             assert_eq!(text, want["text"].as_str().unwrap(), "case {i}: rendered chat differs");
+            for pass in ["first", "cached"] {
+                let ids = cached.encode_chat(messages, &options).unwrap();
+                assert_eq!(ids, want_ids, "case {i}: token ids differ with the segment cache ({pass} pass)");
+            }
             tokenizer.encode(&text, false).unwrap()
         };
         assert_eq!(got, want_ids, "case {i}: token ids differ");
         total_tokens += got.len();
     }
     assert!(total_tokens > 50_000, "the set includes long prompts ({total_tokens} tokens)");
+    assert!(cached.segment_cache_stats().is_some_and(|s| s.hits > 0), "the long cases were read back");
 }
