@@ -14,6 +14,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// KV-cache-aware pod selection for LLM inference behind Envoy.
 #[derive(Parser, Debug)]
 #[command(name = "kvgate-scorer", version)]
