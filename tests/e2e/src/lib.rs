@@ -20,17 +20,6 @@ pub struct Measured {
     pub text: String,
 }
 
-/// `n` copies of `body` sent to `url`, `in_flight` at a time; each measured, in sending order.
-pub async fn send_concurrently(
-    client: &reqwest::Client,
-    url: &str,
-    body: &Value,
-    n: usize,
-    in_flight: usize,
-) -> Vec<Measured> {
-    send_each(client, url, vec![body.clone(); n], in_flight).await
-}
-
 /// Each of `bodies` sent to `url`, `in_flight` at a time; each measured, in sending order.
 pub async fn send_each(client: &reqwest::Client, url: &str, bodies: Vec<Value>, in_flight: usize) -> Vec<Measured> {
     let n = bodies.len();

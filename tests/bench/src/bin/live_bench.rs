@@ -10,7 +10,7 @@
 use anyhow::Context;
 use clap::Parser;
 use kvgate_bench::report::svg_bars;
-use kvgate_e2e::{Measured, percentile, send, send_concurrently};
+use kvgate_e2e::{Measured, percentile, send, send_each};
 use kvgate_test_harness::{
     EPP_PORT, EnvoyProcess, ScorerProcess, Sim, free_port, qwen3_tokenizer, text, venv_bin, vllm_router_command,
     wait_child_ready,
@@ -463,15 +463,20 @@ async fn overhead(args: &Args) -> anyhow::Result<Vec<OverheadResult>> {
     let client = reqwest::Client::new();
     let mut out = Vec::new();
     for (prompt, words) in [("short (≈30 tokens)", 10), ("long (≈8k tokens)", 2700)] {
-        let body = json!({"model": MODEL, "prompt": text("overhead", words), "max_tokens": 1});
+        // Every request its own question after a shared text, each router its own requests
+        // (as in kvgate-overhead): no router's cache of whole prompts is flattered.
+        let document = text("overhead", words);
+        let body = |n: usize| json!({"model": MODEL, "prompt": format!("{document} Question {n}?"), "max_tokens": 1});
         let mut direct_p50 = 0.0;
-        for (name, gateway) in &gateways {
+        for (g, (name, gateway)) in gateways.iter().enumerate() {
             let url = format!("{}/v1/completions", gateway.as_ref().map_or(pod.url.as_str(), |g| g.url.as_str()));
-            for _ in 0..10 {
-                send(&client, &url, &body).await; // warm-up
+            let first = (g + 1) * 10_000_000;
+            for i in 0..10 {
+                send(&client, &url, &body(first + 9_000_000 + i)).await; // warm-up
             }
+            let bodies = (first..first + args.overhead_requests).map(body).collect();
             let started = Instant::now();
-            let measured = send_concurrently(&client, &url, &body, args.overhead_requests, args.concurrency).await;
+            let measured = send_each(&client, &url, bodies, args.concurrency).await;
             let errors = measured.iter().filter(|m| m.status != 200).count();
             let mut latencies: Vec<Duration> = measured.iter().map(|m| m.total).collect();
             let wall = started.elapsed();
