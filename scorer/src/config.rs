@@ -391,9 +391,10 @@ pub struct Config {
     /// `tokenizer_config.json` beside it. Without it tokens are estimated (bytes/4) and only
     /// the approximate index is used.
     pub tokenizer: Option<PathBuf>,
-    /// Token ids of long pieces of prompt text between special tokens (a chat's messages,
-    /// mostly) kept so that resent history is not tokenized again, at most this many in all
-    /// (4 bytes each); 0 turns the cache off.
+    /// Token ids of long pieces of prompt text (cut at special tokens — a chat's messages —
+    /// and, for Qwen's tokenizers, between words) kept so that resent history or a document
+    /// sent again is not tokenized again, at most this many in all (4 bytes each); 0 turns
+    /// the cache off.
     #[serde(default = "default_tokenizer_cache_tokens")]
     pub tokenizer_cache_tokens: u64,
     /// Tokens per KV block: must equal the engines' `--block-size`.

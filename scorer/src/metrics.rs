@@ -107,7 +107,7 @@ impl Metrics {
         let tokenizer_cache_pieces = reg!(IntCounterVec::new(
             Opts::new(
                 "tokenizer_cache_pieces_total",
-                "Long pieces of prompt text between special tokens: their ids from the cache (hit) or encoded (miss)."
+                "Long pieces of prompt text (cut at special tokens and between words): ids from the cache (hit) or encoded (miss)."
             ),
             &["outcome"]
         ));

@@ -100,10 +100,14 @@ async fn routes_to_the_pod_whose_events_announced_the_prefix() {
     assert!(metrics.contains("kvgate_decisions_total{pod=\"pod-1\",policy=\"kv\"} 5"), "{metrics}");
     assert!(metrics.contains("kvgate_kv_events_total{pod=\"pod-1\",type=\"all_blocks_cleared\"} 1"));
     assert!(metrics.contains("kvgate_decision_seconds_bucket"));
-    // Six route calls resent the long system prompt: tokenized once, read back five times
-    // (and the token counts above equal the engine's all the same).
-    assert!(metrics.contains("kvgate_tokenizer_cache_pieces_total{outcome=\"miss\"} 1"), "{metrics}");
-    assert!(metrics.contains("kvgate_tokenizer_cache_pieces_total{outcome=\"hit\"} 5"), "{metrics}");
+    // Six route calls resent the long system prompt: its pieces tokenized by the first, read
+    // back by the other five (and the token counts above equal the engine's all the same).
+    let pieces = |outcome: &str| -> u64 {
+        let line = format!("kvgate_tokenizer_cache_pieces_total{{outcome=\"{outcome}\"}} ");
+        metrics.lines().find_map(|l| l.strip_prefix(line.as_str())).and_then(|n| n.parse().ok()).unwrap_or(0)
+    };
+    assert!(pieces("miss") >= 1, "{metrics}");
+    assert!(pieces("hit") >= 5 * pieces("miss"), "{metrics}");
 }
 
 async fn scorer_lifecycle_done(scorer: &ScorerProcess, id: &str) {

@@ -280,6 +280,25 @@ fn main() {
                 resent.as_secs_f64() * 1e3,
                 plain.as_secs_f64() / resent.as_secs_f64()
             );
+            // A document sent again under a new question (completions): cut between words.
+            let document: String =
+                (0..1400).map(|i| format!("Section {} says {} ", i * 7919 % 10007, sentence)).collect();
+            let with_new_question = || format!("{document}Question {}?", asked.get());
+            let n = tok.encode(&with_new_question(), true).unwrap().len();
+            let plain = median(&|| {
+                asked.set(asked.get() + 1);
+                tok.encode(&with_new_question(), true).unwrap().len()
+            });
+            let resent = median(&|| {
+                asked.set(asked.get() + 1);
+                cached.encode(&with_new_question(), true).unwrap().len()
+            });
+            println!(
+                "| tokenization, {n}-token document sent again with a new question (Qwen3) | {:.3} ms · segment cache {:.3} ms ({:.1}×) | |",
+                plain.as_secs_f64() * 1e3,
+                resent.as_secs_f64() * 1e3,
+                plain.as_secs_f64() / resent.as_secs_f64()
+            );
         }
         Err(e) => println!("| tokenization | skipped: {e} (run `make setup`) | |"),
     }

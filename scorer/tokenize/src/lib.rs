@@ -52,7 +52,13 @@ pub struct Tokenizer {
 }
 
 enum Kind {
-    Hf { tokenizer: Box<PipelineTokenizer>, chat: Option<Box<ChatTemplate>>, segments: Option<SegmentCache> },
+    Hf {
+        tokenizer: Box<PipelineTokenizer>,
+        chat: Option<Box<ChatTemplate>>,
+        segments: Option<SegmentCache>,
+        /// Whether its pieces can be cut between words too (see the `segments` module).
+        between_words: bool,
+    },
     Fallback,
 }
 
@@ -68,21 +74,23 @@ impl Tokenizer {
         // versions first (a no-op for canonical ones).
         let canonical = tokenizers::canonicalize_str(&text).map_err(|e| load(e.to_string()))?;
         let tokenizer = tokenizers::from_json(&canonical).map_err(|e| load(e.to_string()))?;
+        let between_words = serde_json::from_str(&text).is_ok_and(|config| segments::splits_between_words(&config));
         let config_path = path.with_file_name("tokenizer_config.json");
         let chat = if config_path.exists() { load_chat_template(&config_path)?.map(Box::new) } else { None };
-        Ok(Self { kind: Kind::Hf { tokenizer: Box::new(tokenizer), chat, segments: None } })
+        Ok(Self { kind: Kind::Hf { tokenizer: Box::new(tokenizer), chat, segments: None, between_words } })
     }
 
-    /// Remembers the token ids of long pieces of text between special tokens (a chat's
-    /// messages, mostly), up to `max_tokens` ids in all, so that a conversation's history is
-    /// not tokenized again on every turn. The ids are the same as without the cache; a
-    /// tokenizer for which that cannot be guaranteed (the `segments` module says when) is refused with the
+    /// Remembers the token ids of long pieces of text — between special tokens (a chat's
+    /// messages), and between words for Qwen's tokenizers (a shared document) — up to
+    /// `max_tokens` ids in all, so that a conversation's history or a document sent again is
+    /// not tokenized again. The ids are the same as without the cache; a tokenizer for which
+    /// that cannot be guaranteed (the `segments` module says when) is refused with the
     /// reason, as is the fallback, which has nothing worth caching.
     pub fn cache_segments(&mut self, max_tokens: u64) -> Result<(), String> {
         match &mut self.kind {
-            Kind::Hf { tokenizer, segments, .. } => {
+            Kind::Hf { tokenizer, segments, between_words, .. } => {
                 SegmentCache::supports(tokenizer)?;
-                *segments = Some(SegmentCache::new(max_tokens));
+                *segments = Some(SegmentCache::new(max_tokens, *between_words));
                 Ok(())
             }
             Kind::Fallback => Err("the fallback tokenizer has nothing worth caching".into()),

@@ -85,7 +85,8 @@ fn reference(cases: &[Value]) -> Vec<Value> {
 #[test]
 fn token_ids_equal_hf_transformers_on_qwen3() {
     let tokenizer = Tokenizer::from_file(qwen3_tokenizer()).expect("load Qwen3");
-    // The scorer's default: long pieces between special tokens from the segment cache.
+    // The scorer's default: long pieces (cut at special tokens and between words) from the
+    // segment cache.
     let mut cached = Tokenizer::from_file(qwen3_tokenizer()).expect("load Qwen3");
     cached.cache_segments(1 << 20).expect("Qwen3's pieces can be cached");
     let cases = cases();
