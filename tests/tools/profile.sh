@@ -3,7 +3,7 @@
 #
 # 1. CPU time per request of each process (client, Envoy, scorer, pod), measured from
 #    /proc schedstat by kvgate-overhead for Envoy round robin, the wasm filter and the
-#    Endpoint Picker, short and 8k-token prompts at 24 in flight.
+#    Endpoint Picker, short and 8k-token prompts and an 8k-token chat at 24 in flight.
 # 2. perf samples of Envoy + scorer on the wasm path (one cell at a time): Envoy's CPU by
 #    binary (Envoy's own code, the wasm filter's JIT code in V8, kernel, libc — Envoy ships
 #    stripped, so no finer), the scorer's by stage of a request (kvgate-profile-stages), and a
@@ -29,10 +29,10 @@ if [ ! -x "$tools/bin/inferno-flamegraph" ]; then
 fi
 
 step "CPU per request by process (kvgate-overhead)"
-./target/release/kvgate-overhead --cells short@24,long@24 --paths direct,rr,wasm,epp \
+./target/release/kvgate-overhead --cells short@24,long@24,chat@24 --paths direct,rr,wasm,epp \
   --requests 2400 --rounds 12 | tee "$out/overhead.md"
 
-for cell in short@24 long@24; do
+for cell in short@24 long@24 chat@24; do
   name="wasm-${cell%@*}"
   step "perf on the wasm path, $cell"
   ./target/release/kvgate-overhead --cells "$cell" --paths wasm --rounds 1 \

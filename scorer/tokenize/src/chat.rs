@@ -79,7 +79,12 @@ impl ChatTemplate {
                 ctx.insert(k.clone(), v.clone());
             }
         }
-        ctx.insert("messages".into(), Value::Array(messages.clone()));
+        // Moved, not copied (an 8k-token history is tens of kB); the final message's content
+        // is kept aside for `continue_final_message`.
+        let final_content = options
+            .continue_final_message
+            .then(|| messages.last().and_then(|m| m.get("content")).and_then(Value::as_str).unwrap_or("").to_owned());
+        ctx.insert("messages".into(), Value::Array(messages));
         ctx.insert("add_generation_prompt".into(), Value::Bool(options.add_generation_prompt));
         ctx.insert("tools".into(), options.tools.clone().unwrap_or(Value::Null));
         ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
@@ -88,9 +93,9 @@ impl ChatTemplate {
         let mut rendered = template
             .render(JValue::from(minijinja::value::Serde(&ctx)))
             .map_err(|e| TokenizeError::Template(format!("chat template failed: {e:#}")))?;
-        if options.continue_final_message {
+        if let Some(last) = final_content {
             // As HF does: cut the text right after the final message's content.
-            let last = messages.last().and_then(|m| m.get("content")).and_then(Value::as_str).unwrap_or("");
+            let last = last.as_str();
             let end = match rendered.rfind(last) {
                 Some(pos) => pos + last.len(),
                 None => rendered
@@ -114,9 +119,10 @@ fn normalise_message(message: &Value) -> Result<Value, TokenizeError> {
         Some(Value::String(_)) => {}
         _ => return Err(TokenizeError::Request("each message needs a string 'role'".into())),
     }
+    // A string content is already in `out` (copied once, with the rest of the message).
     let content = match map.get("content") {
         None | Some(Value::Null) => String::new(),
-        Some(Value::String(s)) => s.clone(),
+        Some(Value::String(_)) => return with_parsed_tool_calls(out),
         Some(Value::Array(parts)) => {
             let mut texts = Vec::with_capacity(parts.len());
             for part in parts {
@@ -137,6 +143,11 @@ fn normalise_message(message: &Value) -> Result<Value, TokenizeError> {
         Some(_) => return Err(TokenizeError::Request("message 'content' must be a string or a list of parts".into())),
     };
     out.insert("content".into(), Value::String(content));
+    with_parsed_tool_calls(out)
+}
+
+/// The message with its tool calls' arguments parsed, as vLLM hands them to templates.
+fn with_parsed_tool_calls(mut out: Map<String, Value>) -> Result<Value, TokenizeError> {
     if let Some(Value::Array(calls)) = out.get_mut("tool_calls") {
         for call in calls.iter_mut() {
             let Some(Value::Object(function)) = call.get_mut("function") else { continue };
