@@ -19,11 +19,12 @@
 //!    before is an ASCII letter or digit, `p` is a space and the byte after is an ASCII letter
 //!    (`…word| word…`). No alternative of the regex matches an ASCII letter or digit followed
 //!    by a space, so in the whole text a match ends at `p`; the text before `p` alone is
-//!    matched the same way (the last match, letters, digits or a contraction, ends at the end
-//!    of its input just as it ended before the space, and the pattern has no lookahead that
-//!    could read past it); the text from `p` alone is matched the same way too (the pattern
-//!    has no lookbehind, and the scan of the whole text restarts at `p`: ` word` is one
-//!    match either way). NFC never composes across an ASCII space, and byte-level mapping and
+//!    matched the same way (its last match — letters, digits or a contraction — ends at the
+//!    end of its input just as it ended before the space, and the pattern's one lookahead,
+//!    `\s+(?!\S)`, follows whitespace, which that text does not end with, so nothing before
+//!    `p` is decided by what comes after it); the text from `p` alone is matched the same
+//!    way too (the pattern has no lookbehind, and the scan of the whole text restarts at
+//!    `p`: ` word` is one match either way). NFC never composes across an ASCII space, and byte-level mapping and
 //!    BPE work word by word. Which such points become cuts depends on the text alone (its
 //!    8 bytes before the point, at least [`MIN_WORD_CUT_BYTES`] after the previous cut), so a
 //!    document shared by two prompts is cut alike in both, wherever it starts in them.
