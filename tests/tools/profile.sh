@@ -4,10 +4,10 @@
 # 1. CPU time per request of each process (client, Envoy, scorer, pod), measured from
 #    /proc schedstat by kvgate-overhead for Envoy round robin, the wasm filter and the
 #    Endpoint Picker, short and 8k-token prompts and an 8k-token chat at 24 in flight.
-# 2. perf samples of Envoy + scorer on the wasm path (one cell at a time): Envoy's CPU by
-#    binary (Envoy's own code, the wasm filter's JIT code in V8, kernel, libc — Envoy ships
-#    stripped, so no finer), the scorer's by stage of a request (kvgate-profile-stages), and a
-#    flamegraph of both (inferno).
+# 2. perf samples of Envoy + scorer on the wasm path and on the Endpoint Picker's (h2c), one
+#    cell at a time: Envoy's CPU by binary (Envoy's own code, the wasm filter's JIT code in
+#    V8, kernel, libc — Envoy ships stripped, so no finer), the scorer's by stage of a
+#    request (kvgate-profile-stages), and a flamegraph of both (inferno).
 #
 # Results in target/profile/. Installs perf (Debian's linux-perf) and inferno (cargo, into
 # .kvgate/tools) when missing. PROFILE_REQUESTS sets the sampled run's length.
@@ -32,24 +32,31 @@ step "CPU per request by process (kvgate-overhead)"
 ./target/release/kvgate-overhead --cells short@24,long@24,chat@24 --paths direct,rr,wasm,epp \
   --requests 2400 --rounds 12 | tee "$out/overhead.md"
 
+for path in wasm epp; do
 for cell in short@24 long@24 chat@24; do
-  name="wasm-${cell%@*}"
-  step "perf on the wasm path, $cell"
-  ./target/release/kvgate-overhead --cells "$cell" --paths wasm --rounds 1 \
-    --requests "${PROFILE_REQUESTS:-6000}" --perf "$out/$name.data" >/dev/null
+  name="$path-${cell%@*}"
+  step "perf on the $path path, $cell"
+  ./target/release/kvgate-overhead --cells "$cell" --paths "$path" --rounds 1 \
+    --requests "${PROFILE_REQUESTS:-20000}" --perf "$out/$name.data" >/dev/null
   perf script -i "$out/$name.data" 2>/dev/null | "$tools/bin/inferno-collapse-perf" --all >"$out/$name.folded"
-  "$tools/bin/inferno-flamegraph" --minwidth 0.2 --title "kvgate wasm path, $cell: Envoy + scorer" \
+  "$tools/bin/inferno-flamegraph" --minwidth 0.2 --title "kvgate $path path, $cell: Envoy + scorer" \
     <"$out/$name.folded" >"$out/$name.svg"
   {
-    echo "### $cell"
+    echo "### $path path, $cell"
     echo
     echo '| Envoy binary | share of Envoy CPU |'
     echo '|---|---|'
-    perf report -i "$out/$name.data" --no-children --percentage relative --sort dso --comm wrk:worker_0 --stdio -g none 2>/dev/null |
-      awk '/^ +[0-9.]+%/ { printf "| %s | %s |\n", $2, $1 }' | head -6
+    # Envoy's worker thread's samples by binary, as shares of that thread's (perf's --comm
+    # filter miscounts threads renamed after start, so rows are picked here).
+    perf report -i "$out/$name.data" --no-children --sort comm,dso --stdio -g none 2>/dev/null |
+      awk '$2 == "wrk:worker_0" { pct = $1 + 0; dso = $3; if (dso == "[JIT]") dso = "[JIT] (the filter, V8)";
+                                   share[dso] += pct; total += pct; order[++n] = dso }
+           END { for (i = 1; i <= n; i++) if (!(order[i] in done)) { done[order[i]] = 1;
+                   printf "| %s | %.1f %% |\n", order[i], 100 * share[order[i]] / total } }' | head -6
     echo
     ./target/release/kvgate-profile-stages <"$out/$name.folded"
     echo
   } | tee "$out/$name.md"
 done
-step "results in $out/ (overhead.md, wasm-*.md, wasm-*.svg)"
+done
+step "results in $out/ (overhead.md, {wasm,epp}-*.md, {wasm,epp}-*.svg)"
