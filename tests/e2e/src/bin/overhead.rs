@@ -10,10 +10,11 @@
 //! where llm-d's picker adds over a second. Non-streaming, one output token. Every request's
 //! prompt is its own, and each path gets its own prompts (two paths share a scorer): the
 //! completions prompts end with the request's own question (no cache of whole prompts helps;
-//! the pod's prefix cache does, as with many questions on one document), the chats resend a
-//! shared history (as conversations do), and the `long-new` prompts differ from their first
-//! word (every block is new: the pod computes and the scorer indexes ≈ 500 new blocks per
-//! request).
+//! the pod's prefix cache and the scorer's cache of pieces do, as with many questions on one
+//! document), the chats resend a shared history (as conversations do), and the `long-new`
+//! prompts differ from their first word (every block is new: the pod computes and the scorer
+//! indexes ≈ 500 new blocks per request; the scorer's cache of pieces still reads the text
+//! after the question back).
 
 use clap::Parser;
 use kvgate_e2e::{ms, percentile, send, send_each};
