@@ -81,8 +81,23 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
             tracing::info!(pod = %name, %endpoint, "kv events: subscribed");
         }
         backoff = Duration::from_millis(100);
+        let mut engine_check = tokio::time::interval(ENGINE_CHECK);
+        engine_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
+                _ = engine_check.tick() => {
+                    // A restart seen by the scrape (a new process start time) cleared the index,
+                    // maybe after this stream's batches were applied: rebuild it from the
+                    // replay buffer now — an idle engine may publish nothing more for long.
+                    let changes = scorer.engine_changes(pod);
+                    if changes != engine_changes {
+                        engine_changes = changes;
+                        tracker = SequenceTracker::default();
+                        if let Some(replay) = replay.as_deref() {
+                            rebuild(&scorer, pod, replay, &mut tracker).await;
+                        }
+                    }
+                }
                 message = socket.recv() => match message {
                     Ok(message) => {
                         let changes = scorer.engine_changes(pod);
@@ -113,6 +128,9 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
         tokio::time::sleep(backoff).await;
     }
 }
+
+/// How often a subscriber looks whether its pod's engine was found changed elsewhere.
+const ENGINE_CHECK: Duration = Duration::from_millis(250);
 
 /// `[topic, seq, payload]` → (seq, payload).
 fn frames(message: ZmqMessage) -> Option<(u64, Bytes)> {
