@@ -53,6 +53,19 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
+/// The median time of `runs` calls of `f`.
+fn median_time(runs: usize, f: &dyn Fn() -> usize) -> Duration {
+    let mut times: Vec<Duration> = (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed()
+        })
+        .collect();
+    times.sort();
+    times[runs / 2]
+}
+
 fn us(d: Duration) -> String {
     format!("{:.1} µs", d.as_secs_f64() * 1e6)
 }
@@ -222,19 +235,8 @@ fn main() {
                     serde_json::json!({"role": "user", "content": text}),
                 ];
                 let options = kvgate_tokenize::ChatOptions::default();
-                let time = |f: &dyn Fn() -> usize| {
-                    let mut runs: Vec<Duration> = (0..7)
-                        .map(|_| {
-                            let t = Instant::now();
-                            f();
-                            t.elapsed()
-                        })
-                        .collect();
-                    runs.sort();
-                    runs[3]
-                };
-                let completions = time(&|| tok.encode(&text, true).unwrap().len());
-                let chat = time(&|| tok.encode_chat(&messages, &options).unwrap().len());
+                let completions = median_time(7, &|| tok.encode(&text, true).unwrap().len());
+                let chat = median_time(7, &|| tok.encode_chat(&messages, &options).unwrap().len());
                 let n = tok.encode(&text, true).unwrap().len();
                 println!(
                     "| tokenization, {n} tokens (Qwen3) | completions {:.2} ms · chat {:.2} ms | 32k ≤ 2 ms |",
@@ -260,17 +262,7 @@ fn main() {
                 messages
             };
             let options = kvgate_tokenize::ChatOptions::default();
-            let median = |f: &dyn Fn() -> usize| {
-                let mut runs: Vec<Duration> = (0..9)
-                    .map(|_| {
-                        let t = Instant::now();
-                        f();
-                        t.elapsed()
-                    })
-                    .collect();
-                runs.sort();
-                runs[4]
-            };
+            let median = |f: &dyn Fn() -> usize| median_time(9, f);
             let n = tok.encode_chat(&with_new_turn(), &options).unwrap().len();
             let plain = median(&|| tok.encode_chat(&with_new_turn(), &options).unwrap().len());
             let resent = median(&|| cached.encode_chat(&with_new_turn(), &options).unwrap().len());
