@@ -387,6 +387,12 @@ pub struct Config {
     /// HTTP address of the scorer's API (loopback by default: only the local Envoy calls it).
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
+    /// Threads serving the connections to `listen` (default: one per CPU). Each connection
+    /// stays on one thread, and so do the route calls it carries: Envoy keeps one route
+    /// stream per worker, whose calls are then read, decided and answered without being
+    /// handed between threads.
+    #[serde(default)]
+    pub listen_threads: Option<usize>,
     /// HF `tokenizer.json` of the served model; the chat template comes from the
     /// `tokenizer_config.json` beside it. Without it tokens are estimated (bytes/4) and only
     /// the approximate index is used.
@@ -748,6 +754,9 @@ impl Config {
         if self.fallback_endpoints > 16 {
             return invalid("fallback_endpoints", "at most 16 (a retry per endpoint)");
         }
+        if self.listen_threads == Some(0) {
+            return invalid("listen_threads", "must be at least 1");
+        }
         if self.admin.listen == Some(self.listen) {
             return invalid("admin.listen", "must differ from listen");
         }
@@ -906,6 +915,7 @@ pods:
             ("discovery:\n  inference_pool: {namespace: ns, name: ''}\n", "discovery.inference_pool.name"),
             ("discovery:\n  inference_pool: {namespace: ns, name: p, port: 8000}\n", "port"),
             ("epp: {listen: '127.0.0.1:7070'}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "epp.listen"),
+            ("listen_threads: 0\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "listen_threads"),
             ("fallback_endpoints: 99\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "fallback_endpoints"),
             ("epp: {tls: {mode: sometimes}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "sometimes"),
             ("epp: {tls: {mode: files}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "cert"),

@@ -72,11 +72,11 @@ pub struct RouteOutcome {
 /// A route call: the request's id (one is made up when absent), API path, objective and
 /// body, as `POST /v1/route` and the route stream carry them.
 pub async fn answer_route(
-    scorer: &Scorer,
+    scorer: &Arc<Scorer>,
     request_id: Option<&str>,
     api_path: Option<&str>,
     objective: Option<&str>,
-    body: &[u8],
+    body: Bytes,
     explain: bool,
 ) -> RouteOutcome {
     let request_id = match request_id {
@@ -85,7 +85,7 @@ pub async fn answer_route(
     };
     let decided = match api_path.map(|path| (path, Api::from_path(path))) {
         None => Err(RouteError::BadRequest(format!("missing header {HEADER_API_PATH}"))),
-        Some((_, Some(api))) => match scorer.prepare(api, body) {
+        Some((_, Some(api))) => match scorer.prepare_owned(api, body).await {
             Ok(prepared) => {
                 let limits = Limits { explain, fallbacks: scorer.config.fallback_endpoints, ..Limits::default() };
                 scorer.decide_admitted(&request_id, &prepared, &limits, objective).await
@@ -126,7 +126,7 @@ async fn route(
         header(HEADER_REQUEST_ID),
         header(HEADER_API_PATH),
         header(HEADER_OBJECTIVE),
-        &body,
+        body,
         explain,
     )
     .await;

@@ -13,5 +13,6 @@ pub mod prompt;
 pub mod route_stream;
 pub mod scorer;
 pub mod scrape;
+pub mod serve;
 pub mod subscriber;
 pub mod sync;

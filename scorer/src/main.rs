@@ -2,7 +2,6 @@
 //! request. See the README for the configuration and the HTTP API.
 
 use anyhow::Context;
-use axum::serve::ListenerExt;
 use clap::Parser;
 use kvgate_routing::pod_set::PodId;
 use kvgate_scorer::config::Config;
@@ -126,16 +125,11 @@ async fn main() -> anyhow::Result<()> {
             }
         });
     }
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
-        .with_context(|| format!("cannot listen on {listen}"))?
-        .tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::warn!("TCP_NODELAY: {e}");
-            }
-        });
-    tracing::info!(%listen, pods = scorer.num_pods(), policy = ?scorer.config.policy, "kvgate-scorer ready");
-    axum::serve(listener, http::router(scorer)).with_graceful_shutdown(shutdown_signal()).await?;
+    let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
+    let threads =
+        scorer.config.listen_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    tracing::info!(%listen, threads, pods = scorer.num_pods(), policy = ?scorer.config.policy, "kvgate-scorer ready");
+    kvgate_scorer::serve::serve(listener, http::router(scorer), threads, shutdown_signal()).await?;
     tracing::info!("kvgate-scorer stopped");
     Ok(())
 }

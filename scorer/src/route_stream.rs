@@ -1,8 +1,9 @@
 //! The route stream: route calls as gRPC messages on one long-lived bidirectional stream
 //! (`kvgate.route.v1.Router/Route`) instead of one HTTP call each — what the filter uses.
 //! Each call is answered as `POST /v1/route` would answer it ([`http::answer_route`]), in
-//! its own task, so a call waiting for room (admission) holds up no other; answers go back
-//! in the order they are ready.
+//! its own task on the thread that serves the stream's connection ([`crate::serve`]), so a
+//! call waiting for room (admission) holds up no other; answers go back in the order they
+//! are ready.
 
 use crate::http;
 use crate::scorer::Scorer;
@@ -65,7 +66,7 @@ async fn serve(
                     Some(&call.request_id),
                     Some(&call.api_path),
                     call.objective.as_deref(),
-                    &call.body,
+                    call.body.into(),
                     false,
                 )
                 .await;

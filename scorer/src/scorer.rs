@@ -75,6 +75,9 @@ fn shed_message(reason: &str) -> &'static str {
     }
 }
 
+/// Request bodies at least this large are prepared off the serving thread (≈ 16k tokens).
+pub const PREPARE_ASIDE_BYTES: usize = 64 << 10;
+
 /// A request ready for a decision: its block chain and sizes ([`Scorer::prepare`]).
 #[derive(Clone, Debug)]
 pub struct Prepared {
@@ -374,6 +377,21 @@ impl Scorer {
         let root = root_hash(info.lora_name.as_deref(), info.cache_salt.as_deref());
         sequence_hashes(root, &info.tokens, self.config.block_size, &mut chain);
         Ok(Prepared { chain, prompt_tokens: info.tokens.len() as u32, max_output_tokens: info.max_output_tokens })
+    }
+
+    /// [`Scorer::prepare`] for a body the caller hands over: one of
+    /// [`PREPARE_ASIDE_BYTES`] or more is prepared on the blocking pool, so that its
+    /// tokenization (milliseconds for a new document of tens of thousands of tokens) does
+    /// not hold up the other calls served on the same thread.
+    pub async fn prepare_owned(self: &Arc<Self>, api: Api, body: bytes::Bytes) -> Result<Prepared, RouteError> {
+        if body.len() < PREPARE_ASIDE_BYTES {
+            return self.prepare(api, &body);
+        }
+        let scorer = self.clone();
+        match tokio::task::spawn_blocking(move || scorer.prepare(api, &body)).await {
+            Ok(prepared) => prepared,
+            Err(e) => std::panic::resume_unwind(e.into_panic()),
+        }
     }
 
     /// The pods at these addresses (unknown ones are left out): a proxy's subset hint.
@@ -926,6 +944,25 @@ mod tests {
 
     fn report(id: &str, event: LifecycleEvent, served: Option<&str>) -> LifecycleReport {
         LifecycleReport { request_id: id.into(), event, output_tokens: None, served: served.map(str::to_string) }
+    }
+
+    #[tokio::test]
+    async fn a_large_body_prepared_aside_is_prepared_alike() {
+        let s = Arc::new(scorer(""));
+        let inline = PREPARE_ASIDE_BYTES / 2;
+        for size in [inline, PREPARE_ASIDE_BYTES, 3 * PREPARE_ASIDE_BYTES] {
+            let prompt = "abcd".repeat(size / 4);
+            let body = serde_json::to_vec(&serde_json::json!({"prompt": prompt, "max_tokens": 3})).unwrap();
+            let here = s.prepare(Api::Completions, &body).unwrap();
+            let owned = s.prepare_owned(Api::Completions, body.into()).await.unwrap();
+            assert_eq!(
+                (owned.chain, owned.prompt_tokens, owned.max_output_tokens),
+                (here.chain, here.prompt_tokens, here.max_output_tokens)
+            );
+        }
+        let bad = format!("{{\"prompt\": \"{}", "abcd".repeat(PREPARE_ASIDE_BYTES / 4));
+        let e = s.prepare_owned(Api::Completions, bad.into()).await.unwrap_err();
+        assert!(matches!(e, RouteError::BadRequest(ref m) if m.contains("not valid JSON")), "{e}");
     }
 
     #[test]

@@ -288,6 +288,65 @@ async fn bookings_whose_lifecycle_reports_are_lost_expire() {
     assert!(metrics.contains("kvgate_bookings_expired_total 1"), "{metrics}");
 }
 
+/// How many threads of the scorer serve the API's connections.
+fn api_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|task| std::fs::read_to_string(task.unwrap().path().join("comm")).ok())
+        .filter(|comm| comm.starts_with("kvgate-api-"))
+        .count()
+}
+
+#[tokio::test]
+async fn route_streams_are_served_on_listen_threads_and_do_not_hold_up_a_stop() {
+    use kvgate_route_api::{ROUTE_STREAM_PATH, RouteAnswer, RouteCall};
+    let pods = pods(1, &[]).await;
+    let mut scorer = ScorerProcess::start(&config(&pods, false, "listen_threads: 3\n")).await;
+    assert_eq!(api_threads(scorer.pid()), 3);
+
+    // A route stream, as Envoy's filter keeps one open per worker.
+    let channel = tonic::transport::Endpoint::from_shared(scorer.url.clone()).unwrap().connect().await.unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let (calls, queued) = tokio::sync::mpsc::channel(4);
+    let answers = grpc.streaming(
+        tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(queued)),
+        tonic::codegen::http::uri::PathAndQuery::from_static(ROUTE_STREAM_PATH),
+        tonic_prost::ProstCodec::<RouteCall, RouteAnswer>::default(),
+    );
+    let mut answers = answers.await.unwrap().into_inner();
+    // A short prompt and a document over 64 kB (prepared off the stream's thread).
+    let document = text("clause", 15_000);
+    assert!(document.len() > 64 << 10);
+    for (call, prompt) in [(1, "a short question"), (2, document.as_str())] {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2});
+        calls
+            .send(RouteCall {
+                call,
+                request_id: format!("stream-{call}"),
+                api_path: "/v1/completions".into(),
+                objective: None,
+                body: serde_json::to_vec(&body).unwrap(),
+            })
+            .await
+            .unwrap();
+    }
+    let mut tokens = std::collections::BTreeMap::new();
+    for _ in 0..2 {
+        let answer = answers.message().await.unwrap().expect("an answer");
+        assert_eq!(answer.status, 200, "{}", String::from_utf8_lossy(&answer.body));
+        let body: Value = serde_json::from_slice(&answer.body).unwrap();
+        tokens.insert(answer.call, body["prompt_tokens"].as_u64().unwrap());
+    }
+    assert!(tokens[&1] < 16 && tokens[&2] > 16_000, "{tokens:?}");
+
+    // The stream stays open (Envoy closes it when it goes): a stop waits a few seconds for
+    // it, not for ever.
+    let stopped = scorer.stop(Duration::from_secs(15)).await.expect("the scorer stops with a route stream open");
+    assert!(stopped.success(), "{stopped}");
+    drop(calls);
+}
+
 #[tokio::test]
 async fn debug_endpoints_can_be_turned_off_or_moved() {
     let pods = pods(1, &[]).await;

@@ -354,25 +354,9 @@ impl Exchange {
             return;
         };
         let booking_id = format!("epp-{}", self.scorer.next_booking());
-        // Parsing and tokenizing a long prompt takes milliseconds: off the picker's thread,
-        // which serves every stream's messages.
-        let (body, prepared) = if body.len() > OFFLOAD_BYTES {
-            let scorer = self.scorer.clone();
-            let job = tokio::task::spawn_blocking(move || {
-                let prepared = scorer.prepare(api, &body);
-                (body, prepared)
-            });
-            match job.await {
-                Ok(done) => done,
-                Err(e) => {
-                    tracing::error!(stream = self.stream, "ext_proc: preparing a request failed: {e}");
-                    return self.immediate(500, "InternalServerError", "the picker failed to read the request");
-                }
-            }
-        } else {
-            let prepared = self.scorer.prepare(api, &body);
-            (body, prepared)
-        };
+        // A long prompt is prepared off the picker's thread, which serves every stream.
+        let body = bytes::Bytes::from(body);
+        let prepared = self.scorer.prepare_owned(api, body.clone()).await;
         let decided = match prepared {
             Ok(prepared) => {
                 let subset = subset.map(|addresses| self.scorer.pods_at(&addresses));
@@ -546,9 +530,6 @@ impl Drop for Exchange {
         self.scorer.report(&booking.id, LifecycleEvent::Cancelled, None);
     }
 }
-
-/// Bodies larger than this are parsed and tokenized on a blocking thread.
-const OFFLOAD_BYTES: usize = 64 << 10;
 
 /// A header's value (Envoy sends `raw_value`; older versions `value`).
 fn header(map: &HeaderMap, name: &str) -> Option<String> {

@@ -440,6 +440,22 @@ impl ScorerProcess {
         let _ = self.child.wait();
     }
 
+    /// Asks the scorer to stop (SIGTERM) and waits up to `limit` for it to exit: its exit
+    /// status, or `None` if it is still running.
+    pub async fn stop(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        signal(self.child.id(), "-TERM");
+        let deadline = Instant::now() + limit;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                return Some(status);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Starts the scorer again with the same configuration and port.
     pub async fn restart(&mut self) {
         self.kill();

@@ -1,0 +1,136 @@
+//! Serving the HTTP API (and the route stream on it) with each connection on one thread.
+//!
+//! Envoy keeps one route stream per worker open to the scorer, and every route call of that
+//! worker is a message on it. On a shared multi-threaded runtime a call is read by the
+//! connection's task on one thread, answered by a task that may run on another and written
+//! back by the first: wake-ups across threads for every request. Here each accepted
+//! connection goes to one of `listen_threads` threads, each running a single-threaded
+//! runtime, and everything the connection does — its HTTP/2 streams, the route calls and
+//! their answers — runs on that thread (measured: a quarter to a third less of the
+//! scorer's CPU per short request). New connections go to the thread serving fewest.
+//! Requests with large bodies are prepared off the thread (see
+//! [`Scorer::prepare_owned`](crate::scorer::Scorer::prepare_owned)), so a long tokenization
+//! does not hold up the other calls of the connection.
+
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
+use hyper_util::service::TowerToHyperService;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+
+/// Largest HTTP/2 frame the scorer accepts: a route call's body (tens of kB for long
+/// prompts) comes in one DATA frame instead of 16 kB pieces.
+const MAX_FRAME_BYTES: u32 = 1 << 20;
+
+/// How long connections may take to finish after a shutdown signal (Envoy's route streams
+/// stay open until Envoy closes them).
+const DRAIN: Duration = Duration::from_secs(5);
+
+/// One serving thread: the connections it is given and how many it serves.
+struct Worker {
+    connections: mpsc::UnboundedSender<(std::net::TcpStream, Watcher)>,
+    serving: Arc<AtomicUsize>,
+}
+
+/// Serves `router` on `listener` with `threads` connection threads until `shutdown`
+/// completes, then lets open connections finish for up to [`DRAIN`].
+pub async fn serve(
+    listener: TcpListener,
+    router: Router,
+    threads: usize,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    let mut workers = Vec::with_capacity(threads);
+    for i in 0..threads.max(1) {
+        let (connections, incoming) = mpsc::unbounded_channel();
+        let serving = Arc::new(AtomicUsize::new(0));
+        let (router, count) = (router.clone(), serving.clone());
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        std::thread::Builder::new()
+            .name(format!("kvgate-api-{i}"))
+            .spawn(move || runtime.block_on(run_worker(router, incoming, count)))?;
+        workers.push(Worker { connections, serving });
+    }
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let accepted = tokio::select! {
+            accepted = listener.accept() => accepted,
+            () = &mut shutdown => break,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _)) => tcp,
+            Err(e) if is_connection_error(&e) => continue,
+            Err(e) => {
+                // Out of file descriptors and the like: wait rather than spin.
+                tracing::error!("accepting a connection: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::warn!("TCP_NODELAY: {e}");
+        }
+        let tcp = tcp.into_std()?;
+        let worker = workers.iter().min_by_key(|w| w.serving.load(Ordering::Relaxed)).expect("at least one thread");
+        worker.serving.fetch_add(1, Ordering::Relaxed);
+        if worker.connections.send((tcp, graceful.watcher())).is_err() {
+            anyhow::bail!("a connection thread of the HTTP API has stopped");
+        }
+    }
+    drop(workers);
+    if tokio::time::timeout(DRAIN, graceful.shutdown()).await.is_err() {
+        tracing::info!("connections still open after {} s; closing them", DRAIN.as_secs());
+    }
+    Ok(())
+}
+
+/// A connection thread: serves the connections it is given until the acceptor is gone and
+/// they have all finished.
+async fn run_worker(
+    router: Router,
+    mut incoming: mpsc::UnboundedReceiver<(std::net::TcpStream, Watcher)>,
+    serving: Arc<AtomicUsize>,
+) {
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder.http2().max_frame_size(MAX_FRAME_BYTES);
+    let builder = Arc::new(builder);
+    let mut connections = JoinSet::new();
+    loop {
+        tokio::select! {
+            next = incoming.recv() => {
+                let Some((tcp, watcher)) = next else { break };
+                let (builder, router, serving) = (builder.clone(), router.clone(), serving.clone());
+                connections.spawn(async move {
+                    match tokio::net::TcpStream::from_std(tcp) {
+                        Ok(tcp) => {
+                            let service = TowerToHyperService::new(router);
+                            let connection = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
+                            if let Err(e) = watcher.watch(connection).await {
+                                tracing::debug!("connection ended: {e}");
+                            }
+                        }
+                        Err(e) => tracing::warn!("registering an accepted connection: {e}"),
+                    }
+                    serving.fetch_sub(1, Ordering::Relaxed);
+                });
+            }
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    while connections.join_next().await.is_some() {}
+}
+
+/// Errors of one connection (the client gave up while it was being accepted), not of the
+/// listener.
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    matches!(e.kind(), ConnectionRefused | ConnectionAborted | ConnectionReset)
+}
