@@ -1,6 +1,8 @@
 //! Runs the engine model in real time: one task owns the [`Engine`], takes requests from a
 //! channel, sleeps each step's model duration (× `--time-scale`), then delivers the step's
-//! tokens to the waiting HTTP handlers and its cache changes to the event publisher.
+//! tokens to the waiting HTTP handlers and its cache changes to the event publisher. At time
+//! scale 0 nothing is slept: steps run back to back and the model clock moves by their
+//! durations alone (an instant engine, for measuring what sits in front of it).
 
 use kvgate_sim::cache::CacheChange;
 use kvgate_sim::engine::{Counters, Engine, EngineError, Finished, NewRequest, RequestId};
@@ -50,7 +52,7 @@ pub struct EngineStopped;
 
 impl EngineHandle {
     /// Starts the engine task. `time_scale` is wall seconds per model second (0.01 runs
-    /// 100× faster than the modelled GPU). Cache changes go to `events`, one batch per step.
+    /// 100× faster than the modelled GPU; 0 never waits). Cache changes go to `events`, one batch per step.
     pub fn spawn(engine: Engine, time_scale: f64, events: Option<mpsc::UnboundedSender<Vec<CacheChange>>>) -> Self {
         let (commands, rx) = mpsc::unbounded_channel();
         let snapshot = Arc::new(Mutex::new(Snapshot::default()));
@@ -90,6 +92,7 @@ async fn run(
     snapshot: Arc<Mutex<Snapshot>>,
 ) {
     let start = Instant::now();
+    let paced = time_scale > 0.0;
     let model_now = || start.elapsed().as_secs_f64() / time_scale;
     let wall_at = |model: f64| start + Duration::from_secs_f64(model * time_scale);
     let mut streams: HashMap<RequestId, mpsc::UnboundedSender<Emission>> = HashMap::new();
@@ -104,9 +107,15 @@ async fn run(
             handle(&mut engine, &mut streams, cmd, &publish);
         }
         // Idle time passes in model time too; a busy engine runs ahead by its step durations.
-        engine.advance_to(model_now());
+        if paced {
+            engine.advance_to(model_now());
+        }
         if let Some(step) = engine.step() {
-            tokio::time::sleep_until(wall_at(engine.now())).await;
+            if paced {
+                tokio::time::sleep_until(wall_at(engine.now())).await;
+            } else {
+                tokio::task::yield_now().await; // let the HTTP handlers run between steps
+            }
             // Before the outputs go: a client that reads /metrics on its answer sees its step.
             *snapshot.lock().expect("snapshot lock") = take_snapshot(&engine);
             for output in step.outputs {
@@ -126,6 +135,10 @@ async fn run(
             publish(engine.take_cache_changes());
             *snapshot.lock().expect("snapshot lock") = take_snapshot(&engine);
             let cmd = match engine.next_wakeup() {
+                Some(t) if !paced => {
+                    engine.advance_to(t);
+                    continue;
+                }
                 Some(t) => tokio::select! {
                     cmd = commands.recv() => cmd,
                     _ = tokio::time::sleep_until(wall_at(t)) => continue,

@@ -99,7 +99,8 @@ struct Args {
     #[arg(long, default_value_t = 128)]
     default_max_tokens: u32,
 
-    /// Wall seconds per simulated second: 0.01 runs 100× faster than the modelled GPU.
+    /// Wall seconds per simulated second: 0.01 runs 100× faster than the modelled GPU; 0
+    /// runs steps back to back, never waiting (an instant engine).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
     /// Timing model: fixed cost of every step, ms.
@@ -145,8 +146,8 @@ async fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    if !(args.time_scale > 0.0 && args.time_scale.is_finite()) {
-        anyhow::bail!("--time-scale must be a positive number, got {}", args.time_scale);
+    if !(args.time_scale >= 0.0 && args.time_scale.is_finite()) {
+        anyhow::bail!("--time-scale must be a number ≥ 0, got {}", args.time_scale);
     }
     if args.block_size == 0 || args.num_blocks == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         anyhow::bail!("--block-size, --num-blocks, --max-num-seqs and --max-num-batched-tokens must be positive");

@@ -224,3 +224,20 @@ async fn sigterm_stops_the_pod_cleanly() {
     let exit = sim.wait_exit(Duration::from_secs(10)).expect("exits after SIGTERM");
     assert!(exit.success(), "{exit:?}");
 }
+
+#[tokio::test]
+async fn at_time_scale_zero_the_engine_never_waits() {
+    // 2,000 decode steps: paced, each would wait for at least one of tokio's millisecond
+    // timer ticks (seconds in all); at time scale 0 they run back to back. The bound only
+    // keeps a broken engine from hanging the test.
+    let tokenizer = qwen3_tokenizer();
+    let sim = Sim::start("pod-i", &["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", "0"]).await;
+    let answered = tokio::time::timeout(
+        Duration::from_secs(30),
+        sim.post("/v1/completions", &json!({"prompt": text("gamma", 40), "max_tokens": 2000})),
+    )
+    .await
+    .expect("an instant engine answers");
+    let body: Value = answered.json().await.unwrap();
+    assert_eq!(body["usage"]["completion_tokens"], 2000);
+}

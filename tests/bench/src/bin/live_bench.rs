@@ -2,7 +2,7 @@
 //! pods (live `kvgate-sim` processes, fast time scale) and one identical workload, in turn:
 //! Envoy + kvgate, `vllm-router --policy kv_aware` (fed the pods' KV events),
 //! `sglang-router --policy cache_aware`, and Envoy round robin. Each router gets fresh pods
-//! (cold caches). Then the overhead: each router in front of one near-instant pod at a
+//! (cold caches). Then the overhead: each router in front of one instant pod (time scale 0) at a
 //! fixed concurrency, short and long prompts, against a direct connection.
 //!
 //! Writes `results.json`, `results.md` and `ttft.svg` under `--out`.
@@ -439,7 +439,7 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
     Ok((medians, errors))
 }
 
-/// What a router adds in front of a near-instant pod at fixed concurrency.
+/// What a router adds in front of an instant pod at fixed concurrency.
 #[derive(Clone, Debug, Serialize)]
 struct OverheadResult {
     path: String,
@@ -454,7 +454,7 @@ struct OverheadResult {
 async fn overhead(args: &Args) -> anyhow::Result<Vec<OverheadResult>> {
     let tokenizer = qwen3_tokenizer();
     let tok = tokenizer.to_str().context("tokenizer path")?;
-    let pod = Sim::start("instant", &["--tokenizer", tok, "--model", MODEL, "--time-scale", "0.0001"]).await;
+    let pod = Sim::start("instant", &["--tokenizer", tok, "--model", MODEL, "--time-scale", "0"]).await;
     let pods = std::slice::from_ref(&pod);
     let mut gateways = vec![("direct to the pod".to_string(), None)];
     for kind in kinds(args)? {
@@ -517,7 +517,7 @@ async fn main() -> anyhow::Result<()> {
     );
     let (quality, quality_errors) = quality(&args, ticks).await?;
     println!(
-        "Overhead: one near-instant pod, {} requests per path and prompt at concurrency {}",
+        "Overhead: one instant pod, {} requests per path and prompt at concurrency {}",
         args.overhead_requests, args.concurrency
     );
     let overhead = overhead(&args).await?;
@@ -551,7 +551,7 @@ async fn main() -> anyhow::Result<()> {
         ));
     }
     md.push_str(&format!(
-        "\nOverhead (one near-instant pod, {} requests per path and prompt, {} in flight, non-streaming, one output token):\n\n\
+        "\nOverhead (one instant pod, {} requests per path and prompt, {} in flight, non-streaming, one output token):\n\n\
          | prompt | path | latency p50 | p90 | added p50 | req/s | errors |\n|---|---|---|---|---|---|---|\n",
         args.overhead_requests, args.concurrency
     ));

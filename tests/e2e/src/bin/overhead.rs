@@ -114,10 +114,13 @@ async fn main() -> anyhow::Result<()> {
     anyhow::ensure!(args.rounds >= 1 && args.requests >= args.rounds, "--requests must be ≥ --rounds ≥ 1");
     kvgate_test_harness::quiet_children();
     let tokenizer = qwen3_tokenizer();
-    // A near-instant engine: 1e-4 × model time, with room for 220 kB prompts.
+    // An instant engine (time scale 0: its steps run back to back, nothing is slept), with
+    // room for 220 kB prompts. A paced one at a tiny scale would wait for tokio's
+    // millisecond timer ticks between steps — a 1 kHz batch clock that sets every path's
+    // latency and hides what the gateway costs.
     let pod = Sim::start(
         "pod-1",
-        &["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", "0.0001", "--max-model-len", "262144"],
+        &["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", "0", "--max-model-len", "262144"],
     )
     .await;
     let config = format!(
@@ -163,7 +166,7 @@ async fn main() -> anyhow::Result<()> {
         "--perf samples one cell of one path through a scorer"
     );
     println!(
-        "kvgate overhead: {} requests per path and cell in {} interleaved rounds; one near-instant pod",
+        "kvgate overhead: {} requests per path and cell in {} interleaved rounds; one instant pod (simulator at time scale 0)",
         args.requests, args.rounds
     );
     let client = reqwest::Client::new();
