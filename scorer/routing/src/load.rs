@@ -147,11 +147,25 @@ struct Inflight {
     first_token_at: Option<f64>,
     booked_at: f64,
     expires_at: f64,
+    /// Where the request sits in its pod's `inflight` and `decode` lists.
+    slot: usize,
+}
+
+/// What [`LoadTracker::load`] reads of a request in flight, kept in its pod's state beside
+/// its key, so that a pod's load is summed over one contiguous list (no lookup per request).
+#[derive(Clone, Copy)]
+struct DecodeTerm {
+    output_tokens: u32,
+    first_token_at: Option<f64>,
+    /// Prompt blocks, the partial one included.
+    prompt_blocks: u32,
 }
 
 #[derive(Default)]
 struct PodState {
+    /// The pod's requests in flight; `decode[i]` is `inflight[i]`'s.
     inflight: Vec<BookingKey>,
+    decode: Vec<DecodeTerm>,
     queued_prefill_tokens: u64,
     queued_prefill_work: f64,
     shared_blocks: AHashMap<SequenceHash, u32>,
@@ -226,6 +240,7 @@ impl LoadTracker {
             first_token_at: None,
             booked_at: now,
             expires_at: now + self.config.request_ttl,
+            slot: 0,
         };
         req.set_cached(booking.cached_tokens);
         let chain = req.prompt_blocks.clone();
@@ -251,7 +266,7 @@ impl LoadTracker {
     }
 
     /// Adds a request's load to its pod.
-    fn insert(&mut self, key: BookingKey, req: Inflight) {
+    fn insert(&mut self, key: BookingKey, mut req: Inflight) {
         let pod = &mut self.pods[req.pod.index()];
         if req.first_token_at.is_none() {
             pod.queued_prefill_tokens += req.prefill_tokens;
@@ -261,7 +276,13 @@ impl LoadTracker {
             *pod.shared_blocks.entry(*h).or_insert(0) += 1;
         }
         pod.private_blocks += u64::from(req.partial_block);
+        req.slot = pod.inflight.len();
         pod.inflight.push(key.clone());
+        pod.decode.push(DecodeTerm {
+            output_tokens: req.output_tokens,
+            first_token_at: req.first_token_at,
+            prompt_blocks: (req.prompt_blocks.len() + usize::from(req.partial_block)) as u32,
+        });
         self.requests.insert(key, req);
     }
 
@@ -273,7 +294,10 @@ impl LoadTracker {
         if blocks.is_empty() {
             return 0;
         }
-        chain.iter().take_while(|h| blocks.contains_key(*h)).count()
+        // Every booking holds its whole chain from the first block, and a block's hash names
+        // its whole prefix, so the blocks held of any chain are a prefix of it: the first
+        // block not held is found by bisection, not by walking the chain.
+        chain.partition_point(|h| blocks.contains_key(h))
     }
 
     /// Applies a lifecycle report.
@@ -296,6 +320,7 @@ impl LoadTracker {
                 if req.first_token_at.is_none() {
                     req.first_token_at = Some(now);
                     let state = &mut self.pods[pod.index()];
+                    state.decode[req.slot].first_token_at = Some(now);
                     state.queued_prefill_tokens -= req.prefill_tokens;
                     state.queued_prefill_work -= req.prefill_work;
                 }
@@ -336,8 +361,10 @@ impl LoadTracker {
             }
         }
         pod.private_blocks -= u64::from(req.partial_block);
-        if let Some(i) = pod.inflight.iter().position(|r| *r == id) {
-            pod.inflight.swap_remove(i);
+        pod.inflight.swap_remove(req.slot);
+        pod.decode.swap_remove(req.slot);
+        if let Some(moved) = pod.inflight.get(req.slot) {
+            self.requests.get_mut(moved).expect("a pod's requests are all booked").slot = req.slot;
         }
         if pod.inflight.is_empty() {
             // Float sums drift; an idle pod is exactly idle.
@@ -424,12 +451,11 @@ impl LoadTracker {
         let bs = self.config.block_size as f64;
         let decode_speed = self.speeds.decode_tokens_per_second(pod).unwrap_or(self.config.decode_tokens_per_second);
         let (mut output_blocks, mut read_blocks) = (0.0, 0.0);
-        for r in state.inflight.iter().filter_map(|id| self.requests.get(id)) {
+        for r in &state.decode {
             let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * decode_speed);
             let remaining = (f64::from(r.output_tokens) - generated).max(0.0);
             output_blocks += remaining / bs;
-            read_blocks += (r.prompt_blocks.len() + usize::from(r.partial_block)) as f64
-                + generated.min(f64::from(r.output_tokens)) / bs;
+            read_blocks += f64::from(r.prompt_blocks) + generated.min(f64::from(r.output_tokens)) / bs;
         }
         PodLoad {
             inflight_requests: state.inflight.len() as u32,
@@ -557,6 +583,76 @@ mod tests {
         assert_eq!(t.load(a, 0.0).decode_blocks, 12.0);
         t.report(&k("x"), Lifecycle::Cancelled, 0.0).unwrap();
         assert_eq!(t.load(a, 0.0).decode_blocks, 7.0);
+    }
+
+    /// Chained block hashes of a prompt made of `groups` (each group's tokens a run of 4).
+    fn prompt_chain(groups: &[u32]) -> Vec<SequenceHash> {
+        let tokens: Vec<u32> = groups.iter().flat_map(|&g| [g; 4]).collect();
+        let mut out = Vec::new();
+        crate::hash::sequence_hashes(crate::hash::root_hash(None, None), &tokens, 4, &mut out);
+        out
+    }
+
+    #[test]
+    fn in_flight_prefixes_are_found_as_by_walking_the_chain() {
+        let (mut t, a, _) = tracker();
+        let booked = [vec![1, 2, 3, 4, 5, 6], vec![1, 2, 3, 9], vec![1, 7], vec![8, 8, 8]];
+        for (i, groups) in booked.iter().enumerate() {
+            let c = prompt_chain(groups);
+            let booking = Booking {
+                pod: a,
+                prompt_tokens: c.len() as u32 * 4,
+                cached_tokens: 0,
+                chain: &c,
+                max_output_tokens: None,
+            };
+            t.book(&k(format!("r{i}")), &booking, 0.0);
+        }
+        t.report(&k("r1"), Lifecycle::Done, 1.0).unwrap();
+        let held: Vec<Vec<SequenceHash>> = [0, 2, 3].iter().map(|&i| prompt_chain(&booked[i])).collect();
+        let walked = |c: &[SequenceHash]| c.iter().take_while(|h| held.iter().any(|b| b.contains(h))).count();
+        for query in
+            [vec![1, 2, 3, 4, 5, 6, 7], vec![1, 2, 3, 9], vec![1, 2, 9], vec![1, 7, 7], vec![8, 8], vec![2], vec![]]
+        {
+            let c = prompt_chain(&query);
+            assert_eq!(t.inflight_prefix(a, &c), walked(&c), "{query:?}");
+        }
+        assert_eq!(t.inflight_prefix(a, &prompt_chain(&[1, 2, 3, 9])), 3, "r1's own fourth block left with it");
+    }
+
+    #[test]
+    fn a_pods_load_follows_its_bookings_in_any_order_of_release() {
+        let (mut t, a, _) = tracker();
+        let c = chain(3);
+        let n = 40;
+        for i in 0..n {
+            let booking =
+                Booking { pod: a, prompt_tokens: 10 + i, cached_tokens: 0, chain: &c, max_output_tokens: Some(4 + i) };
+            t.book(&k(format!("r{i}")), &booking, 0.0);
+        }
+        for i in (0..n).step_by(3) {
+            t.report(&k(format!("r{i}")), Lifecycle::FirstToken, 1.0).unwrap();
+        }
+        let mut left: Vec<u32> = (0..n).collect();
+        for i in [7, 0, 39, 13, 26, 1, 38, 20] {
+            t.report(&k(format!("r{i}")), Lifecycle::Done, 1.5).unwrap();
+            left.retain(|&j| j != i);
+            // By hand: 4 tokens a block, 4 tokens a second decoded; at 2.0 a started request
+            // has decoded 4 tokens (one block) of its 4 + i.
+            let (mut output, mut read) = (0.0, 0.0);
+            for &j in &left {
+                let (out, generated) = (f64::from(4 + j), if j % 3 == 0 { 4.0 } else { 0.0 });
+                output += (out - generated) / 4.0;
+                read += 3.0 + f64::from(u32::from((10 + j) % 4 != 0)) + generated / 4.0;
+            }
+            let l = t.load(a, 2.0);
+            assert_eq!(l.inflight_requests as usize, left.len());
+            assert!(
+                (l.decode_blocks - (3.0 + left.iter().filter(|&&j| (10 + j) % 4 != 0).count() as f64 + output)).abs()
+                    < 1e-9
+            );
+            assert!((l.decode_read_blocks - read).abs() < 1e-9, "{} vs {read}", l.decode_read_blocks);
+        }
     }
 
     #[test]
