@@ -39,6 +39,9 @@ pub enum RouteError {
     /// Refused for overload: retry after this many seconds.
     #[error("{reason}")]
     Shed { retry_after_seconds: u64, reason: &'static str },
+    /// The scorer is shutting down.
+    #[error("the scorer is stopping")]
+    Stopping,
 }
 
 impl RouteError {
@@ -46,7 +49,7 @@ impl RouteError {
     pub fn status(&self) -> (u16, &'static str) {
         match self {
             RouteError::BadRequest(_) => (400, "BadRequestError"),
-            RouteError::NoPod => (503, "ServiceUnavailable"),
+            RouteError::NoPod | RouteError::Stopping => (503, "ServiceUnavailable"),
             RouteError::Saturated | RouteError::Shed { .. } => (429, "TooManyRequests"),
         }
     }
@@ -390,7 +393,8 @@ impl Scorer {
         let scorer = self.clone();
         match tokio::task::spawn_blocking(move || scorer.prepare(api, &body)).await {
             Ok(prepared) => prepared,
-            Err(e) => std::panic::resume_unwind(e.into_panic()),
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Err(RouteError::Stopping), // the runtime is shutting down
         }
     }
 
