@@ -242,12 +242,14 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
         open_sessions: workload.sessions.iter().filter(|s| !s.turns.is_empty()).count(),
         scrape_interval: config.scrape_interval,
     };
+    // The router has scraped every pod once before traffic starts (as the scorer does on
+    // start-up), so a burst at t = 0 meets known cache sizes.
+    sim.schedule(0.0, Event::Scrape);
     for (i, s) in workload.sessions.iter().enumerate() {
         if !s.turns.is_empty() {
             sim.schedule(s.start, Event::Arrive { session: i, turn: 0 });
         }
     }
-    sim.schedule(0.0, Event::Scrape);
     while let Some(Scheduled { at, event, .. }) = sim.queue.pop() {
         match event {
             Event::Arrive { session, turn } => sim.arrive(session, turn, at),
