@@ -68,7 +68,8 @@ fn incr(metric: u32, by: i64) {
 struct Shared {
     config: FilterConfig,
     metrics: Metrics,
-    reports: RefCell<Vec<LifecycleReport>>,
+    /// Lifecycle reports waiting for the next flush, with when each happened.
+    reports: RefCell<Vec<(LifecycleReport, SystemTime)>>,
     generated_ids: Cell<u64>,
     route_stream: RefCell<RouteStream>,
     /// Prefill legs in flight (sent by the root, which hears their answers), by call token.
@@ -95,11 +96,19 @@ struct Waiting {
 impl Shared {
     /// Sends the waiting lifecycle reports to the scorer in one call.
     fn flush(&self) {
-        let reports = std::mem::take(&mut *self.reports.borrow_mut());
-        if reports.is_empty() {
+        let pending = std::mem::take(&mut *self.reports.borrow_mut());
+        if pending.is_empty() {
             return;
         }
-        let n = reports.len() as i64;
+        let n = pending.len() as i64;
+        let sent = now();
+        let reports = pending
+            .into_iter()
+            .map(|(report, at)| {
+                let age = sent.duration_since(at).unwrap_or_default().as_micros();
+                LifecycleReport { age_us: Some(u32::try_from(age).unwrap_or(u32::MAX)), ..report }
+            })
+            .collect();
         let Ok(body) = serde_json::to_vec(&LifecycleBatch { reports }) else { return };
         let headers = vec![
             (":method", "POST"),
@@ -120,7 +129,9 @@ impl Shared {
     fn report(&self, request_id: &str, event: LifecycleEvent, output_tokens: Option<u32>, served: Option<String>) {
         let full = {
             let mut reports = self.reports.borrow_mut();
-            reports.push(LifecycleReport { request_id: request_id.to_string(), event, output_tokens, served });
+            let report =
+                LifecycleReport { request_id: request_id.to_string(), event, output_tokens, served, age_us: None };
+            reports.push((report, now()));
             reports.len() >= self.config.lifecycle_batch_max
         };
         if full {

@@ -210,6 +210,11 @@ pub struct LifecycleReport {
     /// Completion tokens, when the response carried `usage`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_tokens: Option<u32>,
+    /// Microseconds from the event to the sending of its batch (a proxy that batches its
+    /// reports says how old each is, so the scorer dates the first token and the end where
+    /// they happened); absent = just now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub age_us: Option<u32>,
 }
 
 /// The route stream's gRPC service (package `kvgate.route.v1`).

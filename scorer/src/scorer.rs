@@ -81,6 +81,10 @@ fn shed_message(reason: &str) -> &'static str {
 /// Request bodies at least this large are prepared off the serving thread (≈ 16k tokens).
 pub const PREPARE_ASIDE_BYTES: usize = 64 << 10;
 
+/// A lifecycle report's age is believed up to this (a proxy flushes its batches every few
+/// milliseconds; an age beyond it is a clock jump or a bug, not a late report).
+const MAX_REPORT_AGE_SECONDS: f64 = 10.0;
+
 /// A request ready for a decision: its block chain and sizes ([`Scorer::prepare`]).
 #[derive(Clone, Debug)]
 pub struct Prepared {
@@ -552,18 +556,21 @@ impl Scorer {
     }
 
     /// Applies a batch of lifecycle reports (the filter's); returns how many named no
-    /// in-flight request.
+    /// in-flight request. Each report is dated by its age (the filter batches them): a first
+    /// token reported 15 ms late still ends its prefill where it ended.
     pub fn lifecycle(&self, reports: &[LifecycleReport]) -> usize {
         let now = self.now();
         let mut core = self.lock();
         let unknown = reports
             .iter()
             .filter(|r| {
+                let age = r.age_us.map_or(0.0, |us| (f64::from(us) / 1e6).min(MAX_REPORT_AGE_SECONDS));
+                let at = (now - age).max(0.0);
                 // Where it was served comes with the first token: the booking follows first.
                 if let Some(served) = r.served.as_deref().and_then(|a| a.parse().ok()) {
-                    self.served_locked(&mut core, &r.request_id, served, now);
+                    self.served_locked(&mut core, &r.request_id, served, at);
                 }
-                !self.report_locked(&mut core, &r.request_id, r.event, r.output_tokens, now)
+                !self.report_locked(&mut core, &r.request_id, r.event, r.output_tokens, at)
             })
             .count();
         drop(core);
@@ -947,7 +954,13 @@ mod tests {
     }
 
     fn report(id: &str, event: LifecycleEvent, served: Option<&str>) -> LifecycleReport {
-        LifecycleReport { request_id: id.into(), event, output_tokens: None, served: served.map(str::to_string) }
+        LifecycleReport {
+            request_id: id.into(),
+            event,
+            output_tokens: None,
+            served: served.map(str::to_string),
+            age_us: None,
+        }
     }
 
     #[tokio::test]
@@ -1020,6 +1033,30 @@ mod tests {
         decide(&s, "x");
         s.lifecycle(&[report("x", LifecycleEvent::FirstToken, None), report("x", LifecycleEvent::Done, None)]);
         assert!(speed(&s, "a").is_none() && speed(&s, "b").is_none());
+    }
+
+    #[test]
+    fn batched_reports_are_dated_by_their_age() {
+        let s = scorer("policy: {name: round-robin}\nload: {pod_speed: {prior_samples: 2}}\n");
+        std::thread::sleep(std::time::Duration::from_millis(120)); // a past to date them in
+        for id in ["r0", "r1", "r2", "r3"] {
+            decide(&s, id);
+            // One batch: the first token 100 ms before the end, 5 tokens in all.
+            let first = LifecycleReport { age_us: Some(100_000), ..report(id, LifecycleEvent::FirstToken, None) };
+            let done =
+                LifecycleReport { output_tokens: Some(5), age_us: Some(0), ..report(id, LifecycleEvent::Done, None) };
+            assert_eq!(s.lifecycle(&[first, done]), 0);
+        }
+        for view in s.pods_view() {
+            // 4 tokens after the first in 0.1 s; undated, both would fall at one instant.
+            let learned = view.decode_tokens_per_second.expect("two reports each");
+            assert!((learned - 40.0).abs() < 1e-6, "{}: {learned}", view.name);
+        }
+        // An age beyond belief is capped, not taken back past the scorer's start.
+        decide(&s, "late");
+        let ancient = LifecycleReport { age_us: Some(u32::MAX), ..report("late", LifecycleEvent::Done, None) };
+        assert_eq!(s.lifecycle(&[ancient]), 0);
+        assert_eq!(s.pods_view().iter().map(|v| v.inflight_requests).sum::<u32>(), 0);
     }
 
     #[test]
