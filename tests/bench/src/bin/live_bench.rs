@@ -51,7 +51,7 @@ struct Args {
     /// Questions over 8 shared documents.
     #[arg(long, default_value_t = 240)]
     questions: usize,
-    /// Requests per router and prompt size in the overhead part.
+    /// Requests per router and prompt size in the overhead part (0 skips the part).
     #[arg(long, default_value_t = 400)]
     overhead_requests: usize,
     /// Runs per router (interleaved across routers); the run with the median TTFT p90 is
@@ -516,11 +516,15 @@ async fn main() -> anyhow::Result<()> {
         args.sessions, args.questions, args.concurrency, args.pods, args.num_blocks, args.time_scale
     );
     let (quality, quality_errors) = quality(&args, ticks).await?;
-    println!(
-        "Overhead: one instant pod, {} requests per path and prompt at concurrency {}",
-        args.overhead_requests, args.concurrency
-    );
-    let overhead = overhead(&args).await?;
+    let overhead = if args.overhead_requests == 0 {
+        Vec::new()
+    } else {
+        println!(
+            "Overhead: one instant pod, {} requests per path and prompt at concurrency {}",
+            args.overhead_requests, args.concurrency
+        );
+        overhead(&args).await?
+    };
 
     let mut md = format!(
         "Live side by side: {requests} requests, {} in flight, {} simulated pods ({} KV blocks, time scale {}) per router; {:.0} s wall in all.\n\n\
@@ -550,16 +554,18 @@ async fn main() -> anyhow::Result<()> {
             r.router_cpu_s
         ));
     }
-    md.push_str(&format!(
+    if !overhead.is_empty() {
+        md.push_str(&format!(
         "\nOverhead (one instant pod, {} requests per path and prompt, {} in flight, non-streaming, one output token):\n\n\
          | prompt | path | latency p50 | p90 | added p50 | req/s | errors |\n|---|---|---|---|---|---|---|\n",
         args.overhead_requests, args.concurrency
     ));
-    for r in &overhead {
-        md.push_str(&format!(
-            "| {} | {} | {:.2} ms | {:.2} ms | {:+.2} ms | {:.0} | {} |\n",
-            r.prompt, r.path, r.latency_p50_ms, r.latency_p90_ms, r.added_p50_ms, r.requests_per_s, r.errors
-        ));
+        for r in &overhead {
+            md.push_str(&format!(
+                "| {} | {} | {:.2} ms | {:.2} ms | {:+.2} ms | {:.0} | {} |\n",
+                r.prompt, r.path, r.latency_p50_ms, r.latency_p90_ms, r.added_p50_ms, r.requests_per_s, r.errors
+            ));
+        }
     }
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let bars: Vec<(String, f64, f64)> =
