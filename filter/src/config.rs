@@ -33,7 +33,8 @@ pub enum FailureMode {
 pub struct FilterConfig {
     /// Envoy cluster of the scorer sidecar.
     pub scorer_cluster: String,
-    /// `:authority` of the lifecycle calls to the scorer (route calls go on the route stream).
+    /// `:authority` of lifecycle batches sent to the scorer by HTTP, while the route stream is
+    /// closed (route calls and, while it is open, lifecycle reports go on the stream).
     pub scorer_authority: String,
     /// Route-call timeout; beyond it the failure mode applies.
     pub scorer_timeout_ms: u64,
@@ -43,11 +44,12 @@ pub struct FilterConfig {
     pub paths: Vec<String>,
     /// Header naming the chosen pod for Envoy's `override_host` load-balancing policy.
     pub destination_header: String,
-    /// Lifecycle reports are sent to the scorer in batches at this period…
+    /// Lifecycle reports not yet gone with a route call are sent at this period (also the
+    /// root's tick: route-call timeouts, reopening the route stream)…
     pub lifecycle_flush_ms: u64,
     /// …or as soon as this many are waiting.
     pub lifecycle_batch_max: usize,
-    /// Timeout of a lifecycle batch call.
+    /// Timeout of a lifecycle batch sent by HTTP.
     pub lifecycle_timeout_ms: u64,
     pub pd_mode: PdMode,
     /// Envoy cluster of the pods (prefill legs go there, steered by the destination header).

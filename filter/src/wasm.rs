@@ -6,7 +6,7 @@ use crate::config::{FailureMode, FilterConfig, PdMode};
 use crate::logic::{self, Verdict};
 use kvgate_route_api::{
     HEADER_OBJECTIVE, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, LifecycleEvent, LifecycleReport,
-    ROUTE_STREAM_METHOD, ROUTE_STREAM_SERVICE, RouteAnswer, RouteCall,
+    ROUTE_STREAM_METHOD, ROUTE_STREAM_SERVICE, RouteAnswer, RouteCall, StreamReport,
 };
 use prost::Message;
 use proxy_wasm::hostcalls;
@@ -94,21 +94,42 @@ struct Waiting {
 }
 
 impl Shared {
-    /// Sends the waiting lifecycle reports to the scorer in one call.
-    fn flush(&self) {
+    /// The waiting lifecycle reports, each stamped with its age now.
+    fn take_reports(&self) -> Vec<LifecycleReport> {
         let pending = std::mem::take(&mut *self.reports.borrow_mut());
-        if pending.is_empty() {
-            return;
-        }
-        let n = pending.len() as i64;
         let sent = now();
-        let reports = pending
+        pending
             .into_iter()
             .map(|(report, at)| {
                 let age = sent.duration_since(at).unwrap_or_default().as_micros();
                 LifecycleReport { age_us: Some(u32::try_from(age).unwrap_or(u32::MAX)), ..report }
             })
-            .collect();
+            .collect()
+    }
+
+    /// Sends the waiting lifecycle reports to the scorer in one message: on the route
+    /// stream while it is open, else by HTTP.
+    fn flush(&self) {
+        let reports = self.take_reports();
+        if reports.is_empty() {
+            return;
+        }
+        let token = self.route_stream.borrow().token;
+        let Some(token) = token else { return self.send_reports_by_http(reports) };
+        let n = reports.len() as i64;
+        let call = RouteCall { reports: reports.into_iter().map(StreamReport::from).collect(), ..Default::default() };
+        match hostcalls::send_grpc_stream_message(token, Some(&call.encode_to_vec()), false) {
+            Ok(()) => incr(self.metrics.lifecycle_sent, n),
+            Err(status) => {
+                log::debug!("kvgate: lifecycle batch not sent on the route stream ({status:?}); sending by HTTP");
+                self.send_reports_by_http(unsent(call));
+            }
+        }
+    }
+
+    /// Reports sent by a `POST /v1/lifecycle` (when the route stream cannot carry them).
+    fn send_reports_by_http(&self, reports: Vec<LifecycleReport>) {
+        let n = reports.len() as i64;
         let Ok(body) = serde_json::to_vec(&LifecycleBatch { reports }) else { return };
         let headers = vec![
             (":method", "POST"),
@@ -195,6 +216,11 @@ impl Shared {
             self.fail_waiting(&reason);
         }
     }
+}
+
+/// The reports of a stream message that could not be sent, back as reports.
+fn unsent(call: RouteCall) -> Vec<LifecycleReport> {
+    call.reports.into_iter().filter_map(|r| LifecycleReport::try_from(r).ok()).collect()
 }
 
 /// `envoy.config.core.v3.GrpcService` with `envoy_grpc.cluster_name` only: how the host
@@ -573,16 +599,24 @@ impl Request {
         let Some(token) = shared.route_stream.borrow().token else {
             return fail(&shared, &mut flow, "the route stream to the scorer is not open");
         };
+        // The waiting lifecycle reports ride along: the scorer applies them first, so this
+        // decision sees them without waiting for the next flush.
+        let reports = shared.take_reports();
         let call = RouteCall {
             call: u64::from(self.context_id),
             request_id: flow.request_id.clone(),
             api_path: flow.api_path.clone(),
             objective: header(MapType::HttpRequestHeaders, HEADER_OBJECTIVE),
             body,
+            reports: reports.into_iter().map(StreamReport::from).collect(),
         };
         if let Err(status) = hostcalls::send_grpc_stream_message(token, Some(&call.encode_to_vec()), false) {
+            if !call.reports.is_empty() {
+                shared.send_reports_by_http(unsent(call));
+            }
             return fail(&shared, &mut flow, &format!("cannot send on the route stream: {status:?}"));
         }
+        incr(shared.metrics.lifecycle_sent, call.reports.len() as i64);
         flow.phase = Phase::Deciding;
         shared
             .route_stream

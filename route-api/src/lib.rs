@@ -18,8 +18,10 @@
 //! JSON body, `Retry-After`). The filter uses the stream; `POST /v1/route` serves everything
 //! else (and is what people try by hand).
 //!
-//! **Lifecycle** — `POST /v1/lifecycle` with a [`LifecycleBatch`]: the filter reports each
-//! routed request's first token and end, batched, so the scorer can release its bookings.
+//! **Lifecycle** — the filter reports each routed request's first token and end, batched
+//! and each dated by its age, so the scorer can release its bookings: on the route stream
+//! ([`RouteCall::reports`], riding on a route call or alone) while it is open, else
+//! `POST /v1/lifecycle` with a [`LifecycleBatch`].
 //!
 //! Also shared by both sides: which request paths are routed ([`Api`]), the first check of a
 //! request body ([`starts_as_object`]) and the scan of a response for its output size
@@ -185,17 +187,18 @@ impl ErrorBody {
 }
 
 /// What happened to a routed request.
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq, Hash, PartialOrd, Ord, prost::Enumeration)]
 #[serde(rename_all = "snake_case")]
+#[repr(i32)]
 pub enum LifecycleEvent {
     /// The first response bytes arrived: prefill is over.
-    FirstToken,
+    FirstToken = 0,
     /// The response completed.
-    Done,
+    Done = 1,
     /// The client went away or the upstream failed.
-    Cancelled,
+    Cancelled = 2,
     /// The prefill leg of a disaggregated request finished (answered, failed or timed out).
-    PrefillDone,
+    PrefillDone = 3,
 }
 
 /// One report.
@@ -241,6 +244,52 @@ pub struct RouteCall {
     /// The client's request body, verbatim.
     #[prost(bytes = "vec", tag = "5")]
     pub body: Vec<u8>,
+    /// Lifecycle reports riding on the stream, applied before the call. A message with an
+    /// empty `api_path` is no route call: it carries reports only and is not answered.
+    #[prost(message, repeated, tag = "6")]
+    pub reports: Vec<StreamReport>,
+}
+
+/// A [`LifecycleReport`] on the route stream.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct StreamReport {
+    #[prost(string, tag = "1")]
+    pub request_id: String,
+    #[prost(enumeration = "LifecycleEvent", tag = "2")]
+    pub event: i32,
+    #[prost(string, optional, tag = "3")]
+    pub served: Option<String>,
+    #[prost(uint32, optional, tag = "4")]
+    pub output_tokens: Option<u32>,
+    #[prost(uint32, optional, tag = "5")]
+    pub age_us: Option<u32>,
+}
+
+impl From<LifecycleReport> for StreamReport {
+    fn from(r: LifecycleReport) -> Self {
+        Self {
+            request_id: r.request_id,
+            event: r.event.into(),
+            served: r.served,
+            output_tokens: r.output_tokens,
+            age_us: r.age_us,
+        }
+    }
+}
+
+impl TryFrom<StreamReport> for LifecycleReport {
+    /// The event number, when it names no event.
+    type Error = i32;
+
+    fn try_from(r: StreamReport) -> Result<Self, i32> {
+        Ok(Self {
+            request_id: r.request_id,
+            event: LifecycleEvent::try_from(r.event).map_err(|_| r.event)?,
+            served: r.served,
+            output_tokens: r.output_tokens,
+            age_us: r.age_us,
+        })
+    }
 }
 
 /// The answer to a [`RouteCall`].
@@ -294,6 +343,25 @@ mod tests {
         assert_eq!(completion_tokens(b"data: {\"usage\": {\"completion_tokens\" : 7}}\n\ndata: [DONE]"), Some(7));
         assert_eq!(completion_tokens(b"data: {\"choices\":[]}"), None);
         assert_eq!(completion_tokens(b"\"completion_tokens\":"), None);
+    }
+
+    #[test]
+    fn reports_cross_the_route_stream_unchanged() {
+        use prost::Message;
+        let report = LifecycleReport {
+            request_id: "r-1".into(),
+            event: LifecycleEvent::Done,
+            served: Some("10.0.0.8:8000".into()),
+            output_tokens: Some(42),
+            age_us: Some(1500),
+        };
+        let call = RouteCall { reports: vec![report.clone().into()], ..Default::default() };
+        let decoded = RouteCall::decode(call.encode_to_vec().as_slice()).unwrap();
+        assert!(decoded.api_path.is_empty() && decoded.body.is_empty(), "reports only");
+        let back: Vec<LifecycleReport> = decoded.reports.into_iter().map(|r| r.try_into().unwrap()).collect();
+        assert_eq!(back, [report]);
+        let stray = StreamReport { request_id: "x".into(), event: 9, ..Default::default() };
+        assert_eq!(LifecycleReport::try_from(stray), Err(9));
     }
 
     #[test]

@@ -3,12 +3,14 @@
 //! Each call is answered as `POST /v1/route` would answer it ([`http::answer_route`]), in
 //! its own task on the thread that serves the stream's connection ([`crate::serve`]), so a
 //! call waiting for room (admission) holds up no other; answers go back in the order they
-//! are ready.
+//! are ready. Lifecycle reports ride on the stream too ([`RouteCall::reports`]): applied as
+//! they are read, before the call they came with; a message with no API path carries only
+//! reports and is not answered.
 
 use crate::http;
 use crate::scorer::Scorer;
 use futures::future::BoxFuture;
-use kvgate_route_api::{RouteAnswer, RouteCall};
+use kvgate_route_api::{LifecycleReport, RouteAnswer, RouteCall};
 use std::convert::Infallible;
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -51,7 +53,7 @@ async fn serve(
     scorer.metrics.route_streams.inc();
     tokio::spawn(async move {
         loop {
-            let call = match calls.message().await {
+            let mut call = match calls.message().await {
                 Ok(Some(call)) => call,
                 Ok(None) => break,
                 Err(status) => {
@@ -59,6 +61,12 @@ async fn serve(
                     break;
                 }
             };
+            if !call.reports.is_empty() {
+                apply_reports(&scorer, std::mem::take(&mut call.reports));
+            }
+            if call.api_path.is_empty() {
+                continue; // reports only
+            }
             let (scorer, answers) = (scorer.clone(), answers.clone());
             tokio::spawn(async move {
                 let outcome = http::answer_route(
@@ -83,4 +91,20 @@ async fn serve(
         scorer.metrics.route_streams.dec();
     });
     Ok(Response::new(ReceiverStream::new(receiver)))
+}
+
+/// The reports a stream message carried; one naming no known event is counted and dropped.
+fn apply_reports(scorer: &Scorer, reports: Vec<kvgate_route_api::StreamReport>) {
+    let reports: Vec<LifecycleReport> = reports
+        .into_iter()
+        .filter_map(|r| {
+            LifecycleReport::try_from(r)
+                .map_err(|event| {
+                    scorer.metrics.lifecycle_reports.with_label_values(&["invalid"]).inc();
+                    tracing::debug!("route stream: a lifecycle report with unknown event {event} dropped");
+                })
+                .ok()
+        })
+        .collect();
+    scorer.lifecycle(&reports);
 }

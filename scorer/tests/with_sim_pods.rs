@@ -299,7 +299,7 @@ fn api_threads(pid: u32) -> usize {
 
 #[tokio::test]
 async fn route_streams_are_served_on_listen_threads_and_do_not_hold_up_a_stop() {
-    use kvgate_route_api::{ROUTE_STREAM_PATH, RouteAnswer, RouteCall};
+    use kvgate_route_api::{LifecycleEvent, ROUTE_STREAM_PATH, RouteAnswer, RouteCall, StreamReport};
     let pods = pods(1, &[]).await;
     let mut scorer = ScorerProcess::start(&config(&pods, false, "listen_threads: 3\n")).await;
     assert_eq!(api_threads(scorer.pid()), 3);
@@ -325,8 +325,8 @@ async fn route_streams_are_served_on_listen_threads_and_do_not_hold_up_a_stop() 
                 call,
                 request_id: format!("stream-{call}"),
                 api_path: "/v1/completions".into(),
-                objective: None,
                 body: serde_json::to_vec(&body).unwrap(),
+                ..Default::default()
             })
             .await
             .unwrap();
@@ -339,6 +339,38 @@ async fn route_streams_are_served_on_listen_threads_and_do_not_hold_up_a_stop() 
         tokens.insert(answer.call, body["prompt_tokens"].as_u64().unwrap());
     }
     assert!(tokens[&1] < 16 && tokens[&2] > 16_000, "{tokens:?}");
+    assert_eq!(scorer.pod("pod-0").await["inflight_requests"], 2);
+
+    // Lifecycle reports ride on the stream: alone (no answer), or on a route call (applied
+    // before it). A report naming no known event is counted and dropped.
+    let done = |id: &str| StreamReport {
+        request_id: id.into(),
+        event: LifecycleEvent::Done.into(),
+        output_tokens: Some(2),
+        ..Default::default()
+    };
+    let stray = StreamReport { request_id: "stream-1".into(), event: 17, ..Default::default() };
+    calls.send(RouteCall { reports: vec![done("stream-1"), stray], ..Default::default() }).await.unwrap();
+    let body = json!({"model": MODEL, "prompt": "another question", "max_tokens": 2});
+    calls
+        .send(RouteCall {
+            call: 3,
+            request_id: "stream-3".into(),
+            api_path: "/v1/completions".into(),
+            body: serde_json::to_vec(&body).unwrap(),
+            reports: vec![done("stream-2")],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let answer = answers.message().await.unwrap().expect("an answer");
+    assert_eq!(answer.call, 3, "the reports-only message is not answered");
+    let explained: Value = serde_json::from_slice(&answer.body).unwrap();
+    assert_eq!(answer.status, 200, "{explained}");
+    assert_eq!(scorer.pod("pod-0").await["inflight_requests"], 1, "only stream-3 is in flight");
+    let metrics = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kvgate_lifecycle_reports_total{event=\"done\"} 2"), "{metrics}");
+    assert!(metrics.contains("kvgate_lifecycle_reports_total{event=\"invalid\"} 1"), "{metrics}");
 
     // The stream stays open (Envoy closes it when it goes): a stop waits a few seconds for
     // it, not for ever.
