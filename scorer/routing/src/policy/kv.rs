@@ -6,12 +6,16 @@
 //!                                   + miss_weight · fullness · its uncached tokens) / block_size
 //!           + decode_weight      · decode blocks held
 //!           + decode_read_weight · decode blocks read per step
+//!           + overflow_weight    · max(0, decode blocks held + its uncached blocks − KV capacity)
 //! ```
 //!
 //! `miss_weight` charges a cache miss for the prefixes its new blocks evict, in proportion
 //! to how full the pod's cache is (later requests recompute what was evicted); `decode_read_weight` charges the per-sequence
 //! context each decode step reads (a prefix shared by ten sequences is held once but read
-//! ten times), which sets the pod's step time. Defaults come from the cluster simulator
+//! ten times), which sets the pod's step time. `overflow_weight` charges the blocks a request
+//! would need beyond the pod's KV capacity (`num_gpu_blocks` from its metrics): an engine
+//! admits a request only when its blocks fit, so past capacity it waits for requests in
+//! flight to finish, or preempts them. Defaults come from the cluster simulator
 //! (`make bench-cluster`): see the README's benchmark section for what each term buys.
 //!
 //! Prefill is measured in *linear-equivalent tokens*: with the trapezoid estimate, uncached
@@ -60,6 +64,11 @@ pub struct KvPolicyConfig {
     /// Scaled by how full the pod's cache is (indexed blocks ÷ `num_gpu_blocks` from its
     /// metrics; taken as full when unknown).
     pub miss_weight: f64,
+    /// Cost per block this request would need beyond the pod's KV capacity: blocks held by
+    /// requests in flight plus its uncached ones, less `num_gpu_blocks` from the pod's
+    /// metrics (no charge while that is unknown). A request whose blocks do not fit waits
+    /// for others to finish. 0 = off.
+    pub overflow_weight: f64,
     pub prefill_estimate: PrefillEstimate,
     /// Context length at which attention work equals linear work (trapezoid estimate).
     pub attention_horizon_tokens: f64,
@@ -84,6 +93,7 @@ impl Default for KvPolicyConfig {
             decode_read_weight: 0.02,
             prefix_weight: 1.0,
             miss_weight: 3.0,
+            overflow_weight: 1.0,
             prefill_estimate: PrefillEstimate::Trapezoid,
             attention_horizon_tokens: 30_000.0,
             temperature: 0.0,
@@ -151,9 +161,17 @@ impl KvPolicy {
                 c.load.queued_prefill_tokens as f64 + c.load.queued_prefill_work / self.config.attention_horizon_tokens
             }
         };
-        let work = self.config.prefill_weight * (queued + own) / f64::from(input.block_size.max(1))
+        let block_size = f64::from(input.block_size.max(1));
+        let overflow = match c.reported {
+            Some(r) if r.num_gpu_blocks > 0.0 => {
+                (c.load.decode_blocks + uncached as f64 / block_size - r.num_gpu_blocks).max(0.0)
+            }
+            _ => 0.0,
+        };
+        let work = self.config.prefill_weight * (queued + own) / block_size
             + self.config.decode_weight * c.load.decode_blocks
-            + self.config.decode_read_weight * c.load.decode_read_blocks;
+            + self.config.decode_read_weight * c.load.decode_read_blocks
+            + self.config.overflow_weight * overflow;
         // In the pod's time: the same work takes a slower pod longer.
         work * c.slowness
     }
@@ -228,6 +246,23 @@ mod tests {
         // A slow pod holding most of the prompt still beats a cold fast one.
         let warm_slow = Candidate { slowness: 2.0, ..candidate(1, 800, 0, 0) };
         assert_eq!(p.select(&INPUT, &[warm_slow, fast]).chosen, 0);
+    }
+
+    #[test]
+    fn blocks_beyond_the_kv_capacity_are_charged() {
+        let p = policy(KvPolicyConfig::default());
+        let off = policy(KvPolicyConfig { overflow_weight: 0.0, ..Default::default() });
+        let with_capacity = |blocks: f64| ReportedLoad { num_gpu_blocks: blocks, ..Default::default() };
+        // 8 in flight hold 80 blocks; this request adds 1000 uncached tokens = 62.5 blocks.
+        let held = candidate(0, 0, 8, 0);
+        let roomy = Candidate { reported: Some(with_capacity(1000.0)), ..held };
+        let full = Candidate { reported: Some(with_capacity(100.0)), ..held };
+        assert_eq!(p.cost(&INPUT, &roomy), off.cost(&INPUT, &roomy), "it fits: no charge");
+        assert_eq!(p.cost(&INPUT, &held), off.cost(&INPUT, &held), "capacity unknown: no charge");
+        assert!((p.cost(&INPUT, &full) - off.cost(&INPUT, &full) - 42.5).abs() < 1e-9, "80 + 62.5 − 100");
+        // Two pods alike but for room: the one where the request fits.
+        let mut p = p;
+        assert_eq!(p.select(&INPUT, &[full, Candidate { pod: PodId(1), ..roomy }]).chosen, 1);
     }
 
     #[test]
