@@ -9,7 +9,7 @@
 //! arguments given as JSON strings are parsed into objects.
 
 use crate::{TokenizeError, pyjson};
-use minijinja::value::{Kwargs, Value as JValue};
+use minijinja::value::{Kwargs, Serde, Value as JValue};
 use minijinja::{Environment, Error as JError, ErrorKind};
 use serde_json::{Map, Value};
 
@@ -67,32 +67,35 @@ impl ChatTemplate {
         if messages.is_empty() {
             return Err(TokenizeError::Request("messages must not be empty".into()));
         }
-        let messages: Vec<Value> = messages.iter().map(normalise_message).collect::<Result<_, _>>()?;
         if options.continue_final_message && options.add_generation_prompt {
             return Err(TokenizeError::Request(
                 "continue_final_message and add_generation_prompt cannot both be true".into(),
             ));
         }
-        let mut ctx = Map::new();
-        if let Some(kwargs) = &options.template_kwargs {
-            for (k, v) in kwargs {
-                ctx.insert(k.clone(), v.clone());
+        // The messages go to the template as they are where vLLM would not change them (a
+        // string content, no tool calls: the common case, read in place rather than copied
+        // first — an 8k-token history is tens of kB); the others normalised.
+        let mut final_content = None;
+        let mut values = Vec::with_capacity(messages.len());
+        for (i, message) in messages.iter().enumerate() {
+            let normalised = normalise_message(message)?;
+            let message = normalised.as_ref().unwrap_or(message);
+            if options.continue_final_message && i + 1 == messages.len() {
+                final_content = Some(message.get("content").and_then(Value::as_str).unwrap_or("").to_owned());
             }
+            values.push(template_value(message));
         }
-        // Moved, not copied (an 8k-token history is tens of kB); the final message's content
-        // is kept aside for `continue_final_message`.
-        let final_content = options
-            .continue_final_message
-            .then(|| messages.last().and_then(|m| m.get("content")).and_then(Value::as_str).unwrap_or("").to_owned());
-        ctx.insert("messages".into(), Value::Array(messages));
-        ctx.insert("add_generation_prompt".into(), Value::Bool(options.add_generation_prompt));
-        ctx.insert("tools".into(), options.tools.clone().unwrap_or(Value::Null));
-        ctx.insert("bos_token".into(), Value::String(self.bos_token.clone()));
-        ctx.insert("eos_token".into(), Value::String(self.eos_token.clone()));
+        let ctx = minijinja::context! {
+            messages => values,
+            add_generation_prompt => options.add_generation_prompt,
+            tools => template_value(options.tools.as_ref().unwrap_or(&Value::Null)),
+            bos_token => self.bos_token.as_str(),
+            eos_token => self.eos_token.as_str(),
+            ..options.template_kwargs.as_ref().map(|kwargs| JValue::from(Serde(kwargs))).unwrap_or_default()
+        };
         let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| TokenizeError::Template(e.to_string()))?;
-        let mut rendered = template
-            .render(JValue::from(minijinja::value::Serde(&ctx)))
-            .map_err(|e| TokenizeError::Template(format!("chat template failed: {e:#}")))?;
+        let mut rendered =
+            template.render(ctx).map_err(|e| TokenizeError::Template(format!("chat template failed: {e:#}")))?;
         if let Some(last) = final_content {
             // As HF does: cut the text right after the final message's content.
             let last = last.as_str();
@@ -109,20 +112,20 @@ impl ChatTemplate {
     }
 }
 
-/// vLLM's message normalisation for string-content templates.
-fn normalise_message(message: &Value) -> Result<Value, TokenizeError> {
+/// vLLM's message normalisation for string-content templates: `None` where the message goes
+/// to the template as it is (a string content, no tool calls), else the normalised copy.
+fn normalise_message(message: &Value) -> Result<Option<Value>, TokenizeError> {
     let Value::Object(map) = message else {
         return Err(TokenizeError::Request("each message must be an object".into()));
     };
-    let mut out = map.clone();
     match map.get("role") {
         Some(Value::String(_)) => {}
         _ => return Err(TokenizeError::Request("each message needs a string 'role'".into())),
     }
-    // A string content is already in `out` (copied once, with the rest of the message).
     let content = match map.get("content") {
         None | Some(Value::Null) => String::new(),
-        Some(Value::String(_)) => return with_parsed_tool_calls(out),
+        Some(Value::String(_)) if !map.contains_key("tool_calls") => return Ok(None),
+        Some(Value::String(s)) => s.clone(),
         Some(Value::Array(parts)) => {
             let mut texts = Vec::with_capacity(parts.len());
             for part in parts {
@@ -142,12 +145,14 @@ fn normalise_message(message: &Value) -> Result<Value, TokenizeError> {
         }
         Some(_) => return Err(TokenizeError::Request("message 'content' must be a string or a list of parts".into())),
     };
+    let mut out = map.clone();
     out.insert("content".into(), Value::String(content));
-    with_parsed_tool_calls(out)
+    with_parsed_tool_calls(&mut out)?;
+    Ok(Some(Value::Object(out)))
 }
 
-/// The message with its tool calls' arguments parsed, as vLLM hands them to templates.
-fn with_parsed_tool_calls(mut out: Map<String, Value>) -> Result<Value, TokenizeError> {
+/// Parses the message's tool calls' arguments, as vLLM hands them to templates.
+fn with_parsed_tool_calls(out: &mut Map<String, Value>) -> Result<(), TokenizeError> {
     if let Some(Value::Array(calls)) = out.get_mut("tool_calls") {
         for call in calls.iter_mut() {
             let Some(Value::Object(function)) = call.get_mut("function") else { continue };
@@ -164,7 +169,12 @@ fn with_parsed_tool_calls(mut out: Map<String, Value>) -> Result<Value, Tokenize
             function.insert("arguments".into(), parsed);
         }
     }
-    Ok(Value::Object(out))
+    Ok(())
+}
+
+/// A JSON value as the template sees it (its strings copied once, into the template's values).
+fn template_value(value: &Value) -> JValue {
+    JValue::from(Serde(value))
 }
 
 fn tojson(value: JValue, kwargs: Kwargs) -> Result<JValue, JError> {
@@ -261,7 +271,8 @@ mod tests {
         let m = normalise_message(
             &json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}),
         )
-        .unwrap();
+        .unwrap()
+        .expect("parts are joined");
         assert_eq!(m["content"], "a\nb");
     }
 
@@ -269,7 +280,8 @@ mod tests {
     fn tool_call_arguments_are_parsed() {
         let m = normalise_message(&json!({"role": "assistant", "content": null,
             "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{\"x\": 1}"}}]}))
-        .unwrap();
+        .unwrap()
+        .expect("arguments are parsed");
         assert_eq!(m["tool_calls"][0]["function"]["arguments"], json!({"x": 1}));
         assert_eq!(m["content"], "");
     }

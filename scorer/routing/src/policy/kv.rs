@@ -3,14 +3,17 @@
 //!
 //! ```text
 //! cost(pod) = prefill_weight     · (queued prefill + this request's uncached prefill
-//!                                   + miss_weight · fullness · its uncached tokens) / block_size
+//!                                   + miss_weight · its uncached tokens) / block_size
 //!           + decode_weight      · decode blocks held
 //!           + decode_read_weight · decode blocks read per step
 //!           + overflow_weight    · max(0, decode blocks held + its uncached blocks − KV capacity)
 //! ```
 //!
-//! `miss_weight` charges a cache miss for the prefixes its new blocks evict, in proportion
-//! to how full the pod's cache is (later requests recompute what was evicted); `decode_read_weight` charges the per-sequence
+//! `miss_weight` charges a cache miss for the prefixes its new blocks evict (later requests
+//! recompute what was evicted) — on a cache not yet full too: a fleet's caches fill, and a
+//! prefix computed on a second pod while they were empty then holds room twice and splits
+//! its traffic (charging misses by how full each cache was let the capacity workload's cold
+//! start compute its prefixes on 55 pods' worth of places for 48). `decode_read_weight` charges the per-sequence
 //! context each decode step reads (a prefix shared by ten sequences is held once but read
 //! ten times), which sets the pod's step time. `overflow_weight` charges the blocks a request
 //! would need beyond the pod's KV capacity (`num_gpu_blocks` from its metrics): an engine
@@ -59,10 +62,9 @@ pub struct KvPolicyConfig {
     pub decode_read_weight: f64,
     /// Fraction of the cached tokens credited (1 = all, 0 = cache ignored).
     pub prefix_weight: f64,
-    /// Extra cost per uncached prompt token, as a fraction of computing it, on a full
-    /// cache: the blocks a miss stores evict other prefixes, which later requests recompute.
-    /// Scaled by how full the pod's cache is (indexed blocks ÷ `num_gpu_blocks` from its
-    /// metrics; taken as full when unknown).
+    /// Extra cost per uncached prompt token, as a fraction of computing it: the blocks a
+    /// miss stores evict other prefixes (now, or once the caches have filled), which later
+    /// requests recompute.
     pub miss_weight: f64,
     /// Cost per block this request would need beyond the pod's KV capacity: blocks held by
     /// requests in flight plus its uncached ones, less `num_gpu_blocks` from the pod's
@@ -150,11 +152,7 @@ impl KvPolicy {
             input,
             &Candidate { cached_tokens: credited as u32, offloaded_tokens: 0, offload_work_tokens: 0, ..*c },
         ));
-        let fullness = match c.reported {
-            Some(r) if r.num_gpu_blocks > 0.0 => (c.pod_blocks as f64 / r.num_gpu_blocks).min(1.0),
-            _ => 1.0,
-        };
-        let own = self.prefill_tokens(prompt, prompt - uncached) + miss_weight * fullness * uncached as f64;
+        let own = self.prefill_tokens(prompt, prompt - uncached) + miss_weight * uncached as f64;
         let queued = match self.config.prefill_estimate {
             PrefillEstimate::Linear => c.load.queued_prefill_tokens as f64,
             PrefillEstimate::Trapezoid => {
@@ -288,24 +286,21 @@ mod tests {
     }
 
     #[test]
-    fn a_miss_costs_more_on_a_full_cache() {
+    fn a_cold_fleet_does_not_compute_a_prefix_twice() {
         let mut p = policy(KvPolicyConfig::default());
-        let with_capacity = |pod_blocks: u64| {
-            let mut c = candidate(0, 0, 0, 0);
-            c.pod_blocks = pod_blocks;
-            c.reported = Some(ReportedLoad { num_gpu_blocks: 1000.0, ..Default::default() });
-            c
-        };
-        let (empty, full) = (with_capacity(0), with_capacity(1000));
-        let no_miss_charge = policy(KvPolicyConfig { miss_weight: 0.0, ..Default::default() });
-        assert_eq!(p.cost(&INPUT, &empty), no_miss_charge.cost(&INPUT, &empty), "an empty cache evicts nothing");
-        assert!(p.cost(&INPUT, &full) > 3.5 * p.cost(&INPUT, &empty), "miss_weight 3 on a full cache");
-        // Unknown capacity counts as full; a cached prefix avoids the charge either way.
-        assert_eq!(p.cost(&INPUT, &candidate(0, 0, 0, 0)), p.cost(&INPUT, &full));
-        let mut cached_on_full = full;
-        cached_on_full.pod = PodId(1);
-        cached_on_full.cached_tokens = 992;
-        assert_eq!(p.select(&INPUT, &[empty, cached_on_full]).chosen, 1);
+        let mut no_miss_charge = policy(KvPolicyConfig { miss_weight: 0.0, ..Default::default() });
+        // Pod 0 is computing the prompt's prefix (it counts as cached there) with two
+        // prompts' worth of prefill queued; pod 1 is idle, its cache empty.
+        let computing = candidate(0, 992, 2, 2000);
+        let mut idle_empty = candidate(1, 0, 0, 0);
+        idle_empty.reported = Some(ReportedLoad { num_gpu_blocks: 1000.0, ..Default::default() });
+        assert!(p.cost(&INPUT, &idle_empty) > 3.5 * no_miss_charge.cost(&INPUT, &idle_empty), "miss_weight 3");
+        assert_eq!(p.select(&INPUT, &[computing, idle_empty]).chosen, 0, "the miss is charged on an empty cache too");
+        assert_eq!(
+            no_miss_charge.select(&INPUT, &[computing, idle_empty]).chosen,
+            1,
+            "charged only its prefill, the idle pod would compute the prefix a second time"
+        );
     }
 
     #[test]

@@ -48,8 +48,6 @@ pub struct Candidate {
     pub offloaded_tokens: u32,
     /// What loading them costs, in tokens of computing ([`crate::index::OffloadConfig`]).
     pub offload_work_tokens: u32,
-    /// Blocks the router believes the pod holds in all (how full its cache is).
-    pub pod_blocks: u64,
     /// kvgate's own bookkeeping of what it sent there.
     pub load: PodLoad,
     pub reported: Option<ReportedLoad>,
@@ -162,7 +160,6 @@ pub(crate) mod test_support {
             cached_tokens,
             offloaded_tokens: 0,
             offload_work_tokens: 0,
-            pod_blocks: 0,
             load: PodLoad {
                 inflight_requests: inflight,
                 queued_prefill_tokens,
