@@ -10,7 +10,7 @@
 use crate::http;
 use crate::scorer::Scorer;
 use futures::future::BoxFuture;
-use kvgate_route_api::{LifecycleReport, RouteAnswer, RouteCall};
+use kvgate_route_api::{LifecycleReport, RouteAnswer, RouteCall, StreamReport};
 use std::convert::Infallible;
 use std::sync::Arc;
 use tokio::sync::mpsc;
@@ -94,7 +94,7 @@ async fn serve(
 }
 
 /// The reports a stream message carried; one naming no known event is counted and dropped.
-fn apply_reports(scorer: &Scorer, reports: Vec<kvgate_route_api::StreamReport>) {
+fn apply_reports(scorer: &Scorer, reports: Vec<StreamReport>) {
     let reports: Vec<LifecycleReport> = reports
         .into_iter()
         .filter_map(|r| {

@@ -91,7 +91,7 @@ impl ChatTemplate {
             tools => template_value(options.tools.as_ref().unwrap_or(&Value::Null)),
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),
-            ..options.template_kwargs.as_ref().map(|kwargs| JValue::from(Serde(kwargs))).unwrap_or_default()
+            ..options.template_kwargs.as_ref().map(template_value).unwrap_or_default()
         };
         let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| TokenizeError::Template(e.to_string()))?;
         let mut rendered =
@@ -172,8 +172,8 @@ fn with_parsed_tool_calls(out: &mut Map<String, Value>) -> Result<(), TokenizeEr
     Ok(())
 }
 
-/// A JSON value as the template sees it (its strings copied once, into the template's values).
-fn template_value(value: &Value) -> JValue {
+/// JSON as the template sees it (its strings copied once, into the template's values).
+fn template_value(value: &impl serde::Serialize) -> JValue {
     JValue::from(Serde(value))
 }
 

@@ -12,8 +12,8 @@
 //! `miss_weight` charges a cache miss for the prefixes its new blocks evict (later requests
 //! recompute what was evicted) — on a cache not yet full too: a fleet's caches fill, and a
 //! prefix computed on a second pod while they were empty then holds room twice and splits
-//! its traffic (charging misses by how full each cache was let the capacity workload's cold
-//! start compute its prefixes on 55 pods' worth of places for 48). `decode_read_weight` charges the per-sequence
+//! its traffic (charged by how full each cache was, the capacity workload's cold start
+//! computed its 48 prefixes in 55 places). `decode_read_weight` charges the per-sequence
 //! context each decode step reads (a prefix shared by ten sequences is held once but read
 //! ten times), which sets the pod's step time. `overflow_weight` charges the blocks a request
 //! would need beyond the pod's KV capacity (`num_gpu_blocks` from its metrics): an engine
