@@ -570,6 +570,7 @@ impl Router {
                     cached_tokens: cached,
                     offloaded_tokens,
                     offload_work_tokens,
+                    pod_blocks: self.pod_blocks(p) as u64,
                     load: self.load.load(p, now),
                     reported: self.pods[p.index()].reported,
                     slowness: self.load.slowness(p),

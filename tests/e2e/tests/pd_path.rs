@@ -158,11 +158,15 @@ async fn one_prefill_three_decode_and_a_dead_prefill_pod_degrades_to_direct() {
         let (status, _) = complete(&s.envoy, &id, &text(&format!("Distinct document {i}"), 500), true).await;
         assert_eq!(status, 200);
         assert_eq!(records(&s.prefill, &id).await.len(), 1, "the only prefill pod");
-        decoders.push(records(&s.decode, &id).await[0].0.clone());
+        let decoder = records(&s.decode, &id).await[0].0.clone();
+        // Once the scorer has indexed what that pod now holds, the next new document (an
+        // equal miss everywhere, on idle pods) goes to an emptier cache.
+        s.scorer.wait_pod(&decoder, Duration::from_secs(5), |p| p["cached_blocks"].as_u64() > Some(0)).await;
+        decoders.push(decoder);
     }
     decoders.sort();
     decoders.dedup();
-    assert!(decoders.len() >= 2, "decode load spreads: {decoders:?}");
+    assert_eq!(decoders.len(), 3, "new documents spread over the empty caches: {decoders:?}");
 
     // The prefill pod dies: no client error — first the filter's prefill leg fails and the
     // decode pod prefills locally, then the scorer sees the pod unhealthy and goes direct.

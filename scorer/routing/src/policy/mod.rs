@@ -48,6 +48,9 @@ pub struct Candidate {
     pub offloaded_tokens: u32,
     /// What loading them costs, in tokens of computing ([`crate::index::OffloadConfig`]).
     pub offload_work_tokens: u32,
+    /// Blocks the router believes the pod's cache holds in all: of equally good pods, a
+    /// new prefix goes to the emptiest, where its blocks evict the least.
+    pub pod_blocks: u64,
     /// kvgate's own bookkeeping of what it sent there.
     pub load: PodLoad,
     pub reported: Option<ReportedLoad>,
@@ -55,8 +58,8 @@ pub struct Candidate {
     /// online ([`crate::speed`]): the policies that predict time scale their costs by it.
     pub slowness: f64,
     /// Where the pod stands in this prompt's own order of pods (a rendezvous hash of the
-    /// prompt's first block and the pod's key): ties between equally good pods go to the
-    /// highest, so gateway replicas that have not yet heard of each other's latest choices
+    /// prompt's first block and the pod's key): ties between equally good, equally full
+    /// pods go to the highest, so gateway replicas that have not yet heard of each other's latest choices
     /// still send a new prefix to the same pod. 0 when the prompt has no full block (ties
     /// broken at random).
     pub tie_rank: u64,
@@ -120,13 +123,16 @@ impl PolicyConfig {
     }
 }
 
-/// Index of the lowest cost; `None` costs are skipped. Ties go to the candidate with the
-/// highest [`Candidate::tie_rank`], or uniformly at random when the prompt gave no ranks.
+/// Index of the lowest cost; `None` costs are skipped. Ties go to the candidate whose cache
+/// holds the fewest blocks, then to the highest [`Candidate::tie_rank`], or uniformly at
+/// random when the prompt gave no ranks.
 pub(crate) fn argmin_tie(costs: &[Option<f64>], candidates: &[Candidate], rng: &mut StdRng) -> usize {
     use rand::Rng;
     let best = costs.iter().flatten().copied().fold(f64::INFINITY, f64::min);
+    let is_best = |i: usize| costs[i].is_some_and(|c| c <= best);
+    let emptiest = (0..costs.len()).filter(|&i| is_best(i)).map(|i| candidates[i].pod_blocks).min().unwrap_or(0);
     let ties: smallvec::SmallVec<[usize; 8]> =
-        costs.iter().enumerate().filter(|(_, c)| c.is_some_and(|c| c <= best)).map(|(i, _)| i).collect();
+        (0..costs.len()).filter(|&i| is_best(i) && candidates[i].pod_blocks == emptiest).collect();
     match ties.len() {
         0 => 0,
         1 => ties[0],
@@ -160,6 +166,7 @@ pub(crate) mod test_support {
             cached_tokens,
             offloaded_tokens: 0,
             offload_work_tokens: 0,
+            pod_blocks: 0,
             load: PodLoad {
                 inflight_requests: inflight,
                 queued_prefill_tokens,
@@ -205,7 +212,7 @@ mod tests {
     }
 
     #[test]
-    fn ties_go_to_the_highest_rank_or_at_random_without_ranks() {
+    fn ties_go_to_the_emptiest_cache_then_the_highest_rank_or_at_random() {
         use test_support::candidate;
         let mut rng = StdRng::seed_from_u64(1);
         let costs = [Some(2.0), Some(1.0), None, Some(1.0)];
@@ -224,5 +231,14 @@ mod tests {
         let reranked: Vec<Candidate> =
             ranked.iter().map(|c| Candidate { tie_rank: 9 - c.tie_rank % 9, ..*c }).collect();
         assert_eq!(argmin_tie(&costs, &reranked, &mut rng), 3);
+        // A fuller cache loses the tie whatever its rank, and only the tie.
+        let mut fuller = reranked.clone();
+        fuller[3].pod_blocks = 40;
+        assert_eq!(argmin_tie(&costs, &fuller, &mut rng), 1);
+        fuller[1].pod_blocks = 80;
+        assert_eq!(argmin_tie(&costs, &fuller, &mut rng), 3);
+        fuller[3].pod_blocks = 0;
+        fuller[0].pod_blocks = 0;
+        assert_eq!(argmin_tie(&costs, &fuller, &mut rng), 3, "the emptier pod 0 costs more");
     }
 }
