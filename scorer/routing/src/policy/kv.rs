@@ -2,11 +2,11 @@
 //! work its cache saves, the prefill work already queued there, and its decode load.
 //!
 //! ```text
-//! cost(pod) = prefill_weight     · (queued prefill + this request's uncached prefill
-//!                                   + miss_weight · its uncached tokens) / block_size
-//!           + decode_weight      · decode blocks held
-//!           + decode_read_weight · decode blocks read per step
-//!           + overflow_weight    · max(0, decode blocks held + its uncached blocks − KV capacity)
+//! cost(pod) = slowness · ( prefill_weight     · (queued prefill + this request's uncached prefill) / block_size
+//!                        + decode_weight      · decode blocks held
+//!                        + decode_read_weight · decode blocks read per step
+//!                        + overflow_weight    · max(0, decode blocks held + its uncached blocks − KV capacity) )
+//!           + prefill_weight · miss_weight · its uncached tokens / block_size
 //! ```
 //!
 //! `miss_weight` charges a cache miss for the prefixes its new blocks evict (later requests
@@ -29,8 +29,10 @@
 //! in blocks, the unit of decode load. `prefix_weight` scales the cached tokens credited
 //! (0 = ignore the cache: pure load balancing). With `temperature > 0`, the pod is sampled
 //! with probability ∝ `exp(−normalised cost / temperature)` instead of taking the minimum.
-//! The whole cost is multiplied by the pod's learned slowness ([`crate::speed`]), putting
-//! pods of different speeds on one scale of predicted time.
+//! The pod's learned slowness ([`crate::speed`]) multiplies what this request waits for,
+//! putting pods of different speeds on one scale of predicted time; the miss charge, a
+//! price on the fleet's later recomputation, is left out of it (scaled too, it made a miss
+//! on a pod 1.3× slower cost as much as queueing behind a whole prompt on a fast one).
 //! Optional busy thresholds drop pods that report too long a queue or too full a cache
 //! (unless every pod is busy, then all stay eligible).
 
@@ -152,7 +154,7 @@ impl KvPolicy {
             input,
             &Candidate { cached_tokens: credited as u32, offloaded_tokens: 0, offload_work_tokens: 0, ..*c },
         ));
-        let own = self.prefill_tokens(prompt, prompt - uncached) + miss_weight * uncached as f64;
+        let own = self.prefill_tokens(prompt, prompt - uncached);
         let queued = match self.config.prefill_estimate {
             PrefillEstimate::Linear => c.load.queued_prefill_tokens as f64,
             PrefillEstimate::Trapezoid => {
@@ -170,8 +172,10 @@ impl KvPolicy {
             + self.config.decode_weight * c.load.decode_blocks
             + self.config.decode_read_weight * c.load.decode_read_blocks
             + self.config.overflow_weight * overflow;
-        // In the pod's time: the same work takes a slower pod longer.
-        work * c.slowness
+        // In the pod's time: the same work takes a slower pod longer. The miss charge is
+        // not: it prices what the fleet recomputes later, not this request's wait.
+        let miss = self.config.prefill_weight * miss_weight * uncached as f64 / block_size;
+        work * c.slowness + miss
     }
 }
 
@@ -239,7 +243,11 @@ mod tests {
     fn a_slower_pod_costs_its_work_in_its_own_time() {
         let mut p = policy(KvPolicyConfig::default());
         let (fast, slow) = (candidate(0, 0, 0, 0), Candidate { slowness: 2.0, ..candidate(1, 0, 0, 0) });
-        assert_eq!(p.cost(&INPUT, &slow), 2.0 * p.cost(&INPUT, &fast));
+        let unpriced_misses = policy(KvPolicyConfig { miss_weight: 0.0, ..Default::default() });
+        assert_eq!(unpriced_misses.cost(&INPUT, &slow), 2.0 * unpriced_misses.cost(&INPUT, &fast));
+        // What a miss evicts is recomputed later, wherever it lands: not in this pod's time.
+        let twice_the_work = p.cost(&INPUT, &slow) - p.cost(&INPUT, &fast);
+        assert!((twice_the_work - unpriced_misses.cost(&INPUT, &fast)).abs() < 1e-9);
         assert_eq!(p.select(&INPUT, &[slow, fast]).chosen, 1, "same work, the fast pod");
         // A slow pod holding most of the prompt still beats a cold fast one.
         let warm_slow = Candidate { slowness: 2.0, ..candidate(1, 800, 0, 0) };
