@@ -13,7 +13,12 @@
 //! recompute what was evicted) — on a cache not yet full too: a fleet's caches fill, and a
 //! prefix computed on a second pod while they were empty then holds room twice and splits
 //! its traffic (charged by how full each cache was, the capacity workload's cold start
-//! computed its 48 prefixes in 55 places). `decode_read_weight` charges the per-sequence
+//! computed its 48 prefixes in 55 places). It is waived, though, on pods with at most half
+//! as many requests in flight as the prompt's home (the pod caching most of it) while the
+//! home's requests hold more blocks than its KV cache has: the home then cannot keep its
+//! traffic cached anyway, and a second copy of the prefix is capacity, not waste (live, the
+//! sessions of three system prompts stayed on one such pod at 400 ms TTFT beside idle pods,
+//! a fresh prefill there being charged four times over). `decode_read_weight` charges the per-sequence
 //! context each decode step reads (a prefix shared by ten sequences is held once but read
 //! ten times), which sets the pod's step time. `overflow_weight` charges the blocks a request
 //! would need beyond the pod's KV capacity (`num_gpu_blocks` from its metrics): an engine
@@ -187,9 +192,17 @@ impl Policy for KvPolicy {
     fn select(&mut self, input: &RouteInput, candidates: &[Candidate]) -> Decision {
         let all_busy = candidates.iter().all(|c| self.busy(c));
         let miss_weight = if self.imbalanced(candidates) { 0.0 } else { self.config.miss_weight };
+        let overflowing_home = overflowing_home(candidates);
         let costs: Vec<Option<f64>> = candidates
             .iter()
-            .map(|c| (all_busy || !self.busy(c)).then(|| self.cost_with(input, c, miss_weight)))
+            .map(|c| {
+                // A pod with less than half the overflowing home's requests takes its
+                // overflow at the price of its prefill alone.
+                let relieves =
+                    overflowing_home.is_some_and(|h| 2 * c.load.inflight_requests <= h.load.inflight_requests);
+                let miss_weight = if relieves { 0.0 } else { miss_weight };
+                (all_busy || !self.busy(c)).then(|| self.cost_with(input, c, miss_weight))
+            })
             .collect();
         let chosen = if self.config.temperature > 0.0 {
             softmax_sample(&costs, self.config.temperature, &mut self.rng)
@@ -198,6 +211,14 @@ impl Policy for KvPolicy {
         };
         Decision { chosen, costs }
     }
+}
+
+/// Whether the pod holding most of the prompt holds more blocks for its requests in flight
+/// than its KV cache has: it cannot keep this prefix's traffic cached anyway (its requests
+/// evict each other), so computing the prefix on a second pod is capacity, not waste.
+fn overflowing_home(candidates: &[Candidate]) -> Option<&Candidate> {
+    let home = candidates.iter().filter(|c| c.cached_tokens > 0).max_by_key(|c| c.cached_tokens)?;
+    home.reported.is_some_and(|r| r.num_gpu_blocks > 0.0 && home.load.decode_blocks >= r.num_gpu_blocks).then_some(home)
 }
 
 /// Samples index i with probability ∝ exp(−(cost_i − min)/(max − min)/temperature).
@@ -309,6 +330,27 @@ mod tests {
             1,
             "charged only its prefill, the idle pod would compute the prefix a second time"
         );
+    }
+
+    #[test]
+    fn a_home_past_its_kv_capacity_gives_its_overflow_to_quiet_pods() {
+        // As traced live (48 in flight over 4 pods): the sessions of three system prompts
+        // on one pod, 21 in flight holding more blocks than its cache has; two pods idle.
+        let input = RouteInput { prompt_tokens: 2486, block_size: 16 };
+        let capacity = Some(ReportedLoad { num_gpu_blocks: 1500.0, ..Default::default() });
+        let mut home = Candidate { reported: capacity, ..candidate(0, 2320, 21, 718) };
+        home.load.decode_blocks = 1580.0;
+        home.load.decode_read_blocks = 3405.0;
+        let idle = Candidate { reported: capacity, ..candidate(1, 0, 0, 0) };
+        let mut p = policy(KvPolicyConfig::default());
+        assert_eq!(p.select(&input, &[home, idle]).chosen, 1, "the idle pod pays its prefill, not a miss charge");
+        // Within its capacity the home keeps the prefix: a second copy would evict others.
+        let fits = Candidate { load: crate::load::PodLoad { decode_blocks: 1400.0, ..home.load }, ..home };
+        assert_eq!(p.select(&input, &[fits, idle]).chosen, 0);
+        // A pod with more than half the home's requests in flight is charged as before.
+        let busy = Candidate { reported: capacity, ..candidate(1, 0, 11, 0) };
+        assert_eq!(p.cost(&input, &busy), p.cost_with(&input, &busy, 3.0));
+        assert!(p.select(&input, &[home, busy]).costs[1].unwrap() > p.cost_with(&input, &busy, 0.0));
     }
 
     #[test]
