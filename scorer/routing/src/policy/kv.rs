@@ -18,9 +18,9 @@
 //! home's requests hold more blocks than its KV cache has: the home then cannot keep its
 //! traffic cached anyway, and a second copy of the prefix is capacity, not waste (live, the
 //! sessions of three system prompts stayed on one such pod at 400 ms TTFT beside idle pods,
-//! a fresh prefill there being charged four times over). `decode_read_weight` charges the per-sequence
-//! context each decode step reads (a prefix shared by ten sequences is held once but read
-//! ten times), which sets the pod's step time. `overflow_weight` charges the blocks a request
+//! a fresh prefill there being charged four times over). `decode_read_weight` charges the
+//! per-sequence context each decode step reads (a prefix shared by ten sequences is held
+//! once but read ten times), which sets the pod's step time. `overflow_weight` charges the blocks a request
 //! would need beyond the pod's KV capacity (`num_gpu_blocks` from its metrics): an engine
 //! admits a request only when its blocks fit, so past capacity it waits for requests in
 //! flight to finish, or preempts them. Defaults come from the cluster simulator
@@ -196,8 +196,8 @@ impl Policy for KvPolicy {
         let costs: Vec<Option<f64>> = candidates
             .iter()
             .map(|c| {
-                // A pod with less than half the overflowing home's requests takes its
-                // overflow at the price of its prefill alone.
+                // A pod with at most half the overflowing home's requests in flight takes
+                // its overflow at the price of its prefill alone.
                 let relieves =
                     overflowing_home.is_some_and(|h| 2 * c.load.inflight_requests <= h.load.inflight_requests);
                 let miss_weight = if relieves { 0.0 } else { miss_weight };

@@ -59,9 +59,9 @@ pub struct Candidate {
     pub slowness: f64,
     /// Where the pod stands in this prompt's own order of pods (a rendezvous hash of the
     /// prompt's first block and the pod's key): ties between equally good, equally full
-    /// pods go to the highest, so gateway replicas that have not yet heard of each other's latest choices
-    /// still send a new prefix to the same pod. 0 when the prompt has no full block (ties
-    /// broken at random).
+    /// pods go to the highest, so gateway replicas that have not yet heard of each other's
+    /// latest choices still send a new prefix to the same pod. 0 when the prompt has no
+    /// full block (ties broken at random).
     pub tie_rank: u64,
 }
 
