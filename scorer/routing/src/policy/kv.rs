@@ -13,12 +13,16 @@
 //! recompute what was evicted) — on a cache not yet full too: a fleet's caches fill, and a
 //! prefix computed on a second pod while they were empty then holds room twice and splits
 //! its traffic (charged by how full each cache was, the capacity workload's cold start
-//! computed its 48 prefixes in 55 places). It is waived, though, on pods with at most half
-//! as many requests in flight as the prompt's home (the pod caching most of it) while the
-//! home's requests hold more blocks than its KV cache has: the home then cannot keep its
-//! traffic cached anyway, and a second copy of the prefix is capacity, not waste (live, the
-//! sessions of three system prompts stayed on one such pod at 400 ms TTFT beside idle pods,
-//! a fresh prefill there being charged four times over). `decode_read_weight` charges the
+//! computed its 48 prefixes in 55 places). It is waived on pods that relieve the prompt's
+//! home (of the pods caching most of it, the one with the fewest requests in flight), where
+//! another copy of the prefix is capacity, not waste: pods with `balance_abs_threshold` fewer requests in flight than a piled-up home
+//! (and `balance_rel_threshold` times fewer), and pods with at most half as many while the
+//! home's requests hold more blocks than its KV cache has — it cannot keep its traffic
+//! cached anyway (live, the sessions of three system prompts stayed on one such pod at
+//! 400 ms TTFT beside idle pods, a fresh prefill there being charged four times over).
+//! Both compare a pod with the home, not the fleet's busiest with its idlest: on 64 pods
+//! that gap is always wide, and waiving every miss then cost the capacity workload its
+//! partition (p90 7.8 s against 0.55 s at 1.5× its rate). `decode_read_weight` charges the
 //! per-sequence context each decode step reads (a prefix shared by ten sequences is held
 //! once but read ten times), which sets the pod's step time. `overflow_weight` charges the blocks a request
 //! would need beyond the pod's KV capacity (`num_gpu_blocks` from its metrics): an engine
@@ -83,9 +87,10 @@ pub struct KvPolicyConfig {
     pub attention_horizon_tokens: f64,
     /// 0 = always the cheapest pod; > 0 = softmax sampling over normalised costs.
     pub temperature: f64,
-    /// Imbalance guard, as SGLang's: when the busiest eligible pod has more than this many
-    /// requests in flight above the idlest one (and `balance_rel_threshold` times as many),
-    /// misses are not charged for evictions, so load wins over stickiness. `None` = off.
+    /// Pile-up guard: a pod with more than this many fewer requests in flight than the
+    /// prompt's home (the pod caching most of it), and fewer by the factor
+    /// `balance_rel_threshold`, is not charged the miss, so load wins over stickiness.
+    /// `None` = off.
     pub balance_abs_threshold: Option<u32>,
     pub balance_rel_threshold: f64,
     /// Drop pods reporting at least this many waiting requests.
@@ -144,12 +149,23 @@ impl KvPolicy {
         self.cost_with(input, c, self.config.miss_weight)
     }
 
-    /// Whether in-flight requests are spread unevenly enough to turn the miss charge off.
-    fn imbalanced(&self, candidates: &[Candidate]) -> bool {
-        let Some(abs) = self.config.balance_abs_threshold else { return false };
-        let inflight = candidates.iter().map(|c| c.load.inflight_requests);
-        let (min, max) = (inflight.clone().min().unwrap_or(0), inflight.max().unwrap_or(0));
-        max - min > abs && f64::from(max) > self.config.balance_rel_threshold * f64::from(min)
+    /// Whether `c` takes the overflow of the prompt's `home` at the price of its prefill
+    /// alone (no miss charge): the home has piled up — `balance_abs_threshold` more
+    /// requests in flight than `c` and `balance_rel_threshold` times as many — or its
+    /// requests hold more blocks than its KV cache has (it cannot keep this prefix's traffic
+    /// cached anyway) and `c` has at most half its requests in flight. Both are judged
+    /// against the home, not the fleet: on 64 pods some pod is always far busier than the
+    /// idlest, which says nothing about where this prompt should go.
+    fn relieves(&self, home: &Candidate, c: &Candidate) -> bool {
+        let (at_home, here) = (home.load.inflight_requests, c.load.inflight_requests);
+        let piled_up = self.config.balance_abs_threshold.is_some_and(|abs| {
+            at_home.saturating_sub(here) > abs
+                && f64::from(at_home) > self.config.balance_rel_threshold * f64::from(here)
+        });
+        let overflowing =
+            home.reported.is_some_and(|r| r.num_gpu_blocks > 0.0 && home.load.decode_blocks >= r.num_gpu_blocks)
+                && 2 * here <= at_home;
+        piled_up || overflowing
     }
 
     fn cost_with(&self, input: &RouteInput, c: &Candidate, miss_weight: f64) -> f64 {
@@ -191,16 +207,12 @@ impl Policy for KvPolicy {
 
     fn select(&mut self, input: &RouteInput, candidates: &[Candidate]) -> Decision {
         let all_busy = candidates.iter().all(|c| self.busy(c));
-        let miss_weight = if self.imbalanced(candidates) { 0.0 } else { self.config.miss_weight };
-        let overflowing_home = overflowing_home(candidates);
+        let home = home(candidates);
         let costs: Vec<Option<f64>> = candidates
             .iter()
             .map(|c| {
-                // A pod with at most half the overflowing home's requests in flight takes
-                // its overflow at the price of its prefill alone.
-                let relieves =
-                    overflowing_home.is_some_and(|h| 2 * c.load.inflight_requests <= h.load.inflight_requests);
-                let miss_weight = if relieves { 0.0 } else { miss_weight };
+                let relieves = home.is_some_and(|h| self.relieves(h, c));
+                let miss_weight = if relieves { 0.0 } else { self.config.miss_weight };
                 (all_busy || !self.busy(c)).then(|| self.cost_with(input, c, miss_weight))
             })
             .collect();
@@ -213,12 +225,16 @@ impl Policy for KvPolicy {
     }
 }
 
-/// Whether the pod holding most of the prompt holds more blocks for its requests in flight
-/// than its KV cache has: it cannot keep this prefix's traffic cached anyway (its requests
-/// evict each other), so computing the prefix on a second pod is capacity, not waste.
-fn overflowing_home(candidates: &[Candidate]) -> Option<&Candidate> {
-    let home = candidates.iter().filter(|c| c.cached_tokens > 0).max_by_key(|c| c.cached_tokens)?;
-    home.reported.is_some_and(|r| r.num_gpu_blocks > 0.0 && home.load.decode_blocks >= r.num_gpu_blocks).then_some(home)
+/// The prompt's home: of the pods caching most of it, the one with the fewest requests in
+/// flight (none while it is cached nowhere). A pile-up is judged against the quietest
+/// copy: once a second pod relieves the first, a third copy is worth it only when the
+/// second piles up too (against the busiest copy, a 64-pod burst kept copying its prefixes
+/// and its p90 doubled).
+fn home(candidates: &[Candidate]) -> Option<&Candidate> {
+    candidates
+        .iter()
+        .filter(|c| c.cached_tokens > 0)
+        .max_by_key(|c| (c.cached_tokens, std::cmp::Reverse(c.load.inflight_requests)))
 }
 
 /// Samples index i with probability ∝ exp(−(cost_i − min)/(max − min)/temperature).
@@ -366,6 +382,30 @@ mod tests {
         assert_eq!(d.chosen, 1, "imbalanced: misses cost only their prefill, and pod 0's queue is longer");
         let sticky = policy(KvPolicyConfig { balance_abs_threshold: None, ..Default::default() });
         assert!(sticky.cost(&INPUT, &hot) < sticky.cost(&INPUT, &cold), "without the guard the miss charge keeps it");
+    }
+
+    #[test]
+    fn a_pile_up_elsewhere_in_the_fleet_keeps_the_miss_charge() {
+        let mut p = policy(KvPolicyConfig::default());
+        // The prompt's home (pod 0) is as busy as most; pod 1 is idle; pod 2, holding
+        // other prefixes, has piled up 60 requests.
+        let home = candidate(0, 992, 4, 0);
+        let idle = candidate(1, 0, 0, 0);
+        let piled = candidate(2, 0, 60, 8000);
+        assert_eq!(p.select(&INPUT, &[home, idle, piled]).chosen, 0, "the cache wins: no pile-up at home");
+        assert_eq!(p.select(&INPUT, &[home, idle, piled]).costs[1], Some(p.cost(&INPUT, &idle)));
+    }
+
+    #[test]
+    fn a_quiet_copy_of_the_prefix_relieves_a_piled_up_one() {
+        let mut p = policy(KvPolicyConfig::default());
+        let piled = candidate(0, 992, 60, 4000);
+        let copy = candidate(1, 992, 20, 500);
+        let idle = candidate(2, 0, 0, 0);
+        let d = p.select(&INPUT, &[piled, copy, idle]);
+        assert_eq!(d.costs[2], Some(p.cost(&INPUT, &idle)), "the copy has not piled up: the miss is charged");
+        assert_eq!(d.chosen, 1);
+        assert_eq!(p.select(&INPUT, &[piled, idle]).chosen, 1, "without the copy, the idle pod relieves the pile");
     }
 
     #[test]
