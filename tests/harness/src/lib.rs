@@ -535,15 +535,17 @@ impl ScorerProcess {
         self.pods().await.into_iter().find(|p| p["name"] == name).unwrap_or_else(|| panic!("no pod {name}"))
     }
 
-    /// Polls `/v1/pods` until `check` holds for pod `name`; panics after `limit`.
+    /// Polls `/v1/pods` until pod `name` is listed and `check` holds for it (a discovered
+    /// pod may appear some time after the scorer is ready); panics after `limit`.
     pub async fn wait_pod(&self, name: &str, limit: Duration, check: impl Fn(&Value) -> bool) -> Value {
         let deadline = Instant::now() + limit;
         loop {
-            let pod = self.pod(name).await;
-            if check(&pod) {
-                return pod;
+            let pod = self.pods().await.into_iter().find(|p| p["name"] == name);
+            if let Some(pod) = pod.as_ref().filter(|p| check(p)) {
+                return pod.clone();
             }
-            assert!(Instant::now() < deadline, "pod {name} never reached the expected state: {pod}");
+            let state = pod.map_or_else(|| "not listed".to_owned(), |p| p.to_string());
+            assert!(Instant::now() < deadline, "pod {name} never reached the expected state: {state}");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
