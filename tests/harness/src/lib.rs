@@ -532,7 +532,12 @@ impl ScorerProcess {
 
     /// The pod entry named `name` in `/v1/pods`.
     pub async fn pod(&self, name: &str) -> Value {
-        self.pods().await.into_iter().find(|p| p["name"] == name).unwrap_or_else(|| panic!("no pod {name}"))
+        self.find_pod(name).await.unwrap_or_else(|| panic!("no pod {name}"))
+    }
+
+    /// The pod entry named `name` in `/v1/pods`, if it is listed.
+    async fn find_pod(&self, name: &str) -> Option<Value> {
+        self.pods().await.into_iter().find(|p| p["name"] == name)
     }
 
     /// Polls `/v1/pods` until pod `name` is listed and `check` holds for it (a discovered
@@ -540,7 +545,7 @@ impl ScorerProcess {
     pub async fn wait_pod(&self, name: &str, limit: Duration, check: impl Fn(&Value) -> bool) -> Value {
         let deadline = Instant::now() + limit;
         loop {
-            let pod = self.pods().await.into_iter().find(|p| p["name"] == name);
+            let pod = self.find_pod(name).await;
             if let Some(pod) = pod.as_ref().filter(|p| check(p)) {
                 return pod.clone();
             }

@@ -393,8 +393,9 @@ mod tests {
         let home = candidate(0, 992, 4, 0);
         let idle = candidate(1, 0, 0, 0);
         let piled = candidate(2, 0, 60, 8000);
-        assert_eq!(p.select(&INPUT, &[home, idle, piled]).chosen, 0, "the cache wins: no pile-up at home");
-        assert_eq!(p.select(&INPUT, &[home, idle, piled]).costs[1], Some(p.cost(&INPUT, &idle)));
+        let d = p.select(&INPUT, &[home, idle, piled]);
+        assert_eq!(d.chosen, 0, "the cache wins: no pile-up at home");
+        assert_eq!(d.costs[1], Some(p.cost(&INPUT, &idle)), "the idle pod is charged the miss");
     }
 
     #[test]
