@@ -122,10 +122,10 @@ bench-live: setup wasm
 	$(CARGO) run --release -p kvgate-bench --bin kvgate-live-bench -- $(LIVE_ARGS)
 
 # Gateway replicas in virtual time: one kvgate, three sharing their bookings after 0, 1, 5
-# or 50 ms, three unsynced; burst, chat and capacity workloads. Results in
+# or 50 ms, three unsynced; burst (at once, and over 100 ms), chat and capacity workloads. Results in
 # target/bench/replicas/.
 bench-replicas:
-	$(CARGO) run --release -p kvgate-bench --bin kvgate-cluster-sim -- --workloads burst,chat,capacity --seeds 6 \
+	$(CARGO) run --release -p kvgate-bench --bin kvgate-cluster-sim -- --workloads burst,burst-100ms,chat,capacity --seeds 6 \
 	  --routers kv kv/3-replicas kv/3-replicas-sync-1ms kv/3-replicas-sync-5ms kv/3-replicas-sync-50ms kv/3-replicas-unsynced \
 	  --out target/bench/replicas
 

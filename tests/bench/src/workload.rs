@@ -91,12 +91,14 @@ pub const NAMES: [&str; 8] =
 
 /// Builds workload `name`.
 pub fn build(name: &str, p: &Params) -> Option<Workload> {
-    let mut g = Gen::new(p.seed, name);
+    // The spread burst sends the burst's very requests.
+    let mut g = Gen::new(p.seed, if name == "burst-100ms" { "burst" } else { name });
     Some(match name {
         "chat" => chat(&mut g, p),
         "documents" => documents(&mut g, p),
         "unique-long" => unique_long(&mut g, p),
-        "burst" => burst(&mut g, p),
+        "burst" => burst(&mut g, p, 0.0),
+        "burst-100ms" => burst(&mut g, p, 0.1),
         "capacity" => capacity(&mut g, p),
         "tiered" => tiered(&mut g, p),
         "heterogeneous" => heterogeneous(&mut g, p),
@@ -260,22 +262,31 @@ fn unique_long(g: &mut Gen, p: &Params) -> Workload {
     }
 }
 
-/// A burst: 1,000 requests (× scale × load) at the same instant, over 20 shared prefixes.
-fn burst(g: &mut Gen, p: &Params) -> Workload {
+/// A burst: 1,000 requests (× scale × load) over 20 shared prefixes, at the same instant
+/// (`burst`) or evenly over `span` seconds (`burst-100ms`, not among [`NAMES`]: what gateway
+/// replicas that hear each other after a delay can do with a burst that takes some time).
+fn burst(g: &mut Gen, p: &Params, span: f64) -> Workload {
     let prefixes: Vec<Vec<u32>> = (0..20).map(|_| g.text(2000)).collect();
     let n = ((1000.0 * p.scale * p.load).round() as usize).max(1);
     let sessions = (0..n)
         .map(|i| Session {
-            start: 0.0,
+            start: span * i as f64 / n as f64,
             prefix: prefixes[i % prefixes.len()].clone(),
             turns: turn(g.text_between(50, 200), 100),
         })
         .collect();
     Workload {
-        name: "burst",
-        description: format!(
-            "{n} requests at t = 0 over 20 shared 2,000-token prefixes, 50–200 unique tokens, 100 output tokens"
-        ),
+        name: if span > 0.0 { "burst-100ms" } else { "burst" },
+        description: if span > 0.0 {
+            format!(
+                "{n} requests evenly over {} ms over 20 shared 2,000-token prefixes, 50–200 unique tokens, 100 output tokens",
+                span * 1e3
+            )
+        } else {
+            format!(
+                "{n} requests at t = 0 over 20 shared 2,000-token prefixes, 50–200 unique tokens, 100 output tokens"
+            )
+        },
         sessions,
         num_blocks: 26_000,
         prefill_pods: 0,
@@ -417,5 +428,19 @@ mod tests {
             build("chat", &Params { seed: 4, ..p }).unwrap().sessions[0].turns[0].user,
             build("chat", &p).unwrap().sessions[0].turns[0].user
         );
+    }
+
+    #[test]
+    fn the_spread_burst_is_the_burst_over_100_ms() {
+        let p = Params { seed: 3, pods: 8, scale: 1.0, load: 1.0 };
+        let (at_once, spread) = (build("burst", &p).unwrap(), build("burst-100ms", &p).unwrap());
+        assert!(at_once.is_burst() && !spread.is_burst());
+        assert_eq!(at_once.requests(), spread.requests());
+        for (a, b) in at_once.sessions.iter().zip(&spread.sessions) {
+            assert_eq!((&a.prefix, &a.turns[0].user), (&b.prefix, &b.turns[0].user), "the same requests");
+        }
+        let starts: Vec<f64> = spread.sessions.iter().map(|s| s.start).collect();
+        assert!(starts.windows(2).all(|w| w[0] < w[1]) && starts[0] == 0.0 && *starts.last().unwrap() < 0.1);
+        assert!((spread.offered() - 10_000.0).abs() < 20.0, "1,000 requests in 100 ms: {}", spread.offered());
     }
 }

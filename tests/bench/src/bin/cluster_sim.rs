@@ -47,7 +47,8 @@ const REFINE_STEPS: usize = 2;
 )]
 struct Args {
     /// Comma-separated workloads, or `all`: chat, documents, unique-long, burst, capacity,
-    /// tiered, heterogeneous, pd-mixed.
+    /// tiered, heterogeneous, pd-mixed; also (not in `all`) burst-100ms, the burst spread
+    /// evenly over 100 ms.
     #[arg(long, default_value = "all")]
     workloads: String,
     /// Routers (space-separated), or `all`: kv, prefix, ttft, least-loaded, power-of-two,
@@ -159,8 +160,8 @@ fn main() -> anyhow::Result<()> {
     // Every workload with its routers, checked before anything runs.
     let mut plan: Vec<(Workload, Vec<String>)> = Vec::new();
     for name in list(&args.workloads, &NAMES) {
-        let w =
-            workload::build(name, &params).with_context(|| format!("unknown workload {name:?} (known: {NAMES:?})"))?;
+        let w = workload::build(name, &params)
+            .with_context(|| format!("unknown workload {name:?} (known: {NAMES:?} and burst-100ms)"))?;
         println!("{:<12} {:>6} requests  {}", w.name, w.requests(), w.description);
         let all = args.routers == ["all"];
         let mut names: Vec<String> =
