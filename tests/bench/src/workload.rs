@@ -279,7 +279,7 @@ fn burst(g: &mut Gen, p: &Params, span: f64) -> Workload {
         name: if span > 0.0 { "burst-100ms" } else { "burst" },
         description: if span > 0.0 {
             format!(
-                "{n} requests evenly over {} ms over 20 shared 2,000-token prefixes, 50–200 unique tokens, 100 output tokens",
+                "{n} requests evenly spread over {} ms, on 20 shared 2,000-token prefixes, 50–200 unique tokens, 100 output tokens",
                 span * 1e3
             )
         } else {
