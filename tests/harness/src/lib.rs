@@ -545,11 +545,11 @@ impl ScorerProcess {
     pub async fn wait_pod(&self, name: &str, limit: Duration, check: impl Fn(&Value) -> bool) -> Value {
         let deadline = Instant::now() + limit;
         loop {
-            let pod = self.find_pod(name).await;
-            if let Some(pod) = pod.as_ref().filter(|p| check(p)) {
-                return pod.clone();
-            }
-            let state = pod.map_or_else(|| "not listed".to_owned(), |p| p.to_string());
+            let state = match self.find_pod(name).await {
+                Some(pod) if check(&pod) => return pod,
+                Some(pod) => pod.to_string(),
+                None => "not listed".to_owned(),
+            };
             assert!(Instant::now() < deadline, "pod {name} never reached the expected state: {state}");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
