@@ -8,7 +8,7 @@ export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 
-.PHONY: profile setup build test lint audit licenses bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos demo-replicas
+.PHONY: profile setup build test lint audit licenses native bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos demo-replicas
 
 setup:
 	@bash tests/tools/setup.sh
@@ -32,12 +32,16 @@ lint:
 wasm:
 	$(CARGO) build -p kvgate-filter --target wasm32-wasip1 --release
 
+# The filter as an Envoy dynamic module (target/release/libkvgate_filter_native.so).
+native:
+	$(CARGO) build -p kvgate-filter-native --release
+
 fmt:
 	$(CARGO) fmt --all
 
 # Integration and end-to-end tests start the workspace's binaries (pods, scorer, Envoy with
 # the filter module), so build them first.
-test: setup lint audit wasm
+test: setup lint audit wasm native
 	$(CARGO) build --workspace --release --bins
 	$(CARGO) test --workspace --release
 
@@ -68,13 +72,13 @@ down:
 	@bash tests/tools/stack.sh down
 
 # Added latency of the kvgate path versus the same Envoy round-robin without the filter.
-bench-overhead: setup wasm
+bench-overhead: setup wasm native
 	$(CARGO) build --workspace --release --bins
 	./target/release/kvgate-overhead
 
 # Where a request's CPU goes: per process, Envoy by binary, the scorer by stage, flamegraphs;
 # results in target/profile/.
-profile: setup wasm
+profile: setup wasm native
 	$(CARGO) build --workspace --release --bins
 	@bash tests/tools/profile.sh
 

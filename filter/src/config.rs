@@ -33,6 +33,9 @@ pub enum FailureMode {
 pub struct FilterConfig {
     /// Envoy cluster of the scorer sidecar.
     pub scorer_cluster: String,
+    /// The scorer's API (`ip:port`), for the native module, which keeps its own route stream
+    /// to it (the wasm filter reaches the scorer through `scorer_cluster`).
+    pub scorer_address: String,
     /// `:authority` of lifecycle batches sent to the scorer by HTTP, while the route stream is
     /// closed (route calls and, while it is open, lifecycle reports go on the stream).
     pub scorer_authority: String,
@@ -64,6 +67,7 @@ impl Default for FilterConfig {
     fn default() -> Self {
         Self {
             scorer_cluster: "kvgate_scorer".into(),
+            scorer_address: String::new(),
             scorer_authority: "kvgate-scorer".into(),
             scorer_timeout_ms: 100,
             failure_mode: FailureMode::Open,

@@ -308,6 +308,64 @@ pub struct RouteAnswer {
     pub retry_after: Option<u64>,
 }
 
+/// Opens a **route socket**: the route stream's messages without HTTP/2 or gRPC, for a
+/// caller that keeps its own connection to the scorer's API port (the filter's native
+/// module). The caller writes this preface first, then [`RouteCall`]s; the scorer writes
+/// [`RouteAnswer`]s; each message framed as its length (4 bytes, big-endian) and its
+/// protobuf encoding. HTTP/1 and HTTP/2 clients never start this way, so the scorer tells
+/// them apart by the first bytes.
+pub const ROUTE_SOCKET_PREFACE: &[u8] = b"KVGATE-ROUTE/1\r\n\r\n";
+
+/// Largest message on a route socket (a call carries the client's whole body).
+pub const ROUTE_SOCKET_MAX_MESSAGE: usize = (64 << 20) + (64 << 10);
+
+/// Appends `message`, framed for a route socket, to `out`.
+pub fn frame(message: &impl prost::Message, out: &mut Vec<u8>) {
+    let len = message.encoded_len();
+    out.reserve(4 + len);
+    out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
+    // Cannot fail: `Vec` grows as needed.
+    let _ = message.encode(out);
+}
+
+/// Reads framed messages out of the bytes a route socket delivers, however they are cut.
+#[derive(Default)]
+pub struct Frames {
+    buffer: Vec<u8>,
+    /// Bytes of `buffer` already handed out as messages.
+    start: usize,
+}
+
+impl Frames {
+    /// Where the next read from the socket goes: at least `room` free bytes at the end.
+    pub fn spare(&mut self, room: usize) -> &mut Vec<u8> {
+        if self.start > 0 && self.start == self.buffer.len() {
+            self.buffer.clear();
+            self.start = 0;
+        } else if self.start > self.buffer.capacity() / 2 {
+            self.buffer.drain(..self.start);
+            self.start = 0;
+        }
+        self.buffer.reserve(room);
+        &mut self.buffer
+    }
+
+    /// The next whole message, if one has arrived; an error for a frame longer than the
+    /// limit or a message that does not decode (the connection is then beyond repair).
+    pub fn message<M: prost::Message + Default>(&mut self) -> Result<Option<M>, String> {
+        let waiting = &self.buffer[self.start..];
+        let Some(head) = waiting.first_chunk::<4>() else { return Ok(None) };
+        let len = u32::from_be_bytes(*head) as usize;
+        if len > ROUTE_SOCKET_MAX_MESSAGE {
+            return Err(format!("a route socket message of {len} bytes (at most {ROUTE_SOCKET_MAX_MESSAGE})"));
+        }
+        let Some(body) = waiting.get(4..4 + len) else { return Ok(None) };
+        let message = M::decode(body).map_err(|e| format!("an unreadable route socket message: {e}"))?;
+        self.start += 4 + len;
+        Ok(Some(message))
+    }
+}
+
 /// `POST /v1/lifecycle` body.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
 pub struct LifecycleBatch {
@@ -317,6 +375,39 @@ pub struct LifecycleBatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn route_socket_frames_survive_any_cut() {
+        let calls: Vec<RouteCall> = (0..3)
+            .map(|i| RouteCall {
+                call: i,
+                request_id: format!("r{i}"),
+                body: vec![b'x'; 100 * i as usize],
+                ..Default::default()
+            })
+            .collect();
+        let mut wire = Vec::new();
+        for call in &calls {
+            frame(call, &mut wire);
+        }
+        for piece in [1, 3, 7, 64, wire.len()] {
+            let mut frames = Frames::default();
+            let mut read = Vec::new();
+            for bytes in wire.chunks(piece) {
+                frames.spare(bytes.len()).extend_from_slice(bytes);
+                while let Some(call) = frames.message::<RouteCall>().unwrap() {
+                    read.push(call);
+                }
+            }
+            assert_eq!(read, calls, "cut every {piece} bytes");
+        }
+        let mut frames = Frames::default();
+        frames.spare(4).extend_from_slice(&u32::MAX.to_be_bytes());
+        assert!(frames.message::<RouteCall>().unwrap_err().contains("at most"));
+        let mut frames = Frames::default();
+        frames.spare(6).extend_from_slice(&[0, 0, 0, 2, 0xff, 0xff]);
+        assert!(frames.message::<RouteCall>().unwrap_err().contains("unreadable"));
+    }
 
     #[test]
     fn paths_map_to_apis() {

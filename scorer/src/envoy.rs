@@ -12,6 +12,9 @@ const TEMPLATE: &str = include_str!("../../envoy/bootstrap.yaml.tmpl");
 pub enum Picker {
     /// The kvgate wasm filter calling the scorer sidecar's HTTP API.
     Wasm,
+    /// The kvgate filter as a native Envoy dynamic module, with its own route stream to the
+    /// scorer sidecar.
+    Native,
     /// The scorer's Endpoint Picker through Envoy's ext_proc filter (the scorer
     /// configuration needs an `epp` section).
     Epp,
@@ -53,6 +56,8 @@ pub struct EnvoyOptions {
     pub admin: SocketAddr,
     /// The filter's `.wasm` file.
     pub wasm: PathBuf,
+    /// The filter's native module (`libkvgate_filter_native.so`).
+    pub native_module: PathBuf,
     pub picker: Picker,
     /// `open` or `closed`: the picker down, slow or failing.
     pub failure_mode: String,
@@ -84,18 +89,36 @@ fn section(out: String, begin: &str, end: &str, keep: bool) -> String {
     kept
 }
 
+/// `address` with an unspecified IP (listening on all interfaces) made loopback: how this
+/// Envoy, beside the scorer, dials it.
+fn loopback(address: SocketAddr) -> SocketAddr {
+    if address.ip().is_unspecified() {
+        SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), address.port())
+    } else {
+        address
+    }
+}
+
 /// Renders the bootstrap YAML.
 pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String> {
     // A request may wait in the scorer's admission queue for room: the decision's timeout
     // covers that wait.
     let timeout_ms = options.scorer_timeout_ms + config.admission.as_ref().map_or(0, |a| a.max_wait_ms);
-    let filter = serde_json::json!({
+    let mut filter = serde_json::json!({
         "scorer_cluster": "kvgate_scorer",
         "failure_mode": options.failure_mode,
         "scorer_timeout_ms": timeout_ms,
         "pd_mode": options.pd_mode,
         "destination_header": "x-gateway-destination-endpoint",
     });
+    if options.picker == Picker::Native {
+        if options.pd_mode == "envoy" && config.pods.iter().any(|p| p.role == crate::config::Role::Prefill) {
+            return Err("--picker native sends no prefill legs: with prefill pods, use --pd-mode header (the decode pods' sidecars prefill) or --picker wasm".into());
+        }
+        // The module dials the scorer itself (its API listens on all interfaces by default;
+        // the sidecar is reached on loopback).
+        filter["scorer_address"] = loopback(config.listen).to_string().into();
+    }
     let epp = match (options.picker, &config.epp) {
         (Picker::Epp, None) => return Err("--picker epp needs an `epp` section in the scorer configuration".into()),
         (Picker::Epp, Some(epp)) => Some(epp),
@@ -145,10 +168,7 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
         _ => "            - header: x-gateway-destination-endpoint",
     };
     // The picker listens on all interfaces by default; this Envoy reaches it on loopback.
-    let epp_address = epp.map(|e| match e.listen.ip() {
-        ip if ip.is_unspecified() => SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.into(), e.listen.port()),
-        _ => e.listen,
-    });
+    let epp_address = epp.map(|e| loopback(e.listen));
     let (request_mode, response_headers, response_mode, response_trailers) = options.epp_body_mode.modes();
     let replacements = [
         ("${PODS_DISCOVERY}", discovery),
@@ -160,6 +180,7 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
         ("${RETRIES}", options.retries.to_string()),
         ("${FILTER_CONFIG}", filter.to_string()),
         ("${WASM_PATH}", options.wasm.display().to_string()),
+        ("${NATIVE_MODULE_PATH}", options.native_module.display().to_string()),
         ("${SCORER_IP}", config.listen.ip().to_string()),
         ("${SCORER_PORT}", config.listen.port().to_string()),
         ("${EPP_FAILURE_MODE_ALLOW}", (options.failure_mode == "open").to_string()),
@@ -175,6 +196,7 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
     ];
     let mut out = TEMPLATE.to_string();
     out = section(out, "${WASM_BEGIN}", "${WASM_END}", options.picker == Picker::Wasm);
+    out = section(out, "${NATIVE_BEGIN}", "${NATIVE_END}", options.picker == Picker::Native);
     out = section(out, "${EPP_BEGIN}", "${EPP_END}", epp.is_some());
     out = section(out, "${EPP_STREAMED_BEGIN}", "${EPP_STREAMED_END}", request_mode == "STREAMED");
     let tls = epp.is_some_and(|e| e.tls != EppTls::Plaintext);
@@ -194,6 +216,7 @@ mod tests {
             listen: "0.0.0.0:10000".parse().unwrap(),
             admin: "127.0.0.1:9901".parse().unwrap(),
             wasm: "/x/kvgate_filter.wasm".into(),
+            native_module: "/x/libkvgate_filter_native.so".into(),
             failure_mode: "closed".into(),
             scorer_timeout_ms: 50,
             pd_mode: "envoy".into(),

@@ -10,6 +10,7 @@ pub mod epp;
 pub mod http;
 pub mod metrics;
 pub mod prompt;
+pub mod route_socket;
 pub mod route_stream;
 pub mod scorer;
 pub mod scrape;

@@ -129,7 +129,7 @@ async fn main() -> anyhow::Result<()> {
     let threads =
         scorer.config.listen_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     tracing::info!(%listen, threads, pods = scorer.num_pods(), policy = ?scorer.config.policy, "kvgate-scorer ready");
-    kvgate_scorer::serve::serve(listener, http::router(scorer), threads, shutdown_signal()).await?;
+    kvgate_scorer::serve::serve(listener, http::router(scorer.clone()), scorer, threads, shutdown_signal()).await?;
     tracing::info!("kvgate-scorer stopped");
     Ok(())
 }

@@ -53,7 +53,7 @@ async fn serve(
     scorer.metrics.route_streams.inc();
     tokio::spawn(async move {
         loop {
-            let mut call = match calls.message().await {
+            let call = match calls.message().await {
                 Ok(Some(call)) => call,
                 Ok(None) => break,
                 Err(status) => {
@@ -61,36 +61,48 @@ async fn serve(
                     break;
                 }
             };
-            if !call.reports.is_empty() {
-                apply_reports(&scorer, std::mem::take(&mut call.reports));
-            }
-            if call.api_path.is_empty() {
-                continue; // reports only
-            }
-            let (scorer, answers) = (scorer.clone(), answers.clone());
+            let Some(answer) = take_call(&scorer, call) else { continue };
+            let answers = answers.clone();
             tokio::spawn(async move {
-                let outcome = http::answer_route(
-                    &scorer,
-                    Some(&call.request_id),
-                    Some(&call.api_path),
-                    call.objective.as_deref(),
-                    call.body.into(),
-                    false,
-                )
-                .await;
-                let answer = RouteAnswer {
-                    call: call.call,
-                    status: u32::from(outcome.status.as_u16()),
-                    body: outcome.body,
-                    retry_after: outcome.retry_after,
-                };
                 // The caller gone: its lifecycle reports (or their absence) settle the booking.
-                let _ = answers.send(Ok(answer)).await;
+                let _ = answers.send(Ok(answer.await)).await;
             });
         }
         scorer.metrics.route_streams.dec();
     });
     Ok(Response::new(ReceiverStream::new(receiver)))
+}
+
+/// Applies a call's lifecycle reports and returns its answer to come (`None` for a message
+/// carrying reports only): what the route stream and the route socket do with each message.
+pub(crate) fn take_call(
+    scorer: &Arc<Scorer>,
+    mut call: RouteCall,
+) -> Option<impl Future<Output = RouteAnswer> + use<>> {
+    if !call.reports.is_empty() {
+        apply_reports(scorer, std::mem::take(&mut call.reports));
+    }
+    if call.api_path.is_empty() {
+        return None;
+    }
+    let scorer = scorer.clone();
+    Some(async move {
+        let outcome = http::answer_route(
+            &scorer,
+            Some(&call.request_id),
+            Some(&call.api_path),
+            call.objective.as_deref(),
+            call.body.into(),
+            false,
+        )
+        .await;
+        RouteAnswer {
+            call: call.call,
+            status: u32::from(outcome.status.as_u16()),
+            body: outcome.body,
+            retry_after: outcome.retry_after,
+        }
+    })
 }
 
 /// The reports a stream message carried; one naming no known event is counted and dropped.

@@ -8,10 +8,13 @@
 //! runtime, and everything the connection does — its HTTP/2 streams, the route calls and
 //! their answers — runs on that thread (measured: a quarter to a third less of the
 //! scorer's CPU per short request). New connections go to the thread serving fewest.
-//! Requests with large bodies are prepared off the thread (see
+//! A connection that opens with the route socket's preface
+//! ([`kvgate_route_api::ROUTE_SOCKET_PREFACE`]) is served as one ([`crate::route_socket`]),
+//! on its thread likewise. Requests with large bodies are prepared off the thread (see
 //! [`Scorer::prepare_owned`](crate::scorer::Scorer::prepare_owned)), so a long tokenization
 //! does not hold up the other calls of the connection.
 
+use crate::scorer::Scorer;
 use axum::Router;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder;
@@ -39,11 +42,16 @@ struct Worker {
     serving: Arc<AtomicUsize>,
 }
 
-/// Serves `router` on `listener` with `threads` connection threads until `shutdown`
-/// completes, then lets open connections finish for up to [`DRAIN`].
+/// How long a new connection may take to send its first bytes before it is handed to HTTP
+/// (which then times it out as it does any connection).
+const FIRST_BYTES: Duration = Duration::from_secs(10);
+
+/// Serves `router` (and route sockets, for `scorer`) on `listener` with `threads` connection
+/// threads until `shutdown` completes, then lets open connections finish for up to [`DRAIN`].
 pub async fn serve(
     listener: TcpListener,
     router: Router,
+    scorer: Arc<Scorer>,
     threads: usize,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
@@ -51,11 +59,11 @@ pub async fn serve(
     for i in 0..threads.max(1) {
         let (connections, incoming) = mpsc::unbounded_channel();
         let serving = Arc::new(AtomicUsize::new(0));
-        let (router, count) = (router.clone(), serving.clone());
+        let (router, scorer, count) = (router.clone(), scorer.clone(), serving.clone());
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         std::thread::Builder::new()
             .name(format!("kvgate-api-{i}"))
-            .spawn(move || runtime.block_on(run_worker(router, incoming, count)))?;
+            .spawn(move || runtime.block_on(run_worker(router, scorer, incoming, count)))?;
         workers.push(Worker { connections, serving });
     }
     let graceful = GracefulShutdown::new();
@@ -96,6 +104,7 @@ pub async fn serve(
 /// they have all finished.
 async fn run_worker(
     router: Router,
+    scorer: Arc<Scorer>,
     mut incoming: mpsc::UnboundedReceiver<(std::net::TcpStream, Watcher)>,
     serving: Arc<AtomicUsize>,
 ) {
@@ -107,9 +116,12 @@ async fn run_worker(
         tokio::select! {
             next = incoming.recv() => {
                 let Some((tcp, watcher)) = next else { break };
-                let (builder, router, serving) = (builder.clone(), router.clone(), serving.clone());
+                let (builder, router, scorer, serving) = (builder.clone(), router.clone(), scorer.clone(), serving.clone());
                 connections.spawn(async move {
                     match tokio::net::TcpStream::from_std(tcp) {
+                        Ok(tcp) if opens_route_socket(&tcp).await => {
+                            crate::route_socket::serve(scorer, tcp).await;
+                        }
                         Ok(tcp) => {
                             let service = TowerToHyperService::new(router);
                             let connection = builder.serve_connection_with_upgrades(TokioIo::new(tcp), service);
@@ -126,6 +138,15 @@ async fn run_worker(
         }
     }
     while connections.join_next().await.is_some() {}
+}
+
+/// Whether a new connection's first bytes are a route socket's preface.
+async fn opens_route_socket(tcp: &tokio::net::TcpStream) -> bool {
+    let mut first = [0u8; kvgate_route_api::ROUTE_SOCKET_PREFACE.len()];
+    match tokio::time::timeout(FIRST_BYTES, tcp.peek(&mut first)).await {
+        Ok(Ok(n)) => crate::route_socket::may_be_preface(&first[..n]),
+        _ => false,
+    }
 }
 
 /// Errors of one connection (the client gave up while it was being accepted), not of the

@@ -18,16 +18,20 @@ struct Args {
     /// The kvgate filter's `.wasm` file (with `--picker wasm`).
     #[arg(long, default_value = "kvgate_filter.wasm")]
     wasm: PathBuf,
+    /// The kvgate filter's native module (with `--picker native`).
+    #[arg(long, default_value = "libkvgate_filter_native.so")]
+    native_module: PathBuf,
     /// Envoy's listener for inference traffic.
     #[arg(long, default_value = "127.0.0.1:10000")]
     listen: SocketAddr,
     /// Envoy's admin interface.
     #[arg(long, default_value = "127.0.0.1:9901")]
     admin: SocketAddr,
-    /// Who picks the pod: `wasm` (the filter and the scorer sidecar), `epp` (the scorer's
-    /// Endpoint Picker through ext_proc; needs `epp` in the scorer configuration) or `none`
-    /// (plain round robin, the baseline).
-    #[arg(long, default_value = "wasm", value_parser = ["wasm", "epp", "none"])]
+    /// Who picks the pod: `wasm` (the filter and the scorer sidecar), `native` (the filter as
+    /// an Envoy dynamic module, and the scorer sidecar), `epp` (the scorer's Endpoint Picker
+    /// through ext_proc; needs `epp` in the scorer configuration) or `none` (plain round
+    /// robin, the baseline).
+    #[arg(long, default_value = "wasm", value_parser = ["wasm", "native", "epp", "none"])]
     picker: String,
     /// When the scorer is unavailable: `open` (Envoy balances) or `closed` (503).
     #[arg(long, default_value = "open", value_parser = ["open", "closed"])]
@@ -70,6 +74,7 @@ fn main() -> anyhow::Result<()> {
     let picker = match (args.baseline_round_robin, args.picker.as_str()) {
         (true, _) | (_, "none") => Picker::None,
         (_, "epp") => Picker::Epp,
+        (_, "native") => Picker::Native,
         _ => Picker::Wasm,
     };
     let epp_body_mode = match args.epp_body_mode.as_str() {
@@ -83,6 +88,7 @@ fn main() -> anyhow::Result<()> {
             listen: args.listen,
             admin: args.admin,
             wasm: args.wasm,
+            native_module: args.native_module,
             picker,
             failure_mode: args.failure_mode,
             scorer_timeout_ms: args.scorer_timeout_ms,

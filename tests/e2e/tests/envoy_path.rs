@@ -1,10 +1,11 @@
 //! The whole path in a real Envoy, over real sockets on loopback: simulated vLLM pods, the
 //! scorer, and Envoy asking it for every request's pod — through the kvgate wasm filter
-//! (`Path::Wasm`) or through the scorer's Endpoint Picker over ext_proc (`Path::Epp`, in the
-//! bootstrap's default body mode). Every test runs on both paths (`wasm::…` and `epp::…`).
+//! (`Path::Wasm`), the same filter as a native dynamic module (`Path::Native`), or the
+//! scorer's Endpoint Picker over ext_proc (`Path::Epp`, in the bootstrap's default body
+//! mode). Every test runs on every path (`wasm::…`, `native::…` and `epp::…`).
 
 use kvgate_test_harness::{
-    EPP_PORT, EnvoyProcess, ScorerProcess, Sim, envoy_validate, filter_wasm, qwen3_tokenizer, root, text,
+    EPP_PORT, EnvoyProcess, ScorerProcess, Sim, envoy_validate, filter_native, filter_wasm, qwen3_tokenizer, root, text,
 };
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
@@ -16,6 +17,8 @@ const MODEL: &str = "Qwen/Qwen3-8B";
 enum Path {
     /// The wasm filter calling the scorer's HTTP API.
     Wasm,
+    /// The filter as an Envoy dynamic module, on its own route socket to the scorer.
+    Native,
     /// The Endpoint Picker (ext_proc over gRPC, TLS with its self-signed certificate).
     Epp,
 }
@@ -27,7 +30,7 @@ impl Path {
     fn scorer_config(self, envoy_flags: &[&str]) -> String {
         let limit = envoy_flags.windows(2).find(|w| w[0] == "--body-limit-bytes").map(|w| w[1]);
         match (self, limit) {
-            (Path::Wasm, _) => String::new(),
+            (Path::Wasm | Path::Native, _) => String::new(),
             (Path::Epp, None) => format!("epp: {{listen: '127.0.0.1:{EPP_PORT}'}}\n"),
             (Path::Epp, Some(n)) => format!("epp: {{listen: '127.0.0.1:{EPP_PORT}', body_limit_bytes: {n}}}\n"),
         }
@@ -37,17 +40,21 @@ impl Path {
     fn envoy_flags<'a>(self, extra: &[&'a str]) -> Vec<&'a str> {
         let picker: &[&str] = match self {
             Path::Wasm => &["--picker", "wasm"],
+            Path::Native => &["--picker", "native"],
             Path::Epp => &["--picker", "epp"],
         };
         picker.iter().chain(extra).copied().collect()
     }
 }
 
-/// Runs each listed test (an `async fn(Path)`) on both paths.
+/// Runs each listed test (an `async fn(Path)`) on every path.
 macro_rules! on_both_paths {
     ($($name:ident),* $(,)?) => {
         mod wasm {
             $(#[tokio::test] async fn $name() { super::$name(super::Path::Wasm).await })*
+        }
+        mod native {
+            $(#[tokio::test] async fn $name() { super::$name(super::Path::Native).await })*
         }
         mod epp {
             $(#[tokio::test] async fn $name() { super::$name(super::Path::Epp).await })*
@@ -81,6 +88,7 @@ impl Stack {
     async fn routed(&self) -> u64 {
         match self.path {
             Path::Wasm => self.envoy.stat("wasmcustom.kvgate_routed").await,
+            Path::Native => self.envoy.stat("kvgate.routed").await,
             Path::Epp => scorer_metric(&self.scorer, "kvgate_decisions_total").await,
         }
     }
@@ -94,6 +102,7 @@ impl Stack {
 async fn failed_open(path: Path, envoy: &EnvoyProcess) -> u64 {
     match path {
         Path::Wasm => envoy.stat("wasmcustom.kvgate_fail_open").await,
+        Path::Native => envoy.stat("kvgate.fail_open").await,
         Path::Epp => envoy.stat("http.kvgate.ext_proc.failure_mode_allowed").await,
     }
 }
@@ -203,6 +212,11 @@ async fn shared_prefixes_converge_and_different_prefixes_spread(path: Path) {
             assert!(s.envoy.stat("wasmcustom.kvgate_route_stream_opened").await >= 1);
             assert_eq!(s.envoy.stat("wasmcustom.kvgate_route_stream_opened").await, opened_before, "never reopened");
         }
+        // One route socket, kept; a first token and a done for every request, on it.
+        Path::Native => {
+            assert_eq!(scorer_metric(&s.scorer, "kvgate_route_streams").await, 1, "one route socket is open");
+            assert_eq!(scorer_metric(&s.scorer, "kvgate_lifecycle_reports_total").await, 24);
+        }
         // The picker reads the responses itself: a first token and a done for every request.
         Path::Epp => {
             assert_eq!(scorer_metric(&s.scorer, "kvgate_lifecycle_reports_total").await, 24);
@@ -270,12 +284,13 @@ async fn scorer_down_fail_closed_answers_503_then_recovers(path: Path) {
     let a = send(&s.envoy, "/v1/completions", &body, &[]).await;
     assert_eq!(a.status, 503);
     assert!(a.pod.is_none(), "no pod saw it");
-    if path == Path::Wasm {
+    if path != Path::Epp {
         // The filter answers itself, in the OpenAI error shape (Envoy's ext_proc failure is
         // its own local reply, status only).
         let err: Value = serde_json::from_str(&a.body).unwrap();
         assert_eq!(err["error"]["type"], "ServiceUnavailable");
-        assert_eq!(s.envoy.stat("wasmcustom.kvgate_fail_closed").await, 1);
+        let stat = if path == Path::Wasm { "wasmcustom.kvgate_fail_closed" } else { "kvgate.fail_closed" };
+        assert_eq!(s.envoy.stat(stat).await, 1);
     }
     s.scorer.restart().await;
     // The filter's route stream reconnects after a backoff: recovery within seconds, not at
@@ -361,6 +376,7 @@ fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
             listen: "127.0.0.1:10000".parse().unwrap(),
             admin: "127.0.0.1:9901".parse().unwrap(),
             wasm: "target/wasm32-wasip1/release/kvgate_filter.wasm".into(),
+            native_module: "target/release/libkvgate_filter_native.so".into(),
             failure_mode: "open".into(),
             scorer_timeout_ms: 100,
             pd_mode: "envoy".into(),
@@ -385,6 +401,7 @@ fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
         listen: "0.0.0.0:8080".parse().unwrap(),
         admin: "127.0.0.1:9902".parse().unwrap(),
         wasm: filter_wasm(),
+        native_module: filter_native(),
         failure_mode: "closed".into(),
         scorer_timeout_ms: 25,
         pd_mode: "header".into(),
@@ -400,13 +417,33 @@ fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
     result.expect("rendered template validates");
     let baseline = kvgate_scorer::envoy::render(
         &config,
-        &kvgate_scorer::envoy::EnvoyOptions { picker: kvgate_scorer::envoy::Picker::None, ..options },
+        &kvgate_scorer::envoy::EnvoyOptions { picker: kvgate_scorer::envoy::Picker::None, ..options.clone() },
     )
     .unwrap();
     std::fs::write(&path, baseline).unwrap();
     let result = envoy_validate(&path);
     let _ = std::fs::remove_file(&path);
     result.expect("the baseline bootstrap validates");
+    let native = kvgate_scorer::envoy::render(
+        &config,
+        &kvgate_scorer::envoy::EnvoyOptions { picker: kvgate_scorer::envoy::Picker::Native, ..options.clone() },
+    )
+    .unwrap();
+    assert!(native.contains("DynamicModuleFilter") && native.contains("\"scorer_address\":\"127.0.0.1:"), "{native}");
+    std::fs::write(&path, native).unwrap();
+    let result = envoy_validate(&path);
+    let _ = std::fs::remove_file(&path);
+    result.expect("the native module's bootstrap validates");
+    // The module sends no prefill legs: a pool with prefill pods needs the header mode.
+    let refused = kvgate_scorer::envoy::render(
+        &config,
+        &kvgate_scorer::envoy::EnvoyOptions {
+            picker: kvgate_scorer::envoy::Picker::Native,
+            pd_mode: "envoy".into(),
+            ..options
+        },
+    );
+    assert!(refused.unwrap_err().contains("--pd-mode header"));
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
@@ -514,7 +551,7 @@ async fn a_scorer_slower_than_the_timeout_is_treated_as_down(path: Path) {
     assert!(started.elapsed() < Duration::from_secs(5));
     let shut = send(&closed, "/v1/completions", &body, &[]).await;
     // Envoy answers a picker past ext_proc's message timeout with its own 504.
-    let expected = if path == Path::Wasm { 503 } else { 504 };
+    let expected = if path == Path::Epp { 504 } else { 503 };
     assert_eq!(shut.status, expected, "fail-closed: {}", shut.body);
     s.scorer.resume();
     assert_eq!(send(&s.envoy, "/v1/completions", &body, &[]).await.status, 200);
@@ -547,7 +584,7 @@ async fn a_scorer_answering_garbage_is_treated_as_down(path: Path) {
     let pod = Sim::start("pod-g", &["--time-scale", "0.02"]).await;
     let config = std::env::temp_dir().join(format!("kvgate-garbage-{port}.yaml"));
     let (listen, epp) = match path {
-        Path::Wasm => (port, String::new()),
+        Path::Wasm | Path::Native => (port, String::new()),
         Path::Epp => (kvgate_test_harness::free_port(), format!("epp: {{listen: '127.0.0.1:{port}'}}\n")),
     };
     std::fs::write(
@@ -564,8 +601,9 @@ async fn a_scorer_answering_garbage_is_treated_as_down(path: Path) {
         assert_eq!((a.status, a.pod.as_deref()), (200, Some("pod-g")), "fail-open serves: {}", a.body);
         assert_eq!(send(&closed, "/v1/completions", &body, &[]).await.status, 503);
     }
-    if path == Path::Wasm {
-        assert_eq!(open.stat("wasmcustom.kvgate_routed").await, 0, "no garbage decision was followed");
+    if path != Path::Epp {
+        let routed = if path == Path::Wasm { "wasmcustom.kvgate_routed" } else { "kvgate.routed" };
+        assert_eq!(open.stat(routed).await, 0, "no garbage decision was followed");
     }
     assert_eq!(failed_open(path, &open).await, 6);
 }

@@ -589,6 +589,11 @@ pub fn filter_wasm() -> PathBuf {
     required(root().join("target/wasm32-wasip1/release/kvgate_filter.wasm"), "the kvgate filter .wasm")
 }
 
+/// The filter's native module (an Envoy dynamic module; `make test` builds it).
+pub fn filter_native() -> PathBuf {
+    required(root().join("target/release/libkvgate_filter_native.so"), "the kvgate filter's native module")
+}
+
 /// A running Envoy with the kvgate filter in front of a scorer's pods; killed on drop.
 pub struct EnvoyProcess {
     child: Child,
@@ -626,6 +631,13 @@ impl EnvoyProcess {
                 .arg(scorer_config)
                 .arg("--wasm")
                 .arg(filter_wasm())
+                .args(
+                    extra
+                        .contains(&"native")
+                        .then(|| ["--native-module".into(), filter_native().into_os_string()])
+                        .into_iter()
+                        .flatten(),
+                )
                 .args(["--listen", &format!("127.0.0.1:{port}"), "--admin", &format!("127.0.0.1:{admin}")])
                 .arg("--out")
                 .arg(&config_path)

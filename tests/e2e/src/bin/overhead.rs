@@ -36,9 +36,9 @@ struct Args {
     /// The Endpoint Picker paths' ext_proc body mode (`kvgate-envoy-config --epp-body-mode`).
     #[arg(long, default_value = "streamed", value_parser = ["streamed", "buffered", "full-duplex"])]
     epp_body_mode: String,
-    /// Only these paths (`direct`, `rr`, `wasm`, `epp`, `epp-tls`; all by default) — for
+    /// Only these paths (`direct`, `rr`, `wasm`, `native`, `epp`, `epp-tls`; all by default) — for
     /// profiling one path at a time (`make profile`).
-    #[arg(long, value_delimiter = ',', value_parser = ["direct", "rr", "wasm", "epp", "epp-tls"])]
+    #[arg(long, value_delimiter = ',', value_parser = ["direct", "rr", "wasm", "native", "epp", "epp-tls"])]
     paths: Vec<String>,
     /// Samples the gateway's processes (Envoy and the scorer) with `perf record` into this
     /// file while the measured rounds run (one path with a scorer, one cell; `make profile`).
@@ -134,6 +134,7 @@ async fn main() -> anyhow::Result<()> {
     // as its own Deployment, TLS (the default): both are measured.
     let plaintext = ScorerProcess::start(&config.replace("'}\npods:", "', tls: {mode: plaintext}}\npods:")).await;
     let wasm = EnvoyProcess::start(&scorer, &["--picker", "wasm"]).await;
+    let native = EnvoyProcess::start(&scorer, &["--picker", "native"]).await;
     let epp_tls = EnvoyProcess::start(&scorer, &["--picker", "epp", "--epp-body-mode", &args.epp_body_mode]).await;
     let epp = EnvoyProcess::start(&plaintext, &["--picker", "epp", "--epp-body-mode", &args.epp_body_mode]).await;
     let baseline = EnvoyProcess::start(&scorer, &["--picker", "none"]).await;
@@ -149,6 +150,7 @@ async fn main() -> anyhow::Result<()> {
         path("direct", "direct to the pod", &pod.url, None, None),
         path("rr", "Envoy round robin", &baseline.url, Some(&baseline), None),
         path("wasm", "Envoy + kvgate (wasm filter)", &wasm.url, Some(&wasm), Some(&scorer)),
+        path("native", "Envoy + kvgate (native module)", &native.url, Some(&native), Some(&scorer)),
         path("epp", "Envoy + kvgate (Endpoint Picker, h2c)", &epp.url, Some(&epp), Some(&plaintext)),
         path("epp-tls", "Envoy + kvgate (Endpoint Picker, TLS)", &epp_tls.url, Some(&epp_tls), Some(&scorer)),
     ]

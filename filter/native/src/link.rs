@@ -1,0 +1,378 @@
+//! The module's link to the scorer: a route socket (the route stream's messages, framed on a
+//! plain connection: see [`kvgate_route_api::ROUTE_SOCKET_PREFACE`]) to the scorer's API,
+//! and a thread of the module's own (a single-threaded tokio runtime) that opens it, reads
+//! the answers and hands each to its call's [`Slot`], waking the request on its worker with
+//! the request's Envoy scheduler.
+//!
+//! Envoy's workers write their calls on the socket themselves (non-blocking: a call the
+//! socket cannot take at once waits in `pending`, which the link's thread writes as the
+//! socket drains), so a call costs no wake-up of another thread; lifecycle reports wait in a
+//! queue and ride on the next call or the next flush.
+
+use crate::abi::{self, LogLevel, Scheduler};
+use kvgate_route_api::{Frames, LifecycleReport, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, StreamReport, frame};
+use std::collections::HashMap;
+use std::io::Write;
+use std::os::fd::AsFd;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+
+/// What a request's call came back with: the scorer's answer, or why there is none.
+pub enum Outcome {
+    Answer(RouteAnswer),
+    Unavailable(String),
+}
+
+/// Where a call's outcome waits for its request, and how to wake it.
+#[derive(Default)]
+pub struct Slot {
+    inner: Mutex<SlotState>,
+}
+
+#[derive(Default)]
+struct SlotState {
+    outcome: Option<Outcome>,
+    /// `None` once the request is gone (nothing to wake).
+    scheduler: Option<Scheduler>,
+}
+
+impl Slot {
+    pub fn new(scheduler: Scheduler) -> Arc<Slot> {
+        Arc::new(Slot { inner: Mutex::new(SlotState { outcome: None, scheduler: Some(scheduler) }) })
+    }
+
+    /// Stores the outcome and wakes the request (if it is still there).
+    fn deliver(&self, outcome: Outcome) {
+        let mut state = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        state.outcome = Some(outcome);
+        if let Some(scheduler) = &state.scheduler {
+            scheduler.commit(0);
+        }
+    }
+
+    /// The outcome, once delivered (on the request's worker, woken by it).
+    pub fn take(&self) -> Option<Outcome> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).outcome.take()
+    }
+
+    /// The request is gone: nobody is woken any more. Returns the scheduler so that it is
+    /// deleted on the worker that made it.
+    pub fn close(&self) -> Option<Scheduler> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner()).scheduler.take()
+    }
+}
+
+/// Bytes read from the socket at a time.
+const READ_BYTES: usize = 16 << 10;
+
+/// Reports waiting, with when each happened.
+type Reports = Vec<(LifecycleReport, SystemTime)>;
+
+/// How the link reaches and waits for the scorer.
+#[derive(Clone)]
+pub struct LinkConfig {
+    /// `ip:port` (or `host:port`) of the scorer's API.
+    pub scorer: String,
+    pub timeout: Duration,
+    pub flush: Duration,
+    pub batch_max: usize,
+}
+
+/// The workers' end of the link.
+#[derive(Clone)]
+pub struct Link {
+    shared: Arc<Shared>,
+}
+
+/// What the workers and the link's thread share.
+struct Shared {
+    config: LinkConfig,
+    /// Calls sent and not answered yet, by call id.
+    waiting: Mutex<HashMap<u64, Waiting>>,
+    writer: Mutex<Writer>,
+    reports: Mutex<Reports>,
+    /// Wakes the link's thread: `pending` has bytes to write, or reports piled up.
+    wake: Notify,
+}
+
+/// The sending side of the socket.
+#[derive(Default)]
+struct Writer {
+    /// `None` while the socket is down (calls then fail at once).
+    socket: Option<std::net::TcpStream>,
+    /// Bytes the socket has not taken yet, in order; written before anything else.
+    pending: Vec<u8>,
+    /// A call's frame, reused.
+    scratch: Vec<u8>,
+}
+
+/// A call sent and not answered yet.
+struct Waiting {
+    slot: Arc<Slot>,
+    deadline: Instant,
+}
+
+impl Link {
+    /// Starts the link's thread (which opens the socket).
+    pub fn start(config: LinkConfig) -> std::io::Result<Link> {
+        let shared = Arc::new(Shared {
+            config,
+            waiting: Mutex::new(HashMap::new()),
+            writer: Mutex::new(Writer::default()),
+            reports: Mutex::new(Vec::new()),
+            wake: Notify::new(),
+        });
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let link = shared.clone();
+        std::thread::Builder::new().name("kvgate-link".into()).spawn(move || runtime.block_on(run(link)))?;
+        Ok(Link { shared })
+    }
+
+    /// Sends a route call (from a worker); its outcome comes to `slot`.
+    pub fn call(&self, mut call: RouteCall, slot: Arc<Slot>) {
+        let shared = &self.shared;
+        let mut writer = lock(&shared.writer);
+        if writer.socket.is_none() {
+            drop(writer);
+            return slot.deliver(Outcome::Unavailable("the route socket to the scorer is down".into()));
+        }
+        call.reports = take_reports(&shared.reports);
+        let deadline = Instant::now() + shared.config.timeout;
+        lock(&shared.waiting).insert(call.call, Waiting { slot, deadline });
+        let Writer { socket, pending, scratch } = &mut *writer;
+        scratch.clear();
+        frame(&call, scratch);
+        if !pending.is_empty() {
+            // Behind others: the link's thread writes it after them.
+            pending.extend_from_slice(scratch);
+            return;
+        }
+        let written = match socket.as_ref().map(|mut s| s.write(scratch)) {
+            Some(Ok(n)) => n,
+            Some(Err(e)) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+            // Broken: the link's thread sees it on its side too, reopens, and fails the calls.
+            _ => scratch.len(),
+        };
+        if written < scratch.len() {
+            pending.extend_from_slice(&scratch[written..]);
+            shared.wake.notify_one();
+        }
+    }
+
+    /// Queues a lifecycle report: it goes with the next call, at the next flush, or at once
+    /// when `batch_max` are waiting.
+    pub fn report(&self, report: LifecycleReport) {
+        let waiting = {
+            let mut reports = lock(&self.shared.reports);
+            reports.push((report, SystemTime::now()));
+            reports.len()
+        };
+        if waiting >= self.shared.config.batch_max {
+            self.shared.wake.notify_one();
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The link's thread: opens the socket (again after any failure), reads answers, writes what
+/// workers could not, flushes reports and fails calls unanswered in time.
+async fn run(shared: Arc<Shared>) {
+    let config = &shared.config;
+    let mut tick = tokio::time::interval(config.flush.min(config.timeout / 4).max(Duration::from_millis(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last_flush = Instant::now();
+    // Since when the socket could not be opened, and when that was last said.
+    let mut down: Option<(Instant, Instant)> = None;
+    loop {
+        let socket = match open(&shared).await {
+            Ok(socket) => {
+                if let Some((since, _)) = down.take() {
+                    abi::log(
+                        LogLevel::Info,
+                        &format!(
+                            "kvgate: route socket to {} open again after {:.1} s",
+                            config.scorer,
+                            since.elapsed().as_secs_f64()
+                        ),
+                    );
+                }
+                socket
+            }
+            Err(why) => {
+                // Said once, then every 30 s while it lasts (calls fail meanwhile, each logged).
+                let now = Instant::now();
+                match &mut down {
+                    None => down = Some((now, now)),
+                    Some((_, said)) if now.duration_since(*said) >= Duration::from_secs(30) => *said = now,
+                    Some(_) => {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        continue;
+                    }
+                }
+                crate::warn(&format!(
+                    "kvgate: cannot open the route socket to {}: {why}; retrying every 200 ms",
+                    config.scorer
+                ));
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        let mut frames = Frames::default();
+        let opened = Instant::now();
+        let why = loop {
+            tokio::select! {
+                ready = socket.readable() => {
+                    if let Err(e) = ready {
+                        break format!("route socket failed: {e}");
+                    }
+                    match read_answers(&socket, &mut frames, &shared) {
+                        Ok(true) => {}
+                        Ok(false) => break "the scorer closed the route socket".to_string(),
+                        Err(e) => break e,
+                    }
+                }
+                () = shared.wake.notified() => {
+                    if lock(&shared.reports).len() >= config.batch_max {
+                        queue_reports(&shared);
+                    }
+                    if let Err(e) = write_pending(&socket, &shared).await {
+                        break e;
+                    }
+                }
+                _ = tick.tick() => {
+                    expire(&shared);
+                    let now = Instant::now();
+                    if now.duration_since(last_flush) >= config.flush {
+                        last_flush = now;
+                        queue_reports(&shared);
+                        if let Err(e) = write_pending(&socket, &shared).await {
+                            break e;
+                        }
+                    }
+                }
+            }
+        };
+        crate::warn(&format!("kvgate: {why}; reopening"));
+        {
+            let mut writer = lock(&shared.writer);
+            writer.socket = None;
+            writer.pending.clear();
+        }
+        let failed: Vec<Waiting> = lock(&shared.waiting).drain().map(|(_, call)| call).collect();
+        for call in failed {
+            call.slot.deliver(Outcome::Unavailable(why.clone()));
+        }
+        // Something that accepts and then breaks every connection is not hammered.
+        if opened.elapsed() < Duration::from_secs(1) {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
+
+/// Reads what the socket has and hands every whole answer to its call; `false` when the
+/// scorer closed the socket.
+fn read_answers(socket: &TcpStream, frames: &mut Frames, shared: &Shared) -> Result<bool, String> {
+    loop {
+        match socket.try_read_buf(frames.spare(READ_BYTES)) {
+            Ok(0) => return Ok(false),
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => return Err(format!("route socket failed: {e}")),
+        }
+    }
+    while let Some(answer) = frames.message::<RouteAnswer>()? {
+        // Not waiting: timed out already.
+        let call = lock(&shared.waiting).remove(&answer.call);
+        if let Some(call) = call {
+            call.slot.deliver(Outcome::Answer(answer));
+        }
+    }
+    Ok(true)
+}
+
+/// Writes `pending` as the socket takes it.
+async fn write_pending(socket: &TcpStream, shared: &Shared) -> Result<(), String> {
+    loop {
+        {
+            let mut writer = lock(&shared.writer);
+            if writer.pending.is_empty() {
+                return Ok(());
+            }
+            match socket.try_write(&writer.pending) {
+                Ok(n) => {
+                    writer.pending.drain(..n);
+                    continue;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(format!("cannot send on the route socket: {e}")),
+            }
+        }
+        socket.writable().await.map_err(|e| format!("route socket failed: {e}"))?;
+    }
+}
+
+/// Queues the waiting reports as one message (none while the socket is down: they wait).
+fn queue_reports(shared: &Shared) {
+    let mut writer = lock(&shared.writer);
+    if writer.socket.is_none() {
+        return;
+    }
+    let reports = take_reports(&shared.reports);
+    if !reports.is_empty() {
+        frame(&RouteCall { reports, ..Default::default() }, &mut writer.pending);
+    }
+}
+
+/// Calls unanswered past the timeout fail.
+fn expire(shared: &Shared) {
+    let now = Instant::now();
+    let expired: Vec<Waiting> = {
+        let mut waiting = lock(&shared.waiting);
+        let ids: Vec<u64> = waiting.iter().filter(|(_, w)| w.deadline <= now).map(|(id, _)| *id).collect();
+        ids.iter().filter_map(|id| waiting.remove(id)).collect()
+    };
+    let why = format!("no answer within {} ms", shared.config.timeout.as_millis());
+    for call in expired {
+        call.slot.deliver(Outcome::Unavailable(why.clone()));
+    }
+}
+
+/// The waiting reports, each stamped with its age now.
+fn take_reports(reports: &Mutex<Reports>) -> Vec<StreamReport> {
+    let pending = std::mem::take(&mut *lock(reports));
+    if pending.is_empty() {
+        return Vec::new();
+    }
+    let now = SystemTime::now();
+    pending
+        .into_iter()
+        .map(|(report, at)| {
+            let age = now.duration_since(at).unwrap_or_default().as_micros();
+            StreamReport::from(LifecycleReport { age_us: Some(u32::try_from(age).unwrap_or(u32::MAX)), ..report })
+        })
+        .collect()
+}
+
+/// Opens a route socket to the scorer and gives the workers their handle on it.
+async fn open(shared: &Shared) -> Result<TcpStream, String> {
+    let connect = TcpStream::connect(&shared.config.scorer);
+    let mut socket = match tokio::time::timeout(Duration::from_secs(1), connect).await {
+        Ok(Ok(socket)) => socket,
+        Ok(Err(e)) => return Err(e.to_string()),
+        Err(_) => return Err("connecting timed out".into()),
+    };
+    socket.set_nodelay(true).map_err(|e| e.to_string())?;
+    socket.write_all(ROUTE_SOCKET_PREFACE).await.map_err(|e| e.to_string())?;
+    // The same connection, for the workers' non-blocking writes.
+    let workers = socket.as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
+    let mut writer = lock(&shared.writer);
+    writer.socket = Some(std::net::TcpStream::from(workers));
+    writer.pending.clear();
+    Ok(socket)
+}

@@ -1,0 +1,83 @@
+//! The route socket: the route stream's messages framed on a plain connection to the API
+//! port (see [`kvgate_route_api::ROUTE_SOCKET_PREFACE`]) — what the filter's native module
+//! uses. Same calls, same answers, same order of events as the gRPC route stream
+//! ([`crate::route_stream::take_call`]), without HTTP/2's framing, flow control and header
+//! compression on either side. Served on the thread that accepted the connection; answers
+//! ready together go out in one write.
+
+use crate::route_stream::take_call;
+use crate::scorer::Scorer;
+use kvgate_route_api::{Frames, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, frame};
+use std::sync::Arc;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+/// Answers a caller may have ready before they are written.
+const ANSWERS_QUEUED: usize = 1024;
+
+/// Bytes read from the socket at a time (a long prompt's call arrives in a few reads).
+const READ_BYTES: usize = 64 << 10;
+
+/// Serves one route socket (its preface not read yet) until the caller closes it or sends
+/// something that is not a route call.
+pub async fn serve(scorer: Arc<Scorer>, tcp: TcpStream) {
+    let (mut reader, mut writer) = tcp.into_split();
+    let mut preface = [0u8; ROUTE_SOCKET_PREFACE.len()];
+    if reader.read_exact(&mut preface).await.is_err() || preface != ROUTE_SOCKET_PREFACE {
+        return;
+    }
+    scorer.metrics.route_streams.inc();
+    let (answers, mut ready) = mpsc::channel::<RouteAnswer>(ANSWERS_QUEUED);
+    let writing = tokio::spawn(async move {
+        let mut out = Vec::new();
+        while let Some(answer) = ready.recv().await {
+            out.clear();
+            frame(&answer, &mut out);
+            while let Ok(answer) = ready.try_recv() {
+                frame(&answer, &mut out);
+            }
+            if let Err(e) = writer.write_all(&out).await {
+                tracing::debug!("route socket: cannot answer: {e}");
+                break;
+            }
+        }
+    });
+    let mut frames = Frames::default();
+    'reading: loop {
+        match reader.read_buf(frames.spare(READ_BYTES)).await {
+            Ok(0) => break,
+            Ok(_) => {}
+            Err(e) => {
+                tracing::debug!("route socket ended: {e}");
+                break;
+            }
+        }
+        loop {
+            let call = match frames.message::<RouteCall>() {
+                Ok(Some(call)) => call,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::warn!("route socket closed: {e}");
+                    break 'reading;
+                }
+            };
+            let Some(answer) = take_call(&scorer, call) else { continue };
+            let answers = answers.clone();
+            tokio::spawn(async move {
+                // The caller gone: its lifecycle reports (or their absence) settle the booking.
+                let _ = answers.send(answer.await).await;
+            });
+        }
+    }
+    drop(answers);
+    // Answers still being decided go out before the socket closes, if the caller still reads.
+    let _ = writing.await;
+    scorer.metrics.route_streams.dec();
+}
+
+/// True when a connection's first bytes (as many as have arrived) can be a route socket's
+/// preface: it then gets no HTTP.
+pub fn may_be_preface(first: &[u8]) -> bool {
+    !first.is_empty() && ROUTE_SOCKET_PREFACE.starts_with(&first[..first.len().min(ROUTE_SOCKET_PREFACE.len())])
+}
