@@ -393,6 +393,11 @@ pub struct Config {
     /// handed between threads.
     #[serde(default)]
     pub listen_threads: Option<usize>,
+    /// A Unix socket path serving route sockets only: the filter's native module connects
+    /// here instead of to `listen` when Envoy shares a directory with the scorer (a pod's
+    /// `emptyDir`); cheaper per call than TCP on loopback. A stale socket file is replaced.
+    #[serde(default)]
+    pub route_socket_path: Option<PathBuf>,
     /// HF `tokenizer.json` of the served model; the chat template comes from the
     /// `tokenizer_config.json` beside it. Without it tokens are estimated (bytes/4) and only
     /// the approximate index is used.

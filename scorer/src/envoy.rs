@@ -115,9 +115,14 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
         if options.pd_mode == "envoy" && config.pods.iter().any(|p| p.role == crate::config::Role::Prefill) {
             return Err("--picker native sends no prefill legs: with prefill pods, use --pd-mode header (the decode pods' sidecars prefill) or --picker wasm".into());
         }
-        // The module dials the scorer itself (its API listens on all interfaces by default;
-        // the sidecar is reached on loopback).
-        filter["scorer_address"] = loopback(config.listen).to_string().into();
+        // The module dials the scorer itself: on its route socket path when it has one,
+        // else its API (listening on all interfaces by default; the sidecar is reached on
+        // loopback).
+        filter["scorer_address"] = match &config.route_socket_path {
+            Some(path) => format!("unix:{}", path.display()),
+            None => loopback(config.listen).to_string(),
+        }
+        .into();
     }
     let epp = match (options.picker, &config.epp) {
         (Picker::Epp, None) => return Err("--picker epp needs an `epp` section in the scorer configuration".into()),

@@ -129,7 +129,22 @@ async fn main() -> anyhow::Result<()> {
     let threads =
         scorer.config.listen_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     tracing::info!(%listen, threads, pods = scorer.num_pods(), policy = ?scorer.config.policy, "kvgate-scorer ready");
-    kvgate_scorer::serve::serve(listener, http::router(scorer.clone()), scorer, threads, shutdown_signal()).await?;
+    let unix = match &scorer.config.route_socket_path {
+        Some(path) => Some(bind_route_socket_path(path)?),
+        None => None,
+    };
+    kvgate_scorer::serve::serve(
+        listener,
+        unix,
+        http::router(scorer.clone()),
+        scorer.clone(),
+        threads,
+        shutdown_signal(),
+    )
+    .await?;
+    if let Some(path) = &scorer.config.route_socket_path {
+        let _ = std::fs::remove_file(path);
+    }
     tracing::info!("kvgate-scorer stopped");
     Ok(())
 }
@@ -142,4 +157,20 @@ async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = term.recv() => {},
     }
+}
+
+/// Listens on the route socket path, replacing a socket a previous run left (and refusing
+/// to replace anything else).
+fn bind_route_socket_path(path: &std::path::Path) -> anyhow::Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => std::fs::remove_file(path)
+            .with_context(|| format!("cannot replace the stale route socket {}", path.display()))?,
+        Ok(_) => anyhow::bail!("route_socket_path {} exists and is not a socket", path.display()),
+        Err(_) => {}
+    }
+    let listener = tokio::net::UnixListener::bind(path)
+        .with_context(|| format!("cannot listen on route_socket_path {}", path.display()))?;
+    tracing::info!(path = %path.display(), "route sockets on a Unix socket too");
+    Ok(listener)
 }

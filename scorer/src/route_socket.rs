@@ -9,8 +9,7 @@ use crate::route_stream::take_call;
 use crate::scorer::Scorer;
 use kvgate_route_api::{Frames, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, frame};
 use std::sync::Arc;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
 /// Answers a caller may have ready before they are written.
@@ -21,8 +20,8 @@ const READ_BYTES: usize = 64 << 10;
 
 /// Serves one route socket (its preface not read yet) until the caller closes it or sends
 /// something that is not a route call.
-pub async fn serve(scorer: Arc<Scorer>, tcp: TcpStream) {
-    let (mut reader, mut writer) = tcp.into_split();
+pub async fn serve(scorer: Arc<Scorer>, socket: impl AsyncRead + AsyncWrite + Send + 'static) {
+    let (mut reader, mut writer) = tokio::io::split(socket);
     let mut preface = [0u8; ROUTE_SOCKET_PREFACE.len()];
     if reader.read_exact(&mut preface).await.is_err() || preface != ROUTE_SOCKET_PREFACE {
         return;

@@ -24,7 +24,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
@@ -38,18 +38,28 @@ const DRAIN: Duration = Duration::from_secs(5);
 
 /// One serving thread: the connections it is given and how many it serves.
 struct Worker {
-    connections: mpsc::UnboundedSender<(std::net::TcpStream, Watcher)>,
+    connections: mpsc::UnboundedSender<Accepted>,
     serving: Arc<AtomicUsize>,
+}
+
+/// A connection handed to a serving thread.
+enum Accepted {
+    /// On the API port: HTTP, or a route socket.
+    Tcp(std::net::TcpStream, Watcher),
+    /// On the route socket path: route sockets only.
+    Unix(std::os::unix::net::UnixStream),
 }
 
 /// How long a new connection may take to send its first bytes before it is handed to HTTP
 /// (which then times it out as it does any connection).
 const FIRST_BYTES: Duration = Duration::from_secs(10);
 
-/// Serves `router` (and route sockets, for `scorer`) on `listener` with `threads` connection
-/// threads until `shutdown` completes, then lets open connections finish for up to [`DRAIN`].
+/// Serves `router` (and route sockets, for `scorer`) on `listener` — and route sockets on
+/// `unix` — with `threads` connection threads until `shutdown` completes, then lets open
+/// connections finish for up to [`DRAIN`].
 pub async fn serve(
     listener: TcpListener,
+    unix: Option<UnixListener>,
     router: Router,
     scorer: Arc<Scorer>,
     threads: usize,
@@ -71,6 +81,13 @@ pub async fn serve(
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
+            accepted = accept_unix(unix.as_ref()) => {
+                match accepted.and_then(|(socket, _)| socket.into_std()) {
+                    Ok(socket) => hand_over(&workers, Accepted::Unix(socket))?,
+                    Err(e) => tracing::warn!("accepting a route socket: {e}"),
+                }
+                continue;
+            }
             () = &mut shutdown => break,
         };
         let tcp = match accepted {
@@ -86,12 +103,7 @@ pub async fn serve(
         if let Err(e) = tcp.set_nodelay(true) {
             tracing::warn!("TCP_NODELAY: {e}");
         }
-        let tcp = tcp.into_std()?;
-        let worker = workers.iter().min_by_key(|w| w.serving.load(Ordering::Relaxed)).expect("at least one thread");
-        worker.serving.fetch_add(1, Ordering::Relaxed);
-        if worker.connections.send((tcp, graceful.watcher())).is_err() {
-            anyhow::bail!("a connection thread of the HTTP API has stopped");
-        }
+        hand_over(&workers, Accepted::Tcp(tcp.into_std()?, graceful.watcher()))?;
     }
     drop(workers);
     if tokio::time::timeout(DRAIN, graceful.shutdown()).await.is_err() {
@@ -100,12 +112,32 @@ pub async fn serve(
     Ok(())
 }
 
+/// Gives a connection to the thread serving fewest.
+fn hand_over(workers: &[Worker], connection: Accepted) -> anyhow::Result<()> {
+    let worker = workers.iter().min_by_key(|w| w.serving.load(Ordering::Relaxed)).expect("at least one thread");
+    worker.serving.fetch_add(1, Ordering::Relaxed);
+    if worker.connections.send(connection).is_err() {
+        anyhow::bail!("a connection thread of the HTTP API has stopped");
+    }
+    Ok(())
+}
+
+/// The next connection to the route socket path; never, without one.
+async fn accept_unix(
+    unix: Option<&UnixListener>,
+) -> std::io::Result<(tokio::net::UnixStream, tokio::net::unix::SocketAddr)> {
+    match unix {
+        Some(listener) => listener.accept().await,
+        None => std::future::pending().await,
+    }
+}
+
 /// A connection thread: serves the connections it is given until the acceptor is gone and
 /// they have all finished.
 async fn run_worker(
     router: Router,
     scorer: Arc<Scorer>,
-    mut incoming: mpsc::UnboundedReceiver<(std::net::TcpStream, Watcher)>,
+    mut incoming: mpsc::UnboundedReceiver<Accepted>,
     serving: Arc<AtomicUsize>,
 ) {
     let mut builder = Builder::new(TokioExecutor::new());
@@ -115,8 +147,21 @@ async fn run_worker(
     loop {
         tokio::select! {
             next = incoming.recv() => {
-                let Some((tcp, watcher)) = next else { break };
+                let Some(accepted) = next else { break };
                 let (builder, router, scorer, serving) = (builder.clone(), router.clone(), scorer.clone(), serving.clone());
+                let (tcp, watcher) = match accepted {
+                    Accepted::Tcp(tcp, watcher) => (tcp, watcher),
+                    Accepted::Unix(socket) => {
+                        connections.spawn(async move {
+                            match tokio::net::UnixStream::from_std(socket) {
+                                Ok(socket) => crate::route_socket::serve(scorer, socket).await,
+                                Err(e) => tracing::warn!("registering an accepted route socket: {e}"),
+                            }
+                            serving.fetch_sub(1, Ordering::Relaxed);
+                        });
+                        continue;
+                    }
+                };
                 connections.spawn(async move {
                     match tokio::net::TcpStream::from_std(tcp) {
                         Ok(tcp) if opens_route_socket(&tcp).await => {

@@ -16,8 +16,7 @@ use std::io::Write;
 use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
-use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
+use tokio::net::{TcpStream, UnixStream};
 use tokio::sync::Notify;
 
 /// What a request's call came back with: the scorer's answer, or why there is none.
@@ -102,7 +101,7 @@ struct Shared {
 #[derive(Default)]
 struct Writer {
     /// `None` while the socket is down (calls then fail at once).
-    socket: Option<std::net::TcpStream>,
+    socket: Option<WorkerSocket>,
     /// Bytes the socket has not taken yet, in order; written before anything else.
     pending: Vec<u8>,
     /// A call's frame, reused.
@@ -150,7 +149,7 @@ impl Link {
             pending.extend_from_slice(scratch);
             return;
         }
-        let written = match socket.as_ref().map(|mut s| s.write(scratch)) {
+        let written = match socket.as_ref().map(|s| s.write(scratch)) {
             Some(Ok(n)) => n,
             Some(Err(e)) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
             // Broken: the link's thread sees it on its side too, reopens, and fails the calls.
@@ -277,7 +276,7 @@ async fn run(shared: Arc<Shared>) {
 
 /// Reads what the socket has and hands every whole answer to its call; `false` when the
 /// scorer closed the socket.
-fn read_answers(socket: &TcpStream, frames: &mut Frames, shared: &Shared) -> Result<bool, String> {
+fn read_answers(socket: &Socket, frames: &mut Frames, shared: &Shared) -> Result<bool, String> {
     loop {
         match socket.try_read_buf(frames.spare(READ_BYTES)) {
             Ok(0) => return Ok(false),
@@ -297,7 +296,7 @@ fn read_answers(socket: &TcpStream, frames: &mut Frames, shared: &Shared) -> Res
 }
 
 /// Writes `pending` as the socket takes it.
-async fn write_pending(socket: &TcpStream, shared: &Shared) -> Result<(), String> {
+async fn write_pending(socket: &Socket, shared: &Shared) -> Result<(), String> {
     loop {
         {
             let mut writer = lock(&shared.writer);
@@ -359,20 +358,99 @@ fn take_reports(reports: &Mutex<Reports>) -> Vec<StreamReport> {
         .collect()
 }
 
-/// Opens a route socket to the scorer and gives the workers their handle on it.
-async fn open(shared: &Shared) -> Result<TcpStream, String> {
-    let connect = TcpStream::connect(&shared.config.scorer);
-    let mut socket = match tokio::time::timeout(Duration::from_secs(1), connect).await {
+/// Opens a route socket to the scorer (`scorer` is `ip:port`, `host:port` or `unix:<path>`)
+/// and gives the workers their handle on it.
+async fn open(shared: &Shared) -> Result<Socket, String> {
+    let address = &shared.config.scorer;
+    let connect = async {
+        match address.strip_prefix("unix:") {
+            Some(path) => UnixStream::connect(path).await.map(Socket::Unix),
+            None => {
+                let socket = TcpStream::connect(address).await?;
+                socket.set_nodelay(true)?;
+                Ok(Socket::Tcp(socket))
+            }
+        }
+    };
+    let socket = match tokio::time::timeout(Duration::from_secs(1), connect).await {
         Ok(Ok(socket)) => socket,
         Ok(Err(e)) => return Err(e.to_string()),
         Err(_) => return Err("connecting timed out".into()),
     };
-    socket.set_nodelay(true).map_err(|e| e.to_string())?;
-    socket.write_all(ROUTE_SOCKET_PREFACE).await.map_err(|e| e.to_string())?;
+    let mut preface = ROUTE_SOCKET_PREFACE;
+    while !preface.is_empty() {
+        socket.writable().await.map_err(|e| e.to_string())?;
+        match socket.try_write(preface) {
+            Ok(n) => preface = &preface[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e.to_string()),
+        }
+    }
     // The same connection, for the workers' non-blocking writes.
-    let workers = socket.as_fd().try_clone_to_owned().map_err(|e| e.to_string())?;
+    let workers = socket.worker_handle().map_err(|e| e.to_string())?;
     let mut writer = lock(&shared.writer);
-    writer.socket = Some(std::net::TcpStream::from(workers));
+    writer.socket = Some(workers);
     writer.pending.clear();
     Ok(socket)
+}
+
+/// The link thread's side of a route socket.
+enum Socket {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Socket {
+    async fn readable(&self) -> std::io::Result<()> {
+        match self {
+            Socket::Tcp(s) => s.readable().await,
+            Socket::Unix(s) => s.readable().await,
+        }
+    }
+
+    fn try_read_buf(&self, buf: &mut Vec<u8>) -> std::io::Result<usize> {
+        match self {
+            Socket::Tcp(s) => s.try_read_buf(buf),
+            Socket::Unix(s) => s.try_read_buf(buf),
+        }
+    }
+
+    async fn writable(&self) -> std::io::Result<()> {
+        match self {
+            Socket::Tcp(s) => s.writable().await,
+            Socket::Unix(s) => s.writable().await,
+        }
+    }
+
+    fn try_write(&self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Socket::Tcp(s) => s.try_write(buf),
+            Socket::Unix(s) => s.try_write(buf),
+        }
+    }
+
+    /// Another handle on the same connection (non-blocking, like this one).
+    fn worker_handle(&self) -> std::io::Result<WorkerSocket> {
+        Ok(match self {
+            Socket::Tcp(s) => WorkerSocket::Tcp(std::net::TcpStream::from(s.as_fd().try_clone_to_owned()?)),
+            Socket::Unix(s) => {
+                WorkerSocket::Unix(std::os::unix::net::UnixStream::from(s.as_fd().try_clone_to_owned()?))
+            }
+        })
+    }
+}
+
+/// The workers' side of a route socket.
+enum WorkerSocket {
+    Tcp(std::net::TcpStream),
+    Unix(std::os::unix::net::UnixStream),
+}
+
+impl WorkerSocket {
+    fn write(&self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            WorkerSocket::Tcp(s) => (&*s).write(buf),
+            WorkerSocket::Unix(s) => (&*s).write(buf),
+        }
+    }
 }

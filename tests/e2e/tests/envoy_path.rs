@@ -30,7 +30,10 @@ impl Path {
     fn scorer_config(self, envoy_flags: &[&str]) -> String {
         let limit = envoy_flags.windows(2).find(|w| w[0] == "--body-limit-bytes").map(|w| w[1]);
         match (self, limit) {
-            (Path::Wasm | Path::Native, _) => String::new(),
+            (Path::Wasm, _) => String::new(),
+            // The module on a Unix socket, as deployed beside the scorer (the garbage test's
+            // own configuration covers the module on TCP).
+            (Path::Native, _) => format!("route_socket_path: {}\n", unique_socket_path().display()),
             (Path::Epp, None) => format!("epp: {{listen: '127.0.0.1:{EPP_PORT}'}}\n"),
             (Path::Epp, Some(n)) => format!("epp: {{listen: '127.0.0.1:{EPP_PORT}', body_limit_bytes: {n}}}\n"),
         }
@@ -45,6 +48,13 @@ impl Path {
         };
         picker.iter().chain(extra).copied().collect()
     }
+}
+
+/// A Unix socket path no other test of this run uses.
+fn unique_socket_path() -> std::path::PathBuf {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::env::temp_dir().join(format!("kvgate-e2e-{}-{n}.sock", std::process::id()))
 }
 
 /// Runs each listed test (an `async fn(Path)`) on every path.
@@ -214,6 +224,8 @@ async fn shared_prefixes_converge_and_different_prefixes_spread(path: Path) {
         }
         // One route socket, kept; a first token and a done for every request, on it.
         Path::Native => {
+            let bootstrap = std::fs::read_to_string(&s.envoy.config_path).unwrap();
+            assert!(bootstrap.contains("\"scorer_address\":\"unix:"), "the module on the scorer's Unix socket");
             assert_eq!(scorer_metric(&s.scorer, "kvgate_route_streams").await, 1, "one route socket is open");
             assert_eq!(scorer_metric(&s.scorer, "kvgate_lifecycle_reports_total").await, 24);
         }
@@ -705,7 +717,12 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap()
 }
 
+/// Held by tests that compare latencies: one at a time (each path runs them), so that they
+/// do not slow each other down on a small machine.
+static LATENCY_TESTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable(path: Path) {
+    let _alone = LATENCY_TESTS.lock().await;
     // Two pods in real time; a pod has room while it runs fewer than 4 requests and less
     // than one prompt's prefill is queued on it (kvgate's own bookings): the fleet's
     // capacity is 8 requests at once, a quarter of it kept for premium requests.

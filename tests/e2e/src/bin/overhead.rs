@@ -38,7 +38,7 @@ struct Args {
     epp_body_mode: String,
     /// Only these paths (`direct`, `rr`, `wasm`, `native`, `epp`, `epp-tls`; all by default) — for
     /// profiling one path at a time (`make profile`).
-    #[arg(long, value_delimiter = ',', value_parser = ["direct", "rr", "wasm", "native", "epp", "epp-tls"])]
+    #[arg(long, value_delimiter = ',', value_parser = ["direct", "rr", "wasm", "native", "native-tcp", "epp", "epp-tls"])]
     paths: Vec<String>,
     /// Samples the gateway's processes (Envoy and the scorer) with `perf record` into this
     /// file while the measured rounds run (one path with a scorer, one cell; `make profile`).
@@ -123,18 +123,29 @@ async fn main() -> anyhow::Result<()> {
         &["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", "0", "--max-model-len", "262144"],
     )
     .await;
+    let route_socket = std::env::temp_dir().join(format!("kvgate-overhead-{}.sock", std::process::id()));
     let config = format!(
-        "tokenizer: {}\nepp: {{listen: '127.0.0.1:{EPP_PORT}'}}\npods:\n  - {{name: pod-1, address: '127.0.0.1:{}', kv_events: '{}'}}\n",
+        "tokenizer: {}\nroute_socket_path: {}\nepp: {{listen: '127.0.0.1:{EPP_PORT}'}}\npods:\n  - {{name: pod-1, address: '127.0.0.1:{}', kv_events: '{}'}}\n",
         tokenizer.display(),
+        route_socket.display(),
         pod.port,
         pod.events
     );
     let scorer = ScorerProcess::start(&config).await;
     // The picker as a sidecar speaks plain h2c on loopback (as the filter's route stream does);
     // as its own Deployment, TLS (the default): both are measured.
-    let plaintext = ScorerProcess::start(&config.replace("'}\npods:", "', tls: {mode: plaintext}}\npods:")).await;
+    let plaintext = ScorerProcess::start(
+        &config
+            .replace(&format!("route_socket_path: {}\n", route_socket.display()), "")
+            .replace("'}\npods:", "', tls: {mode: plaintext}}\npods:"),
+    )
+    .await;
     let wasm = EnvoyProcess::start(&scorer, &["--picker", "wasm"]).await;
     let native = EnvoyProcess::start(&scorer, &["--picker", "native"]).await;
+    let unix = format!("unix:{}", route_socket.display());
+    let tcp = scorer.url.trim_start_matches("http://").to_string();
+    let native_tcp =
+        EnvoyProcess::start_patched(&scorer.config_path, &["--picker", "native"], |b| b.replace(&unix, &tcp)).await;
     let epp_tls = EnvoyProcess::start(&scorer, &["--picker", "epp", "--epp-body-mode", &args.epp_body_mode]).await;
     let epp = EnvoyProcess::start(&plaintext, &["--picker", "epp", "--epp-body-mode", &args.epp_body_mode]).await;
     let baseline = EnvoyProcess::start(&scorer, &["--picker", "none"]).await;
@@ -151,6 +162,7 @@ async fn main() -> anyhow::Result<()> {
         path("rr", "Envoy round robin", &baseline.url, Some(&baseline), None),
         path("wasm", "Envoy + kvgate (wasm filter)", &wasm.url, Some(&wasm), Some(&scorer)),
         path("native", "Envoy + kvgate (native module)", &native.url, Some(&native), Some(&scorer)),
+        path("native-tcp", "Envoy + kvgate (native module, TCP)", &native_tcp.url, Some(&native_tcp), Some(&scorer)),
         path("epp", "Envoy + kvgate (Endpoint Picker, h2c)", &epp.url, Some(&epp), Some(&plaintext)),
         path("epp-tls", "Envoy + kvgate (Endpoint Picker, TLS)", &epp_tls.url, Some(&epp_tls), Some(&scorer)),
     ]

@@ -1,0 +1,150 @@
+//! The route socket (what the filter's native module speaks) against the real scorer: on the
+//! API port beside HTTP and on the Unix socket path, calls answered by id, reports applied and
+//! not answered, and a caller that breaks the framing cut off without harm to anyone else.
+
+use kvgate_route_api::{
+    Frames, LifecycleEvent, LifecycleReport, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, RouteResponse, StreamReport,
+    frame,
+};
+use kvgate_test_harness::{ScorerProcess, free_port};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// A scorer with two pods nobody scrapes (always eligible), and a Unix route socket.
+async fn scorer() -> (ScorerProcess, std::path::PathBuf) {
+    let path = std::env::temp_dir().join(format!("kvgate-route-socket-{}.sock", free_port()));
+    let config = format!(
+        "route_socket_path: {}\npods:\n  - {{name: a, address: '127.0.0.1:{}'}}\n  - {{name: b, address: '127.0.0.1:{}'}}\n",
+        path.display(),
+        free_port(),
+        free_port()
+    );
+    (ScorerProcess::start(&config).await, path)
+}
+
+fn call(id: u64, prompt: &str) -> RouteCall {
+    RouteCall {
+        call: id,
+        request_id: format!("req-{id}"),
+        api_path: "/v1/completions".into(),
+        body: format!(r#"{{"model": "m", "prompt": "{prompt}", "max_tokens": 4}}"#).into_bytes(),
+        ..Default::default()
+    }
+}
+
+async fn send(socket: &mut (impl AsyncWrite + Unpin), calls: &[RouteCall]) {
+    let mut out = Vec::new();
+    for c in calls {
+        frame(c, &mut out);
+    }
+    socket.write_all(&out).await.unwrap();
+}
+
+/// The next `n` answers (within 5 s).
+async fn answers(socket: &mut (impl AsyncRead + Unpin), frames: &mut Frames, n: usize) -> Vec<RouteAnswer> {
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while got.len() < n {
+            while let Some(answer) = frames.message::<RouteAnswer>().unwrap() {
+                got.push(answer);
+            }
+            if got.len() < n {
+                assert!(socket.read_buf(frames.spare(4096)).await.unwrap() > 0, "the scorer closed the socket");
+            }
+        }
+    })
+    .await
+    .expect("answers within 5 s");
+    got
+}
+
+/// True if the scorer closes the socket (within 5 s) without answering anything.
+async fn closed(socket: &mut (impl AsyncRead + Unpin)) -> bool {
+    let mut buf = [0u8; 64];
+    matches!(tokio::time::timeout(Duration::from_secs(5), socket.read(&mut buf)).await, Ok(Ok(0) | Err(_)))
+}
+
+#[tokio::test]
+async fn calls_are_answered_by_id_on_the_api_port_beside_http() {
+    let (scorer, _) = scorer().await;
+    let addr = scorer.url.trim_start_matches("http://").to_string();
+    let mut socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    socket.write_all(ROUTE_SOCKET_PREFACE).await.unwrap();
+    // Three calls in one write, each answered with the decision POST /v1/route would give.
+    send(&mut socket, &[call(7, "one"), call(8, "two"), call(9, "three")]).await;
+    let mut frames = Frames::default();
+    let mut got = answers(&mut socket, &mut frames, 3).await;
+    got.sort_by_key(|a| a.call);
+    assert_eq!(got.iter().map(|a| a.call).collect::<Vec<_>>(), [7, 8, 9]);
+    for answer in &got {
+        assert_eq!(answer.status, 200);
+        let decision: RouteResponse = serde_json::from_slice(&answer.body).unwrap();
+        assert!(["a", "b"].contains(&decision.pod.as_str()), "{decision:?}");
+    }
+    // A bad body: its 400, as JSON, on the same socket.
+    let mut bad = call(10, "x");
+    bad.body = b"{\"prompt\": ".to_vec();
+    send(&mut socket, &[bad]).await;
+    let got = answers(&mut socket, &mut frames, 1).await;
+    assert_eq!((got[0].call, got[0].status), (10, 400));
+    // Reports alone are applied and not answered; the next call still is.
+    let reports = ["req-7", "req-8", "req-9"].map(|id| {
+        StreamReport::from(LifecycleReport {
+            request_id: id.into(),
+            event: LifecycleEvent::Done,
+            output_tokens: Some(4),
+            served: None,
+            age_us: None,
+        })
+    });
+    send(&mut socket, &[RouteCall { reports: reports.to_vec(), ..Default::default() }, call(11, "four")]).await;
+    let got = answers(&mut socket, &mut frames, 1).await;
+    assert_eq!((got[0].call, got[0].status), (11, 200));
+    assert_eq!(scorer.metric("kvgate_lifecycle_reports_total{event=\"done\"}").await, 3.0);
+    assert_eq!(scorer.metric("kvgate_route_streams").await, 1.0);
+    // HTTP on the same port is untouched.
+    let health = reqwest::get(format!("{}/healthz", scorer.url)).await.unwrap();
+    assert_eq!(health.status(), 200);
+    drop(socket);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(scorer.metric("kvgate_route_streams").await, 0.0, "closed sockets are not counted");
+}
+
+#[tokio::test]
+async fn the_unix_socket_path_serves_route_sockets() {
+    let (_scorer, path) = scorer().await;
+    let mut socket = tokio::net::UnixStream::connect(&path).await.unwrap();
+    socket.write_all(ROUTE_SOCKET_PREFACE).await.unwrap();
+    send(&mut socket, &[call(1, "over a unix socket")]).await;
+    let got = answers(&mut socket, &mut Frames::default(), 1).await;
+    assert_eq!((got[0].call, got[0].status), (1, 200));
+    // Nothing but route sockets there: anything else is closed unanswered.
+    let mut http = tokio::net::UnixStream::connect(&path).await.unwrap();
+    http.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
+    assert!(closed(&mut http).await);
+}
+
+#[tokio::test]
+async fn a_caller_that_breaks_the_framing_is_cut_off_and_nobody_else_is() {
+    let (scorer, path) = scorer().await;
+    let addr = scorer.url.trim_start_matches("http://").to_string();
+    let mut good = tokio::net::UnixStream::connect(&path).await.unwrap();
+    good.write_all(ROUTE_SOCKET_PREFACE).await.unwrap();
+    let mut frames = Frames::default();
+    for garbage in [
+        // A frame longer than any body the scorer accepts.
+        u32::MAX.to_be_bytes().to_vec(),
+        // A frame that is no route call.
+        [&[0, 0, 0, 3][..], &[0xff, 0xff, 0xff]].concat(),
+    ] {
+        let mut bad = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        bad.write_all(ROUTE_SOCKET_PREFACE).await.unwrap();
+        bad.write_all(&garbage).await.unwrap();
+        assert!(closed(&mut bad).await, "cut off");
+        // The well-behaved socket is still served.
+        send(&mut good, &[call(2, "still here")]).await;
+        let got = answers(&mut good, &mut frames, 1).await;
+        assert_eq!((got[0].call, got[0].status), (2, 200));
+    }
+    assert_eq!(reqwest::get(format!("{}/healthz", scorer.url)).await.unwrap().status(), 200);
+}
