@@ -112,7 +112,10 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
         "destination_header": "x-gateway-destination-endpoint",
     });
     if options.picker == Picker::Native {
-        if options.pd_mode == "envoy" && config.pods.iter().any(|p| p.role == crate::config::Role::Prefill) {
+        let prefill = crate::config::Role::Prefill;
+        let has_prefill_pods =
+            config.pods.iter().any(|p| p.role == prefill) || config.discovery.dns.iter().any(|d| d.role == prefill);
+        if options.pd_mode == "envoy" && has_prefill_pods {
             return Err("--picker native sends no prefill legs: with prefill pods, use --pd-mode header (the decode pods' sidecars prefill) or --picker wasm".into());
         }
         // The module dials the scorer itself: on its route socket path when it has one,

@@ -2,8 +2,9 @@
 //! port (see [`kvgate_route_api::ROUTE_SOCKET_PREFACE`]) — what the filter's native module
 //! uses. Same calls, same answers, same order of events as the gRPC route stream
 //! ([`crate::route_stream::take_call`]), without HTTP/2's framing, flow control and header
-//! compression on either side. Served on the thread that accepted the connection; answers
-//! ready together go out in one write.
+//! compression on either side. Served on the thread that accepted the connection; a call
+//! decided at once is answered without a task of its own, and answers ready together go out
+//! in one write.
 
 use crate::route_stream::take_call;
 use crate::scorer::Scorer;
@@ -62,11 +63,23 @@ pub async fn serve(scorer: Arc<Scorer>, socket: impl AsyncRead + AsyncWrite + Se
                 }
             };
             let Some(answer) = take_call(&scorer, call) else { continue };
-            let answers = answers.clone();
-            tokio::spawn(async move {
-                // The caller gone: its lifecycle reports (or their absence) settle the booking.
-                let _ = answers.send(answer.await).await;
-            });
+            // Most calls are decided at once: answered here, without a task of their own;
+            // one that waits (for room, or for a long body's preparation) gets one.
+            let mut answer = Box::pin(answer);
+            match futures::poll!(answer.as_mut()) {
+                std::task::Poll::Ready(answer) => {
+                    if answers.send(answer).await.is_err() {
+                        break 'reading;
+                    }
+                }
+                std::task::Poll::Pending => {
+                    let answers = answers.clone();
+                    tokio::spawn(async move {
+                        // The caller gone: its lifecycle reports (or their absence) settle the booking.
+                        let _ = answers.send(answer.await).await;
+                    });
+                }
+            }
         }
     }
     drop(answers);

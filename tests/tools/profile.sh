@@ -2,12 +2,14 @@
 # make profile: where a request's CPU goes on the gateway path, reproducibly.
 #
 # 1. CPU time per request of each process (client, Envoy, scorer, pod), measured from
-#    /proc schedstat by kvgate-overhead for Envoy round robin, the wasm filter and the
-#    Endpoint Picker, short and 8k-token prompts and an 8k-token chat at 24 in flight.
-# 2. perf samples of Envoy + scorer on the wasm path and on the Endpoint Picker's (h2c), one
-#    cell at a time: Envoy's CPU by binary (Envoy's own code, the wasm filter's JIT code in
-#    V8, kernel, libc — Envoy ships stripped, so no finer), the scorer's by stage of a
-#    request (kvgate-profile-stages), and a flamegraph of both (inferno).
+#    /proc schedstat by kvgate-overhead for Envoy round robin, the wasm filter, the native
+#    module and the Endpoint Picker, short and 8k-token prompts and an 8k-token chat at 24 in
+#    flight.
+# 2. perf samples of Envoy + scorer on the wasm path, the native module's and the Endpoint
+#    Picker's (h2c), one cell at a time: Envoy's CPU by thread and binary (Envoy's own code,
+#    the wasm filter's JIT code in V8 or the native module, kernel, libc — Envoy ships
+#    stripped, so no finer; the native module's own thread apart), the scorer's by stage of
+#    a request (kvgate-profile-stages), and a flamegraph of both (inferno).
 #
 # Results in target/profile/. Installs perf (Debian's linux-perf) and inferno (cargo, into
 # .kvgate/tools) when missing. PROFILE_REQUESTS sets the sampled run's length.
@@ -29,10 +31,10 @@ if [ ! -x "$tools/bin/inferno-flamegraph" ]; then
 fi
 
 step "CPU per request by process (kvgate-overhead)"
-./target/release/kvgate-overhead --cells short@24,long@24,chat@24 --paths direct,rr,wasm,epp \
+./target/release/kvgate-overhead --cells short@24,long@24,chat@24 --paths direct,rr,wasm,native,epp \
   --requests 2400 --rounds 12 | tee "$out/overhead.md"
 
-for path in wasm epp; do
+for path in wasm native epp; do
 for cell in short@24 long@24 chat@24; do
   name="$path-${cell%@*}"
   step "perf on the $path path, $cell"
@@ -44,19 +46,21 @@ for cell in short@24 long@24 chat@24; do
   {
     echo "### $path path, $cell"
     echo
-    echo '| Envoy binary | share of Envoy CPU |'
+    echo '| Envoy thread: binary | share of Envoy CPU |'
     echo '|---|---|'
-    # Envoy's worker thread's samples by binary, as shares of that thread's (perf's --comm
-    # filter miscounts threads renamed after start, so rows are picked here).
+    # Envoy's worker thread's (and the native module's thread's) samples by binary, as shares
+    # of theirs (perf's --comm filter miscounts threads renamed after start, so rows are
+    # picked here).
     perf report -i "$out/$name.data" --no-children --sort comm,dso --stdio -g none 2>/dev/null |
-      awk '$2 == "wrk:worker_0" { pct = $1 + 0; dso = $3; if (dso == "[JIT]") dso = "[JIT] (the filter, V8)";
+      awk '$2 == "wrk:worker_0" || $2 == "kvgate-link" { pct = $1 + 0; dso = $3; if (dso == "[JIT]") dso = "[JIT] (the filter, V8)";
+                                   dso = ($2 == "kvgate-link" ? "module thread: " : "worker: ") dso;
                                    share[dso] += pct; total += pct; order[++n] = dso }
            END { for (i = 1; i <= n; i++) if (!(order[i] in done)) { done[order[i]] = 1;
-                   printf "| %s | %.1f %% |\n", order[i], 100 * share[order[i]] / total } }' | head -6
+                   printf "| %s | %.1f %% |\n", order[i], 100 * share[order[i]] / total } }' | head -8
     echo
     ./target/release/kvgate-profile-stages <"$out/$name.folded"
     echo
   } | tee "$out/$name.md"
 done
 done
-step "results in $out/ (overhead.md, {wasm,epp}-*.md, {wasm,epp}-*.svg)"
+step "results in $out/ (overhead.md, {wasm,native,epp}-*.md, {wasm,native,epp}-*.svg)"

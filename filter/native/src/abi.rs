@@ -150,6 +150,8 @@ unsafe extern "C" {
         chunks: *mut EnvoyBuffer,
     ) -> bool;
     fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: *mut c_void);
+    fn envoy_dynamic_module_callback_http_filter_get_worker_index(filter: *mut c_void) -> u32;
+    fn envoy_dynamic_module_callback_get_concurrency() -> u32;
     fn envoy_dynamic_module_callback_http_filter_scheduler_new(filter: *mut c_void) -> *mut c_void;
     fn envoy_dynamic_module_callback_http_filter_scheduler_commit(scheduler: *mut c_void, event_id: u64);
     fn envoy_dynamic_module_callback_http_filter_scheduler_delete(scheduler: *mut c_void);
@@ -185,6 +187,12 @@ pub unsafe fn define_counter(config: *mut c_void, name: &str) -> Option<Counter>
 /// A counter defined with [`define_counter`].
 #[derive(Clone, Copy)]
 pub struct Counter(usize);
+
+/// How many workers Envoy runs (`--concurrency`).
+pub fn concurrency() -> usize {
+    // SAFETY: no arguments; Envoy reads its options.
+    unsafe { envoy_dynamic_module_callback_get_concurrency() as usize }
+}
 
 /// Envoy's handle of one HTTP stream's filter, valid from `on_http_filter_new` until the
 /// filter is destroyed, and only on the worker thread that runs the stream: it is neither
@@ -288,6 +296,12 @@ impl Filter {
         unsafe {
             envoy_dynamic_module_callback_http_filter_increment_counter(self.raw, counter.0, std::ptr::null(), 0, 1)
         };
+    }
+
+    /// The index of the worker running this stream (0 ≤ index < [`concurrency`]).
+    pub fn worker(&self) -> usize {
+        // SAFETY: a live filter.
+        unsafe { envoy_dynamic_module_callback_http_filter_get_worker_index(self.raw) as usize }
     }
 
     /// Lets a request paused on its body go on to the router.

@@ -63,7 +63,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
         flush: Duration::from_millis(config.lifecycle_flush_ms),
         batch_max: config.lifecycle_batch_max,
     };
-    let link = match Link::start(link_config) {
+    let link = match Link::start(link_config, abi::concurrency()) {
         Ok(link) => link,
         Err(e) => {
             abi::log(LogLevel::Error, &format!("kvgate: cannot start the link to the scorer: {e}"));
@@ -102,6 +102,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         slot: None,
         response_status: None,
         served: None,
+        worker: 0,
         first_token: false,
         response_complete: false,
         output_tokens: None,

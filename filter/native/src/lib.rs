@@ -88,6 +88,9 @@ struct Request {
     response_status: Option<u16>,
     /// The pod that answered (Envoy may have retried one of the pick's fallbacks).
     served: Option<String>,
+    /// The Envoy worker running the request: its route socket carries the request's call
+    /// and reports.
+    worker: usize,
     first_token: bool,
     response_complete: bool,
     output_tokens: Option<u32>,
@@ -97,7 +100,7 @@ impl Request {
     fn report(&self, event: LifecycleEvent, output_tokens: Option<u32>, served: Option<String>) {
         let report =
             LifecycleReport { request_id: self.request_id.clone(), event, output_tokens, served, age_us: None };
-        self.config.link.report(report);
+        self.config.link.report(self.worker, report);
     }
 
     fn on_request_headers(&mut self, filter: &Filter, end_of_stream: bool) -> u32 {
@@ -109,6 +112,7 @@ impl Request {
         if text(":method").as_deref() != Some("POST") || !config.intercepts(&path) {
             return headers_status::CONTINUE;
         }
+        self.worker = filter.worker();
         self.api_path = path.split('?').next().unwrap_or_default().to_string();
         self.request_id = match text(HEADER_REQUEST_ID) {
             Some(id) if !id.is_empty() => id,
@@ -159,7 +163,7 @@ impl Request {
         let slot = Slot::new(filter.scheduler());
         self.slot = Some(slot.clone());
         self.phase = Phase::Deciding;
-        self.config.link.call(call, slot);
+        self.config.link.call(self.worker, call, slot);
         body_status::STOP_ITERATION_AND_BUFFER
     }
 

@@ -80,13 +80,15 @@ pub struct LinkConfig {
     pub batch_max: usize,
 }
 
-/// The workers' end of the link.
+/// The workers' end of the link: a route socket per Envoy worker (as the wasm filter keeps a
+/// route stream per worker), so that no worker waits for another's write and the scorer
+/// serves each worker's calls on one of its threads.
 #[derive(Clone)]
 pub struct Link {
-    shared: Arc<Shared>,
+    sockets: Arc<[Arc<Shared>]>,
 }
 
-/// What the workers and the link's thread share.
+/// One route socket: what its worker and the link's thread share.
 struct Shared {
     config: LinkConfig,
     /// Calls sent and not answered yet, by call id.
@@ -115,24 +117,40 @@ struct Waiting {
 }
 
 impl Link {
-    /// Starts the link's thread (which opens the socket).
-    pub fn start(config: LinkConfig) -> std::io::Result<Link> {
-        let shared = Arc::new(Shared {
-            config,
-            waiting: Mutex::new(HashMap::new()),
-            writer: Mutex::new(Writer::default()),
-            reports: Mutex::new(Vec::new()),
-            wake: Notify::new(),
-        });
+    /// Starts the link's thread, which opens a socket for each of `workers`.
+    pub fn start(config: LinkConfig, workers: usize) -> std::io::Result<Link> {
+        let sockets: Arc<[Arc<Shared>]> = (0..workers.max(1))
+            .map(|_| {
+                Arc::new(Shared {
+                    config: config.clone(),
+                    waiting: Mutex::new(HashMap::new()),
+                    writer: Mutex::new(Writer::default()),
+                    reports: Mutex::new(Vec::new()),
+                    wake: Notify::new(),
+                })
+            })
+            .collect();
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-        let link = shared.clone();
-        std::thread::Builder::new().name("kvgate-link".into()).spawn(move || runtime.block_on(run(link)))?;
-        Ok(Link { shared })
+        let link = sockets.clone();
+        std::thread::Builder::new().name("kvgate-link".into()).spawn(move || {
+            runtime.block_on(async move {
+                let tasks: Vec<_> = link.iter().map(|socket| tokio::spawn(run(socket.clone()))).collect();
+                for task in tasks {
+                    let _ = task.await;
+                }
+            })
+        })?;
+        Ok(Link { sockets })
     }
 
-    /// Sends a route call (from a worker); its outcome comes to `slot`.
-    pub fn call(&self, mut call: RouteCall, slot: Arc<Slot>) {
-        let shared = &self.shared;
+    /// The socket of Envoy worker `worker`.
+    fn socket(&self, worker: usize) -> &Shared {
+        &self.sockets[worker % self.sockets.len()]
+    }
+
+    /// Sends a route call from worker `worker`; its outcome comes to `slot`.
+    pub fn call(&self, worker: usize, mut call: RouteCall, slot: Arc<Slot>) {
+        let shared = self.socket(worker);
         let mut writer = lock(&shared.writer);
         if writer.socket.is_none() {
             drop(writer);
@@ -163,14 +181,15 @@ impl Link {
 
     /// Queues a lifecycle report: it goes with the next call, at the next flush, or at once
     /// when `batch_max` are waiting.
-    pub fn report(&self, report: LifecycleReport) {
+    pub fn report(&self, worker: usize, report: LifecycleReport) {
+        let shared = self.socket(worker);
         let waiting = {
-            let mut reports = lock(&self.shared.reports);
+            let mut reports = lock(&shared.reports);
             reports.push((report, SystemTime::now()));
             reports.len()
         };
-        if waiting >= self.shared.config.batch_max {
-            self.shared.wake.notify_one();
+        if waiting >= shared.config.batch_max {
+            shared.wake.notify_one();
         }
     }
 }

@@ -16,7 +16,10 @@ const STAGES: [(&str, &[&str]); 9] = [
         "bookings, admission, lifecycle",
         &["kvgate_scorer::scorer", "kvgate_scorer::admission", "kvgate_scorer::http::lifecycle"],
     ),
-    ("route stream and HTTP (tonic, h2, hyper, prost)", &["tonic::", "h2::", "hyper", "prost::", "axum::"]),
+    (
+        "route stream, route socket and HTTP (tonic, h2, hyper, prost)",
+        &["tonic::", "h2::", "hyper", "prost::", "axum::", "kvgate_scorer::route_socket", "kvgate_route_api::Frames"],
+    ),
     ("kernel: sockets, wake-ups", &["entry_SYSCALL", "do_syscall", "asm_sysvec", "__schedule"]),
     ("tokio runtime", &["tokio::"]),
 ];
