@@ -121,6 +121,9 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
         // The module dials the scorer itself: on its route socket path when it has one,
         // else its API (listening on all interfaces by default; the sidecar is reached on
         // loopback).
+        if let Some(fields) = filter.as_object_mut() {
+            fields.remove("scorer_cluster"); // no Envoy cluster: the module has its own socket
+        }
         filter["scorer_address"] = match &config.route_socket_path {
             Some(path) => format!("unix:{}", path.display()),
             None => loopback(config.listen).to_string(),
@@ -232,6 +235,33 @@ mod tests {
             picker: Picker::Wasm,
             epp_body_mode: EppBodyMode::Streamed,
             retries: 2,
+        }
+    }
+
+    #[test]
+    fn the_native_module_dials_the_route_socket_path_or_the_api_on_loopback() {
+        let native = EnvoyOptions { picker: Picker::Native, ..options() };
+        let config = Config::parse("listen: 0.0.0.0:7171\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n").unwrap();
+        let out = render(&config, &native).unwrap();
+        assert!(!out.contains("${") && out.contains("DynamicModuleFilter"), "{out}");
+        assert!(out.contains("filename: /x/libkvgate_filter_native.so") && out.contains("metrics_namespace: kvgate"));
+        assert!(out.contains("\"scorer_address\":\"127.0.0.1:7171\""), "all interfaces → loopback: {out}");
+        // Neither the wasm filter nor its scorer cluster.
+        assert!(!out.contains("filters.http.wasm") && !out.contains("kvgate_scorer"), "{out}");
+        let config = Config::parse(
+            "route_socket_path: /run/kvgate/route.sock\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n",
+        )
+        .unwrap();
+        let out = render(&config, &native).unwrap();
+        assert!(out.contains("\"scorer_address\":\"unix:/run/kvgate/route.sock\""), "{out}");
+        // No prefill legs from the module: prefill pods need the header mode.
+        for pods in [
+            "pods:\n  - {name: p, address: '10.0.0.1:8000', role: prefill}\n",
+            "discovery: {dns: [{name: vllm-prefill.x, port: 8000, role: prefill}]}\n",
+        ] {
+            let config = Config::parse(pods).unwrap();
+            assert!(render(&config, &native).unwrap_err().contains("--pd-mode header"), "{pods}");
+            assert!(render(&config, &EnvoyOptions { pd_mode: "header".into(), ..native.clone() }).is_ok());
         }
     }
 

@@ -67,6 +67,9 @@ impl Slot {
 /// Bytes read from the socket at a time.
 const READ_BYTES: usize = 16 << 10;
 
+/// The route socket's send buffer (the kernel caps it at `net.core.wmem_max`).
+const SEND_BUFFER_BYTES: usize = 4 << 20;
+
 /// Reports waiting, with when each happened.
 type Reports = Vec<(LifecycleReport, SystemTime)>;
 
@@ -396,6 +399,15 @@ async fn open(shared: &Shared) -> Result<Socket, String> {
         Ok(Err(e)) => return Err(e.to_string()),
         Err(_) => return Err("connecting timed out".into()),
     };
+    // Room for a few long prompts' calls: a worker's write then takes a whole call at once
+    // instead of leaving most of it to this thread (a Unix socket's default is ≈ 200 kB).
+    let buffer = match &socket {
+        Socket::Tcp(s) => socket2::SockRef::from(s).set_send_buffer_size(SEND_BUFFER_BYTES),
+        Socket::Unix(s) => socket2::SockRef::from(s).set_send_buffer_size(SEND_BUFFER_BYTES),
+    };
+    if let Err(e) = buffer {
+        crate::warn(&format!("kvgate: the route socket's send buffer stays at its default: {e}"));
+    }
     let mut preface = ROUTE_SOCKET_PREFACE;
     while !preface.is_empty() {
         socket.writable().await.map_err(|e| e.to_string())?;

@@ -7,7 +7,7 @@
 //! here: nothing is built or applied.)
 
 use kvgate_scorer::config::{Config, Role};
-use kvgate_test_harness::{binary, envoy_validate, filter_wasm, root, venv_bin};
+use kvgate_test_harness::{binary, envoy_validate, filter_native, filter_wasm, root, venv_bin};
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::Command;
@@ -154,7 +154,8 @@ fn the_scorer_configmap_parses_and_the_envoy_bootstrap_matches_it_and_validates(
     let status = Command::new(binary("kvgate-envoy-config"))
         .arg("--scorer-config")
         .arg(deploy("base/scorer.yaml"))
-        .args(["--wasm", "/var/lib/kvgate/filter/plugin.wasm", "--listen", "0.0.0.0:8080", "--admin", "127.0.0.1:9901"])
+        .args(["--picker", "native", "--native-module", "/var/lib/kvgate/filter/libkvgate_filter_native.so"])
+        .args(["--listen", "0.0.0.0:8080", "--admin", "127.0.0.1:9901"])
         .arg("--out")
         .arg(&rendered)
         .status()
@@ -162,10 +163,10 @@ fn the_scorer_configmap_parses_and_the_envoy_bootstrap_matches_it_and_validates(
     assert!(status.success());
     let fresh = std::fs::read_to_string(&rendered).unwrap();
     assert!(read("envoy/envoy.yaml") == fresh, "deploy/envoy/envoy.yaml is stale: re-render it (deploy/README.md)");
-    // Envoy accepts it, with the wasm path pointing at the module built here.
+    // Envoy accepts it, with the module's path pointing at the module built here.
     std::fs::write(
         &rendered,
-        fresh.replace("/var/lib/kvgate/filter/plugin.wasm", &filter_wasm().display().to_string()),
+        fresh.replace("/var/lib/kvgate/filter/libkvgate_filter_native.so", &filter_native().display().to_string()),
     )
     .unwrap();
     let result = envoy_validate(&rendered);
@@ -346,13 +347,22 @@ fn the_inference_pool_names_kvgates_picker_and_the_pieces_agree() {
 
 #[test]
 fn dockerfiles_pass_hadolint() {
-    let dockerfiles = [deploy("docker/scorer.Dockerfile"), deploy("docker/filter.Dockerfile")];
+    let dockerfiles = [
+        deploy("docker/scorer.Dockerfile"),
+        deploy("docker/filter.Dockerfile"),
+        deploy("docker/filter-native.Dockerfile"),
+    ];
     hadolint(&dockerfiles).unwrap_or_else(|e| panic!("hadolint:\n{e}"));
     let scorer = read("docker/scorer.Dockerfile");
     assert!(scorer.contains("\nUSER 65532:65532\n"), "the scorer image runs as non-root");
     assert_eq!(scorer.lines().filter(|l| l.starts_with("FROM ")).count(), 2, "multi-stage");
     let filter = read("docker/filter.Dockerfile");
     assert!(filter.contains("FROM scratch") && filter.contains(" /plugin.wasm"), "Istio's OCI wasm layout");
+    let native = read("docker/filter-native.Dockerfile");
+    assert!(
+        native.contains("FROM scratch") && native.contains(" /libkvgate_filter_native.so"),
+        "the module at the root"
+    );
     assert!(root().join(".dockerignore").is_file(), "the build context leaves target/ out");
 
     // The check can fail: an untagged base image is flagged.
