@@ -63,4 +63,5 @@ for cell in short@24 long@24 chat@24; do
   } | tee "$out/$name.md"
 done
 done
-step "results in $out/ (overhead.md, {wasm,native,epp}-*.md, {wasm,native,epp}-*.svg)"
+python3 tests/tools/profile_summary.py "$out" | tee "$out/summary.md"
+step "results in $out/ (overhead.md, summary.md, {wasm,native,epp}-*.md, {wasm,native,epp}-*.svg)"
