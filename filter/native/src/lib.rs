@@ -1,8 +1,9 @@
 //! kvgate's Envoy filter as a native dynamic module (`libkvgate_filter_native.so`, Envoy's
 //! `envoy.extensions.filters.http.dynamic_modules.v3.DynamicModuleFilter`): what the wasm
 //! filter does, without a wasm VM and without Envoy's own HTTP/2 stream to the scorer. The
-//! hooks run on Envoy's workers and only read headers, collect the body and act on answers;
-//! the route stream to the scorer lives on the module's own thread ([`link`]).
+//! hooks ([`hooks`]) run on Envoy's workers: they read headers, collect the body, write the
+//! route call on their worker's route socket and act on the answer; the module's own thread
+//! reads the answers and wakes each request ([`link`]). Envoy's ABI is wrapped in [`abi`].
 
 mod abi;
 mod hooks;
@@ -68,13 +69,18 @@ impl Counters {
     }
 }
 
-#[derive(Default, PartialEq)]
+/// Where a request is (as the wasm filter's phases, without its prefill leg).
+#[derive(PartialEq)]
 enum Phase {
-    #[default]
+    /// Not for the scorer (other path or method): passes untouched.
     Passthrough,
+    /// Buffering the body.
     Buffering,
+    /// Waiting for the scorer's answer.
     Deciding,
+    /// Sent to the pod the scorer chose.
     Routed,
+    /// Answered by the filter itself, or sent on without a decision (fail-open).
     Settled,
 }
 
@@ -173,18 +179,11 @@ impl Request {
         if self.phase != Phase::Deciding {
             return;
         }
-        let verdict = match outcome {
+        let (verdict, retry_after) = match outcome {
             Outcome::Answer(answer) => {
-                let verdict = logic::interpret(u16::try_from(answer.status).ok(), &answer.body);
-                if let Verdict::Shed(message) = verdict {
-                    self.phase = Phase::Settled;
-                    filter.increment(self.config.counters.shed);
-                    let retry_after = answer.retry_after.map(|s| s.to_string());
-                    return respond(filter, 429, "TooManyRequests", &message, retry_after.as_deref());
-                }
-                verdict
+                (logic::interpret(u16::try_from(answer.status).ok(), &answer.body), answer.retry_after)
             }
-            Outcome::Unavailable(reason) => Verdict::Unavailable(reason),
+            Outcome::Unavailable(reason) => (Verdict::Unavailable(reason), None),
         };
         let (config, counters) = (&self.config.config, &self.config.counters);
         match verdict {
@@ -210,7 +209,12 @@ impl Request {
                 filter.increment(counters.scorer_bad_request);
                 respond(filter, 400, "BadRequestError", &message, None);
             }
-            Verdict::Shed(_) => unreachable!("answered above"),
+            Verdict::Shed(message) => {
+                self.phase = Phase::Settled;
+                filter.increment(counters.shed);
+                let retry_after = retry_after.map(|s| s.to_string());
+                respond(filter, 429, "TooManyRequests", &message, retry_after.as_deref());
+            }
             Verdict::Unavailable(reason) => {
                 self.phase = Phase::Settled;
                 match config.failure_mode {

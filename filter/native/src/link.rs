@@ -17,7 +17,7 @@ use std::os::fd::AsFd;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::net::{TcpStream, UnixStream};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 
 /// What a request's call came back with: the scorer's answer, or why there is none.
 pub enum Outcome {
@@ -86,9 +86,11 @@ pub struct LinkConfig {
 /// The workers' end of the link: a route socket per Envoy worker (as the wasm filter keeps a
 /// route stream per worker), so that no worker waits for another's write and the scorer
 /// serves each worker's calls on one of its threads.
-#[derive(Clone)]
 pub struct Link {
     sockets: Arc<[Arc<Shared>]>,
+    /// Dropped with the link (Envoy replaced or removed the filter's configuration): the
+    /// link's thread then closes the sockets and ends.
+    _running: watch::Sender<()>,
 }
 
 /// One route socket: what its worker and the link's thread share.
@@ -135,15 +137,17 @@ impl Link {
             .collect();
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let link = sockets.clone();
+        let (running, stopped) = watch::channel(());
         std::thread::Builder::new().name("kvgate-link".into()).spawn(move || {
             runtime.block_on(async move {
-                let tasks: Vec<_> = link.iter().map(|socket| tokio::spawn(run(socket.clone()))).collect();
+                let tasks: Vec<_> =
+                    link.iter().map(|socket| tokio::spawn(run(socket.clone(), stopped.clone()))).collect();
                 for task in tasks {
                     let _ = task.await;
                 }
             })
         })?;
-        Ok(Link { sockets })
+        Ok(Link { sockets, _running: running })
     }
 
     /// The socket of Envoy worker `worker`.
@@ -203,7 +207,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// The link's thread: opens the socket (again after any failure), reads answers, writes what
 /// workers could not, flushes reports and fails calls unanswered in time.
-async fn run(shared: Arc<Shared>) {
+async fn run(shared: Arc<Shared>, mut stopped: watch::Receiver<()>) {
     let config = &shared.config;
     let mut tick = tokio::time::interval(config.flush.min(config.timeout / 4).max(Duration::from_millis(1)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -232,7 +236,9 @@ async fn run(shared: Arc<Shared>) {
                     None => down = Some((now, now)),
                     Some((_, said)) if now.duration_since(*said) >= Duration::from_secs(30) => *said = now,
                     Some(_) => {
-                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        if pause(&mut stopped, Duration::from_millis(200)).await.is_err() {
+                            return;
+                        }
                         continue;
                     }
                 }
@@ -240,7 +246,9 @@ async fn run(shared: Arc<Shared>) {
                     "kvgate: cannot open the route socket to {}: {why}; retrying every 200 ms",
                     config.scorer
                 ));
-                tokio::time::sleep(Duration::from_millis(200)).await;
+                if pause(&mut stopped, Duration::from_millis(200)).await.is_err() {
+                    return;
+                }
                 continue;
             }
         };
@@ -248,6 +256,7 @@ async fn run(shared: Arc<Shared>) {
         let opened = Instant::now();
         let why = loop {
             tokio::select! {
+                _ = stopped.changed() => return fail_waiting(&shared, "the filter's configuration was removed"),
                 ready = socket.readable() => {
                     if let Err(e) = ready {
                         break format!("route socket failed: {e}");
@@ -280,19 +289,32 @@ async fn run(shared: Arc<Shared>) {
             }
         };
         crate::warn(&format!("kvgate: {why}; reopening"));
-        {
-            let mut writer = lock(&shared.writer);
-            writer.socket = None;
-            writer.pending.clear();
-        }
-        let failed: Vec<Waiting> = lock(&shared.waiting).drain().map(|(_, call)| call).collect();
-        for call in failed {
-            call.slot.deliver(Outcome::Unavailable(why.clone()));
-        }
+        fail_waiting(&shared, &why);
         // Something that accepts and then breaks every connection is not hammered.
-        if opened.elapsed() < Duration::from_secs(1) {
-            tokio::time::sleep(Duration::from_millis(200)).await;
+        if opened.elapsed() < Duration::from_secs(1) && pause(&mut stopped, Duration::from_millis(200)).await.is_err() {
+            return;
         }
+    }
+}
+
+/// The socket is down: calls fail at once until it is open again, and those waiting fail now.
+fn fail_waiting(shared: &Shared, why: &str) {
+    {
+        let mut writer = lock(&shared.writer);
+        writer.socket = None;
+        writer.pending.clear();
+    }
+    let failed: Vec<Waiting> = lock(&shared.waiting).drain().map(|(_, call)| call).collect();
+    for call in failed {
+        call.slot.deliver(Outcome::Unavailable(why.to_string()));
+    }
+}
+
+/// Waits `duration`; `Err` if the link was dropped meanwhile.
+async fn pause(stopped: &mut watch::Receiver<()>, duration: Duration) -> Result<(), ()> {
+    tokio::select! {
+        () = tokio::time::sleep(duration) => Ok(()),
+        changed = stopped.changed() => changed.map_err(|_| ()),
     }
 }
 

@@ -52,9 +52,10 @@ struct Args {
     /// Requests with unique prompts.
     #[arg(long, default_value_t = 4)]
     unique: usize,
-    /// Which way into kvgate: `wasm` (the Envoy filter and scorer sidecar), `epp` (the
-    /// scorer's Endpoint Picker over ext_proc, as GIE gateways call it) or `both`.
-    #[arg(long, default_value = "both", value_parser = ["wasm", "epp", "both"])]
+    /// Which way into kvgate: `wasm` (the Envoy filter and scorer sidecar), `native` (the
+    /// filter as an Envoy dynamic module), `epp` (the scorer's Endpoint Picker over ext_proc,
+    /// as GIE gateways call it), `both` (wasm and epp) or `all`.
+    #[arg(long, default_value = "both", value_parser = ["wasm", "native", "epp", "both", "all"])]
     picker: String,
     /// Gateway replicas (Envoy + scorer each): > 1 compares one replica, this many Envoys on
     /// one scorer, this many replicas sharing their bookings over NATS, and this many on
@@ -319,10 +320,14 @@ async fn main() -> anyhow::Result<()> {
 
 async fn demo(args: &Args) -> anyhow::Result<Vec<Row>> {
     let mut legs: Vec<(&str, &str)> = Vec::new();
-    if args.picker != "epp" {
+    let runs = |leg: &str| args.picker == leg || args.picker == "all" || (args.picker == "both" && leg != "native");
+    if runs("wasm") {
         legs.push(("Envoy + kvgate, wasm filter (kv policy)", "wasm"));
     }
-    if args.picker != "wasm" {
+    if runs("native") {
+        legs.push(("Envoy + kvgate, native module (kv policy)", "native"));
+    }
+    if runs("epp") {
         legs.push(("Envoy + kvgate, Endpoint Picker (kv policy)", "epp"));
     }
     legs.push(("Envoy round robin", "none"));
