@@ -1,8 +1,8 @@
-//! The module's link to the scorer: a route socket (the route stream's messages, framed on a
-//! plain connection: see [`kvgate_route_api::ROUTE_SOCKET_PREFACE`]) to the scorer's API,
-//! and a thread of the module's own (a single-threaded tokio runtime) that opens it, reads
-//! the answers and hands each to its call's [`Slot`], waking the request on its worker with
-//! the request's Envoy scheduler.
+//! The module's link to the scorer: a route socket per Envoy worker (the route stream's
+//! messages, framed on a plain connection: see [`kvgate_route_api::ROUTE_SOCKET_PREFACE`]) to
+//! the scorer, and a thread of the module's own (a single-threaded tokio runtime) that opens
+//! them, reads the answers and hands each to its call's [`Slot`], waking the request on its
+//! worker with the request's Envoy scheduler.
 //!
 //! Envoy's workers write their calls on the socket themselves (non-blocking: a call the
 //! socket cannot take at once waits in `pending`, which the link's thread writes as the
@@ -26,12 +26,10 @@ pub enum Outcome {
 }
 
 /// Where a call's outcome waits for its request, and how to wake it.
-#[derive(Default)]
 pub struct Slot {
     inner: Mutex<SlotState>,
 }
 
-#[derive(Default)]
 struct SlotState {
     outcome: Option<Outcome>,
     /// `None` once the request is gone (nothing to wake).
