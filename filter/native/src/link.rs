@@ -68,6 +68,9 @@ const READ_BYTES: usize = 16 << 10;
 /// The route socket's send buffer (the kernel caps it at `net.core.wmem_max`).
 const SEND_BUFFER_BYTES: usize = 4 << 20;
 
+/// Calls the socket has not taken yet beyond which new calls fail at once.
+const MAX_PENDING_BYTES: usize = 64 << 20;
+
 /// Reports waiting, with when each happened.
 type Reports = Vec<(LifecycleReport, SystemTime)>;
 
@@ -160,6 +163,12 @@ impl Link {
         if writer.socket.is_none() {
             drop(writer);
             return slot.deliver(Outcome::Unavailable("the route socket to the scorer is down".into()));
+        }
+        if writer.pending.len() >= MAX_PENDING_BYTES {
+            // The scorer has stopped reading (frozen, or far behind): waiting for it would
+            // only pile up bodies in Envoy's memory.
+            drop(writer);
+            return slot.deliver(Outcome::Unavailable("the scorer is not reading its route socket".into()));
         }
         call.reports = take_reports(&shared.reports);
         let deadline = Instant::now() + shared.config.timeout;
