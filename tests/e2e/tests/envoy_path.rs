@@ -57,33 +57,50 @@ fn unique_socket_path() -> std::path::PathBuf {
     std::env::temp_dir().join(format!("kvgate-e2e-{}-{n}.sock", std::process::id()))
 }
 
-/// Runs each listed test (an `async fn(Path)`) on every path.
-macro_rules! on_both_paths {
-    ($($name:ident),* $(,)?) => {
-        mod wasm {
-            $(#[tokio::test] async fn $name() { super::$name(super::Path::Wasm).await })*
-        }
-        mod native {
-            $(#[tokio::test] async fn $name() { super::$name(super::Path::Native).await })*
-        }
-        mod epp {
-            $(#[tokio::test] async fn $name() { super::$name(super::Path::Epp).await })*
+/// The machine, shared by this file's tests; a test that compares latencies takes it alone
+/// (its figures would otherwise measure the other tests running beside it).
+static MACHINE: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
+/// Runs each listed test (an `async fn(Path)`) on `path`, in module `module`: those under
+/// `shared` beside each other, those under `alone` with the machine to themselves.
+macro_rules! on_path {
+    ($module:ident, $path:ident, shared: [$($name:ident),* $(,)?], alone: [$($alone:ident),* $(,)?] $(,)?) => {
+        mod $module {
+            $(#[tokio::test] async fn $name() {
+                let _machine = super::MACHINE.read().await;
+                super::$name(super::Path::$path).await
+            })*
+            $(#[tokio::test] async fn $alone() {
+                let _machine = super::MACHINE.write().await;
+                super::$alone(super::Path::$path).await
+            })*
         }
     };
 }
 
-on_both_paths!(
-    shared_prefixes_converge_and_different_prefixes_spread,
-    scorer_down_fail_open_keeps_serving_then_routing_resumes,
-    scorer_down_fail_closed_answers_503_then_recovers,
-    bad_input_and_destination_spoofing_are_handled,
-    hostile_requests_get_clean_answers,
-    a_pod_killed_mid_stream_fails_cleanly_and_is_avoided,
-    a_scorer_slower_than_the_timeout_is_treated_as_down,
-    a_scorer_answering_garbage_is_treated_as_down,
-    a_pod_killed_costs_no_request_that_had_not_started,
-    a_pick_that_refuses_connections_is_retried_on_its_fallback_and_the_booking_follows,
-    a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable,
+/// Runs each listed test on every path.
+macro_rules! on_every_path {
+    ($($tests:tt)*) => {
+        on_path!(wasm, Wasm, $($tests)*);
+        on_path!(native, Native, $($tests)*);
+        on_path!(epp, Epp, $($tests)*);
+    };
+}
+
+on_every_path!(
+    shared: [
+        shared_prefixes_converge_and_different_prefixes_spread,
+        scorer_down_fail_open_keeps_serving_then_routing_resumes,
+        scorer_down_fail_closed_answers_503_then_recovers,
+        bad_input_and_destination_spoofing_are_handled,
+        hostile_requests_get_clean_answers,
+        a_pod_killed_mid_stream_fails_cleanly_and_is_avoided,
+        a_scorer_slower_than_the_timeout_is_treated_as_down,
+        a_scorer_answering_garbage_is_treated_as_down,
+        a_pod_killed_costs_no_request_that_had_not_started,
+        a_pick_that_refuses_connections_is_retried_on_its_fallback_and_the_booking_follows,
+    ],
+    alone: [a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable],
 );
 
 struct Stack {
@@ -566,6 +583,8 @@ async fn a_scorer_slower_than_the_timeout_is_treated_as_down(path: Path) {
     let expected = if path == Path::Epp { 504 } else { 503 };
     assert_eq!(shut.status, expected, "fail-closed: {}", shut.body);
     s.scorer.resume();
+    // Answering again (its API too) before the next request, which must then be routed.
+    s.scorer.pods().await;
     assert_eq!(send(&s.envoy, "/v1/completions", &body, &[]).await.status, 200);
     assert_eq!(s.failed_open().await, 1);
     assert!(s.routed().await >= 1, "routing resumed");
@@ -717,12 +736,7 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap()
 }
 
-/// Held by tests that compare latencies: one at a time (each path runs them), so that they
-/// do not slow each other down on a small machine.
-static LATENCY_TESTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
 async fn a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable(path: Path) {
-    let _alone = LATENCY_TESTS.lock().await;
     // Two pods in real time; a pod has room while it runs fewer than 4 requests and less
     // than one prompt's prefill is queued on it (kvgate's own bookings): the fleet's
     // capacity is 8 requests at once, a quarter of it kept for premium requests.
