@@ -91,5 +91,5 @@ pub async fn serve(scorer: Arc<Scorer>, socket: impl AsyncRead + AsyncWrite + Se
 /// True when a connection's first bytes (as many as have arrived) can be a route socket's
 /// preface: it then gets no HTTP.
 pub fn may_be_preface(first: &[u8]) -> bool {
-    !first.is_empty() && ROUTE_SOCKET_PREFACE.starts_with(&first[..first.len().min(ROUTE_SOCKET_PREFACE.len())])
+    !first.is_empty() && ROUTE_SOCKET_PREFACE.starts_with(first)
 }

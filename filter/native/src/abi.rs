@@ -1,6 +1,6 @@
 //! The part of Envoy's dynamic-module ABI (v0.2.0, as Envoy 1.40 implements it) this module
 //! uses: the types, the callbacks it calls and the statuses its event hooks return. Written
-//! from Envoy's `abi.h`; the hooks themselves are in `lib.rs`. Every call into Envoy is
+//! from Envoy's `abi.h`; the hooks themselves are in `hooks.rs`. Every call into Envoy is
 //! wrapped here in a safe function over a [`Filter`] handle.
 
 use std::ffi::c_void;

@@ -11,7 +11,7 @@
 
 use crate::abi::{self, Filter, LogLevel, body_status, headers_status};
 use crate::link::{Link, LinkConfig};
-use crate::{Config, Counters, Phase, Request};
+use crate::{Config, Counters, Request};
 use kvgate_filter::config::FilterConfig;
 use std::ffi::{c_char, c_void};
 use std::sync::Arc;
@@ -43,7 +43,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
     let bytes = unsafe { config.bytes() };
     let config = match FilterConfig::parse(bytes) {
         Ok(config) if config.scorer_address.is_empty() => {
-            abi::log(LogLevel::Error, "kvgate: the native module needs scorer_address (the scorer's ip:port)");
+            abi::log(
+                LogLevel::Error,
+                "kvgate: the native module needs scorer_address (the scorer's unix:<path> or ip:port)",
+            );
             return std::ptr::null();
         }
         Ok(config) => config,
@@ -94,19 +97,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
         Arc::increment_strong_count(config);
         Arc::from_raw(config)
     };
-    let request = Request {
-        config,
-        phase: Phase::Passthrough,
-        request_id: String::new(),
-        api_path: String::new(),
-        slot: None,
-        response_status: None,
-        served: None,
-        worker: 0,
-        first_token: false,
-        response_complete: false,
-        output_tokens: None,
-    };
+    let request = Request::new(config);
     Box::into_raw(Box::new(request)).cast()
 }
 
@@ -184,10 +175,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module: *mut c_void) {
     // SAFETY: from `Box::into_raw` in filter_new; Envoy destroys a filter once.
-    let mut request = unsafe { Box::from_raw(module.cast::<Request>()) };
-    if let Some(slot) = request.slot.take() {
-        drop(slot.close());
-    }
+    unsafe { Box::from_raw(module.cast::<Request>()) }.forget_call();
 }
 
 #[unsafe(no_mangle)]

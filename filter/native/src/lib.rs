@@ -103,6 +103,30 @@ struct Request {
 }
 
 impl Request {
+    fn new(config: Arc<Config>) -> Request {
+        Request {
+            config,
+            phase: Phase::Passthrough,
+            request_id: String::new(),
+            api_path: String::new(),
+            slot: None,
+            response_status: None,
+            served: None,
+            worker: 0,
+            first_token: false,
+            response_complete: false,
+            output_tokens: None,
+        }
+    }
+
+    /// No answer is awaited any more: the link wakes nobody, and the scheduler is deleted
+    /// here, on the worker.
+    fn forget_call(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            drop(slot.close());
+        }
+    }
+
     fn report(&self, event: LifecycleEvent, output_tokens: Option<u32>, served: Option<String>) {
         let report =
             LifecycleReport { request_id: self.request_id.clone(), event, output_tokens, served, age_us: None };
@@ -161,7 +185,7 @@ impl Request {
         let call = RouteCall {
             call: self.config.calls.fetch_add(1, Ordering::Relaxed),
             request_id: self.request_id.clone(),
-            api_path: self.api_path.clone(),
+            api_path: std::mem::take(&mut self.api_path),
             objective,
             body,
             reports: Vec::new(),
@@ -264,9 +288,7 @@ impl Request {
     }
 
     fn on_stream_complete(&mut self) {
-        if let Some(slot) = self.slot.take() {
-            drop(slot.close());
-        }
+        self.forget_call();
         if matches!(self.phase, Phase::Routed | Phase::Deciding) {
             let ok = self.response_complete && self.response_status.is_some_and(|s| (200..300).contains(&s));
             let event = if ok { LifecycleEvent::Done } else { LifecycleEvent::Cancelled };

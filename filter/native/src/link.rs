@@ -43,7 +43,7 @@ impl Slot {
 
     /// Stores the outcome and wakes the request (if it is still there).
     fn deliver(&self, outcome: Outcome) {
-        let mut state = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let mut state = lock(&self.inner);
         state.outcome = Some(outcome);
         if let Some(scheduler) = &state.scheduler {
             scheduler.commit(0);
@@ -52,13 +52,13 @@ impl Slot {
 
     /// The outcome, once delivered (on the request's worker, woken by it).
     pub fn take(&self) -> Option<Outcome> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).outcome.take()
+        lock(&self.inner).outcome.take()
     }
 
     /// The request is gone: nobody is woken any more. Returns the scheduler so that it is
     /// deleted on the worker that made it.
     pub fn close(&self) -> Option<Scheduler> {
-        self.inner.lock().unwrap_or_else(|e| e.into_inner()).scheduler.take()
+        lock(&self.inner).scheduler.take()
     }
 }
 

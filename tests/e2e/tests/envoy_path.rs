@@ -439,40 +439,45 @@ fn every_envoy_config_validates_and_the_local_one_matches_its_scorer_config() {
         epp_body_mode: kvgate_scorer::envoy::EppBodyMode::Streamed,
         retries: 2,
     };
+    // Each picker's bootstrap passes `envoy --mode validate` (the native one loading the module).
     let path = std::env::temp_dir().join(format!("kvgate-validate-{}.yaml", std::process::id()));
-    std::fs::write(&path, kvgate_scorer::envoy::render(&config, &options).unwrap()).unwrap();
-    let result = envoy_validate(&path);
-    let _ = std::fs::remove_file(&path);
-    result.expect("rendered template validates");
-    let baseline = kvgate_scorer::envoy::render(
-        &config,
-        &kvgate_scorer::envoy::EnvoyOptions { picker: kvgate_scorer::envoy::Picker::None, ..options.clone() },
-    )
-    .unwrap();
-    std::fs::write(&path, baseline).unwrap();
-    let result = envoy_validate(&path);
-    let _ = std::fs::remove_file(&path);
-    result.expect("the baseline bootstrap validates");
-    let native = kvgate_scorer::envoy::render(
-        &config,
-        &kvgate_scorer::envoy::EnvoyOptions { picker: kvgate_scorer::envoy::Picker::Native, ..options.clone() },
-    )
-    .unwrap();
-    assert!(native.contains("DynamicModuleFilter") && native.contains("\"scorer_address\":\"127.0.0.1:"), "{native}");
-    std::fs::write(&path, native).unwrap();
-    let result = envoy_validate(&path);
-    let _ = std::fs::remove_file(&path);
-    result.expect("the native module's bootstrap validates");
-    // The module sends no prefill legs: a pool with prefill pods needs the header mode.
-    let refused = kvgate_scorer::envoy::render(
-        &config,
-        &kvgate_scorer::envoy::EnvoyOptions {
-            picker: kvgate_scorer::envoy::Picker::Native,
-            pd_mode: "envoy".into(),
-            ..options
-        },
-    );
-    assert!(refused.unwrap_err().contains("--pd-mode header"));
+    for picker in
+        [kvgate_scorer::envoy::Picker::Wasm, kvgate_scorer::envoy::Picker::None, kvgate_scorer::envoy::Picker::Native]
+    {
+        let rendered =
+            kvgate_scorer::envoy::render(&config, &kvgate_scorer::envoy::EnvoyOptions { picker, ..options.clone() })
+                .unwrap();
+        if picker == kvgate_scorer::envoy::Picker::Native {
+            assert!(rendered.contains("DynamicModuleFilter") && rendered.contains("\"scorer_address\":\"127.0.0.1:"));
+        }
+        std::fs::write(&path, rendered).unwrap();
+        let result = envoy_validate(&path);
+        let _ = std::fs::remove_file(&path);
+        result.unwrap_or_else(|e| panic!("the {picker:?} bootstrap does not validate: {e}"));
+    }
+}
+
+#[tokio::test]
+async fn the_native_module_keeps_a_route_socket_per_envoy_worker() {
+    let _machine = MACHINE.read().await;
+    let s = stack(Path::Native, 2, &[]).await;
+    let envoy = EnvoyProcess::start_with_workers(&s.scorer, &Path::Native.envoy_flags(&[]), 2).await;
+    // 24 requests at once, on as many connections, spread by Envoy over its workers.
+    let sent: Vec<_> = (0..24)
+        .map(|i| {
+            let url = envoy.url.clone();
+            tokio::spawn(async move {
+                let body = json!({"model": MODEL, "prompt": format!("worker question {i}"), "max_tokens": 2});
+                reqwest::Client::new().post(format!("{url}/v1/completions")).json(&body).send().await.unwrap().status()
+            })
+        })
+        .collect();
+    for answer in sent {
+        assert_eq!(answer.await.unwrap(), 200);
+    }
+    assert_eq!(envoy.stat("kvgate.routed").await, 24, "every request decided by the scorer");
+    // The stack's own Envoy (one worker) holds one socket; this one, one per worker.
+    assert_eq!(scorer_metric(&s.scorer, "kvgate_route_streams").await, 3);
 }
 
 fn walk(dir: &std::path::Path) -> Vec<std::path::PathBuf> {

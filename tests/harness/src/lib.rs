@@ -622,6 +622,20 @@ impl EnvoyProcess {
         extra: &[&str],
         patch: impl Fn(String) -> String,
     ) -> EnvoyProcess {
+        Self::launch(scorer_config, extra, patch, 1).await
+    }
+
+    /// Like [`EnvoyProcess::start`], with `workers` Envoy workers instead of one.
+    pub async fn start_with_workers(scorer: &ScorerProcess, extra: &[&str], workers: usize) -> EnvoyProcess {
+        Self::launch(&scorer.config_path, extra, |bootstrap| bootstrap, workers).await
+    }
+
+    async fn launch(
+        scorer_config: &std::path::Path,
+        extra: &[&str],
+        patch: impl Fn(String) -> String,
+        workers: usize,
+    ) -> EnvoyProcess {
         let mut why = String::new();
         for _ in 0..START_ATTEMPTS {
             let (port, admin) = (free_port(), free_port());
@@ -650,7 +664,7 @@ impl EnvoyProcess {
             let child = Command::new(envoy_binary())
                 .arg("-c")
                 .arg(&config_path)
-                .args(["--concurrency", "1", "--use-dynamic-base-id", "-l", "warning"])
+                .args(["--concurrency", &workers.to_string(), "--use-dynamic-base-id", "-l", "warning"])
                 .stdout(Stdio::null())
                 .stderr(child_stderr())
                 .spawn()
