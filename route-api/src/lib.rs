@@ -292,9 +292,11 @@ impl TryFrom<StreamReport> for LifecycleReport {
     }
 }
 
-/// The answer to a [`RouteCall`].
+/// The answer to a [`RouteCall`] — or, with `call` 0, a notice: requests started waiting for
+/// admission, or none waits any more (`admission_waiting`).
 #[derive(Clone, PartialEq, prost::Message)]
 pub struct RouteAnswer {
+    /// The call answered (callers number theirs from 1); 0 for a notice.
     #[prost(uint64, tag = "1")]
     pub call: u64,
     /// The HTTP status `POST /v1/route` would answer (200, 400, 429, 503).
@@ -306,6 +308,11 @@ pub struct RouteAnswer {
     /// Seconds, with a 429.
     #[prost(uint64, optional, tag = "4")]
     pub retry_after: Option<u64>,
+    /// Requests waiting in the scorer's admission queue as it answered. While some wait, a
+    /// proxy sends its lifecycle reports at once instead of batching them: each first token
+    /// and end frees room that a waiting request (a premium one, say) is owed now.
+    #[prost(uint32, tag = "5")]
+    pub admission_waiting: u32,
 }
 
 /// Opens a **route socket**: the route stream's messages without HTTP/2 or gRPC, for a

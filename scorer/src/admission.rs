@@ -13,8 +13,8 @@
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
-use tokio::sync::oneshot;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use tokio::sync::{oneshot, watch};
 
 /// A waiter's place: higher priority first, then earlier arrival.
 type Place = (Reverse<i32>, u64);
@@ -32,6 +32,30 @@ pub struct Queue {
     limit: usize,
     waiters: Mutex<BTreeMap<Place, oneshot::Sender<()>>>,
     arrivals: AtomicU64,
+    /// Requests that have waited and are not decided yet: those in `waiters`, and those
+    /// woken and trying again (out of `waiters` meanwhile).
+    held: AtomicUsize,
+    /// Whether `held` is above zero, for those who act on it (the route connections tell
+    /// their proxies).
+    queuing: watch::Sender<bool>,
+}
+
+/// A request's stay in the queue, from its first wait to its decision (or refusal); shown
+/// by the gauge it was given.
+pub struct Held<'a> {
+    queue: &'a Queue,
+    gauge: &'a prometheus::Gauge,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let _order = self.queue.lock(); // `queuing` follows `held` in order
+        let held = self.queue.held.fetch_sub(1, Ordering::Relaxed) - 1;
+        if held == 0 {
+            self.queue.queuing.send_replace(false);
+        }
+        self.gauge.set(held as f64);
+    }
 }
 
 /// One request's place in the queue, kept across its tries so it never loses its turn.
@@ -42,7 +66,13 @@ pub struct Ticket {
 
 impl Queue {
     pub fn new(limit: usize) -> Self {
-        Self { limit, waiters: Mutex::new(BTreeMap::new()), arrivals: AtomicU64::new(0) }
+        Self {
+            limit,
+            waiters: Mutex::new(BTreeMap::new()),
+            arrivals: AtomicU64::new(0),
+            held: AtomicUsize::new(0),
+            queuing: watch::Sender::new(false),
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<Place, oneshot::Sender<()>>> {
@@ -59,13 +89,31 @@ impl Queue {
         self.lock().keys().next().is_some_and(|(Reverse(p), _)| *p >= priority)
     }
 
-    /// Requests waiting.
-    pub fn len(&self) -> usize {
-        self.lock().len()
+    /// Whether nobody is in place.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
+    /// Counts a request that has started waiting, until the guard drops; `gauge` shows the
+    /// count.
+    pub fn hold<'a>(&'a self, gauge: &'a prometheus::Gauge) -> Held<'a> {
+        let _order = self.lock(); // `queuing` follows `held` in order
+        let held = self.held.fetch_add(1, Ordering::Relaxed) + 1;
+        if held == 1 {
+            self.queuing.send_replace(true);
+        }
+        gauge.set(held as f64);
+        Held { queue: self, gauge }
+    }
+
+    /// Changes whenever requests start waiting (`true`) or none waits any more (`false`).
+    pub fn queuing(&self) -> watch::Receiver<bool> {
+        self.queuing.subscribe()
+    }
+
+    /// Requests waiting for room, whether in their place or woken and trying again.
+    pub fn held(&self) -> usize {
+        self.held.load(Ordering::Relaxed)
     }
 
     /// Waits in the ticket's place; the receiver resolves when woken (`Ok`) or when a
@@ -125,6 +173,24 @@ mod tests {
         q.leave(normal2);
         q.wake_first();
         assert!(n2.try_recv().is_err() && q.is_empty());
+    }
+
+    #[test]
+    fn held_counts_from_the_first_wait_to_the_decision_and_queuing_follows_it() {
+        let q = Queue::new(8);
+        let gauge = prometheus::Gauge::new("waiting", "waiting").unwrap();
+        let mut queuing = q.queuing();
+        let first = q.hold(&gauge);
+        assert!(queuing.has_changed().unwrap() && *queuing.borrow_and_update());
+        let second = q.hold(&gauge);
+        assert_eq!((q.held(), gauge.get()), (2, 2.0));
+        assert!(!queuing.has_changed().unwrap(), "told once, when the first one waits");
+        drop(first);
+        assert_eq!(q.held(), 1);
+        assert!(!queuing.has_changed().unwrap());
+        drop(second);
+        assert_eq!((q.held(), gauge.get()), (0, 0.0));
+        assert!(queuing.has_changed().unwrap() && !*queuing.borrow_and_update());
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! decided at once is answered without a task of its own, and answers ready together go out
 //! in one write.
 
-use crate::route_stream::take_call;
+use crate::route_stream::{admission_notices, take_call};
 use crate::scorer::Scorer;
 use kvgate_route_api::{Frames, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, frame};
 use std::sync::Arc;
@@ -43,6 +43,7 @@ pub async fn serve(scorer: Arc<Scorer>, socket: impl AsyncRead + AsyncWrite + Se
             }
         }
     });
+    let notices = admission_notices(&scorer, answers.clone(), std::convert::identity);
     let mut frames = Frames::default();
     'reading: loop {
         match reader.read_buf(frames.spare(READ_BYTES)).await {
@@ -81,6 +82,9 @@ pub async fn serve(scorer: Arc<Scorer>, socket: impl AsyncRead + AsyncWrite + Se
                 }
             }
         }
+    }
+    if let Some(notices) = notices {
+        notices.abort();
     }
     drop(answers);
     // Answers still being decided go out before the socket closes, if the caller still reads.

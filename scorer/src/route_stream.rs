@@ -52,6 +52,7 @@ async fn serve(
     let (answers, receiver) = mpsc::channel(ANSWERS_QUEUED);
     scorer.metrics.route_streams.inc();
     tokio::spawn(async move {
+        let notices = admission_notices(&scorer, answers.clone(), Ok);
         loop {
             let call = match calls.message().await {
                 Ok(Some(call)) => call,
@@ -67,6 +68,9 @@ async fn serve(
                 // The caller gone: its lifecycle reports (or their absence) settle the booking.
                 let _ = answers.send(Ok(answer.await)).await;
             });
+        }
+        if let Some(notices) = notices {
+            notices.abort();
         }
         scorer.metrics.route_streams.dec();
     });
@@ -101,8 +105,35 @@ pub(crate) fn take_call(
             status: u32::from(outcome.status.as_u16()),
             body: outcome.body,
             retry_after: outcome.retry_after,
+            admission_waiting: u32::try_from(scorer.admission_waiting()).unwrap_or(u32::MAX),
         }
     })
+}
+
+/// Tells a route connection's proxy, by an answer to no call (`call` 0), whenever requests
+/// start waiting for admission and when none waits any more (when it connects, too, if some
+/// wait): while some wait, it sends its lifecycle reports at once. `None` without admission;
+/// the caller aborts the task when the connection ends.
+pub(crate) fn admission_notices<T: Send + 'static>(
+    scorer: &Arc<Scorer>,
+    answers: mpsc::Sender<T>,
+    wrap: fn(RouteAnswer) -> T,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let mut queuing = scorer.admission_queuing()?;
+    let scorer = scorer.clone();
+    Some(tokio::spawn(async move {
+        if *queuing.borrow_and_update() {
+            queuing.mark_changed();
+        }
+        while queuing.changed().await.is_ok() {
+            queuing.borrow_and_update();
+            let waiting = u32::try_from(scorer.admission_waiting()).unwrap_or(u32::MAX);
+            let notice = RouteAnswer { admission_waiting: waiting, ..Default::default() };
+            if answers.send(wrap(notice)).await.is_err() {
+                break;
+            }
+        }
+    }))
 }
 
 /// The reports a stream message carried; one naming no known event is counted and dropped.

@@ -507,7 +507,8 @@ impl Scorer {
         };
         let limits = &Limits { leave_headroom: priority <= admission.default_priority, ..*limits };
         let ticket = queue.ticket(priority);
-        let mut waited = false;
+        // Counted as waiting from its first wait to its decision.
+        let mut held = None;
         // A newcomer goes behind those waiting with its priority or above.
         let mut try_now = !queue.ahead_of(priority);
         loop {
@@ -515,7 +516,7 @@ impl Scorer {
                 match self.decide(request_id, prepared, limits) {
                     Err(RouteError::Saturated) => {}
                     decided => {
-                        if waited {
+                        if held.is_some() {
                             self.metrics.admission_wait_seconds.observe(arrived.elapsed().as_secs_f64());
                         }
                         if decided.is_ok() && !queue.is_empty() {
@@ -533,19 +534,27 @@ impl Scorer {
                 Ok(woken) => woken,
                 Err(Refused::QueueFull) => return shed("queue_full"),
             };
-            self.metrics.admission_waiting.set(queue.len() as f64);
-            waited = true;
+            held.get_or_insert_with(|| queue.hold(&self.metrics.admission_waiting));
             match tokio::time::timeout_at(deadline, woken).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => return shed("queue_full"), // a more important request took the place
                 Err(_) => {
                     queue.leave(ticket);
-                    self.metrics.admission_waiting.set(queue.len() as f64);
                     return shed("deadline");
                 }
             }
-            self.metrics.admission_waiting.set(queue.len() as f64);
         }
+    }
+
+    /// Requests waiting in the admission queue now (not counting those being answered).
+    pub fn admission_waiting(&self) -> usize {
+        self.queue.as_ref().map_or(0, Queue::held)
+    }
+
+    /// Changes whenever requests start waiting for admission or none waits any more; `None`
+    /// without admission.
+    pub fn admission_queuing(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
+        self.queue.as_ref().map(Queue::queuing)
     }
 
     /// Room may have appeared on some pod: the first waiter tries again.

@@ -1,6 +1,7 @@
 //! The route socket (what the filter's native module speaks) against the real scorer: on the
 //! API port beside HTTP and on the Unix socket path, calls answered by id, reports applied and
-//! not answered, and a caller that breaks the framing cut off without harm to anyone else.
+//! not answered, notices of the admission queue, and a caller that breaks the framing cut off
+//! without harm to anyone else.
 
 use kvgate_route_api::{
     Frames, LifecycleEvent, LifecycleReport, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, RouteResponse, StreamReport,
@@ -147,4 +148,57 @@ async fn a_caller_that_breaks_the_framing_is_cut_off_and_nobody_else_is() {
         assert_eq!((got[0].call, got[0].status), (2, 200));
     }
     assert_eq!(reqwest::get(format!("{}/healthz", scorer.url)).await.unwrap().status(), 200);
+}
+
+#[tokio::test]
+async fn sockets_are_told_when_requests_wait_for_admission_and_answers_say_how_many() {
+    // One request at a time per pod: two calls fill the fleet, the next ones wait.
+    let config = format!(
+        "admission: {{max_inflight_requests: 1, max_wait_ms: 5000}}\npods:\n  - {{name: a, address: '127.0.0.1:{}'}}\n  - {{name: b, address: '127.0.0.1:{}'}}\n",
+        free_port(),
+        free_port()
+    );
+    let scorer = ScorerProcess::start(&config).await;
+    let connect = || async {
+        let mut socket = tokio::net::TcpStream::connect(scorer.url.trim_start_matches("http://")).await.unwrap();
+        socket.write_all(ROUTE_SOCKET_PREFACE).await.unwrap();
+        socket
+    };
+    let mut socket = connect().await;
+    let mut frames = Frames::default();
+    send(&mut socket, &[call(1, "one"), call(2, "two")]).await;
+    let got = answers(&mut socket, &mut frames, 2).await;
+    assert!(got.iter().all(|a| (a.status, a.admission_waiting) == (200, 0)), "{got:?}");
+    // The queue forms: a notice (an answer to no call), to every socket.
+    send(&mut socket, &[call(3, "three"), call(4, "four")]).await;
+    let notice = answers(&mut socket, &mut frames, 1).await;
+    assert_eq!(notice[0].call, 0, "{notice:?}");
+    assert!(notice[0].admission_waiting >= 1);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(scorer.metric("kvgate_admission_waiting").await, 2.0);
+    // A socket opened while requests wait is told at once.
+    let mut late = connect().await;
+    let notice = answers(&mut late, &mut Frames::default(), 1).await;
+    assert_eq!((notice[0].call, notice[0].admission_waiting), (0, 2));
+    // Each end frees a pod for the first waiter; its answer counts those still waiting.
+    let done = |id: &str| {
+        StreamReport::from(LifecycleReport {
+            request_id: id.into(),
+            event: LifecycleEvent::Done,
+            output_tokens: None,
+            served: None,
+            age_us: None,
+        })
+    };
+    send(&mut socket, &[RouteCall { reports: vec![done("req-1")], ..Default::default() }]).await;
+    let got = answers(&mut socket, &mut frames, 1).await;
+    assert_eq!((got[0].call, got[0].status, got[0].admission_waiting), (3, 200, 1));
+    // The last waiter answered: the queue is gone, and the socket is told so.
+    send(&mut socket, &[RouteCall { reports: vec![done("req-2")], ..Default::default() }]).await;
+    let mut got = answers(&mut socket, &mut frames, 2).await;
+    got.sort_by_key(|a| a.call);
+    assert_eq!(
+        got.iter().map(|a| (a.call, a.status, a.admission_waiting)).collect::<Vec<_>>(),
+        [(0, 0, 0), (4, 200, 0)]
+    );
 }
