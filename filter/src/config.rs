@@ -50,7 +50,8 @@ pub struct FilterConfig {
     /// Lifecycle reports not yet gone with a route call are sent at this period (also the
     /// root's tick: route-call timeouts, reopening the route stream)…
     pub lifecycle_flush_ms: u64,
-    /// …or as soon as this many are waiting.
+    /// …or as soon as this many are waiting, or at once while the scorer says requests wait
+    /// in its admission queue (each report frees room one of them is owed).
     pub lifecycle_batch_max: usize,
     /// Timeout of a lifecycle batch sent by HTTP.
     pub lifecycle_timeout_ms: u64,

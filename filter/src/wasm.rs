@@ -70,6 +70,9 @@ struct Shared {
     metrics: Metrics,
     /// Lifecycle reports waiting for the next flush, with when each happened.
     reports: RefCell<Vec<(LifecycleReport, SystemTime)>>,
+    /// The scorer's last answer (or notice) said requests wait in its admission queue:
+    /// reports go at once (each frees room someone waits for), not at the next flush.
+    report_at_once: Cell<bool>,
     generated_ids: Cell<u64>,
     route_stream: RefCell<RouteStream>,
     /// Prefill legs in flight (sent by the root, which hears their answers), by call token.
@@ -151,14 +154,14 @@ impl Shared {
     }
 
     fn report(&self, request_id: &str, event: LifecycleEvent, output_tokens: Option<u32>, served: Option<String>) {
-        let full = {
+        let due = {
             let mut reports = self.reports.borrow_mut();
             let report =
                 LifecycleReport { request_id: request_id.to_string(), event, output_tokens, served, age_us: None };
             reports.push((report, now()));
-            reports.len() >= self.config.lifecycle_batch_max
+            reports.len() >= self.config.lifecycle_batch_max || self.report_at_once.get()
         };
-        if full {
+        if due {
             self.flush();
         }
     }
@@ -264,6 +267,7 @@ impl Context for Root {
                 return;
             }
         };
+        shared.report_at_once.set(answer.admission_waiting > 0);
         let waiting = {
             let mut stream = shared.route_stream.borrow_mut();
             stream.last_answer = Some(now());
@@ -324,6 +328,7 @@ impl RootContext for Root {
                     config,
                     metrics: Metrics::define(),
                     reports: RefCell::new(Vec::new()),
+                    report_at_once: Cell::new(false),
                     generated_ids: Cell::new(0),
                     route_stream: RefCell::new(RouteStream::default()),
                     prefill_legs: RefCell::new(HashMap::new()),

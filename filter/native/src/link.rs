@@ -7,13 +7,15 @@
 //! Envoy's workers write their calls on the socket themselves (non-blocking: a call the
 //! socket cannot take at once waits in `pending`, which the link's thread writes as the
 //! socket drains), so a call costs no wake-up of another thread; lifecycle reports wait in a
-//! queue and ride on the next call or the next flush.
+//! queue and ride on the next call or the next flush — or go at once while the scorer says
+//! requests wait for admission (the room they free is owed now).
 
 use crate::abi::{self, LogLevel, Scheduler};
 use kvgate_route_api::{Frames, LifecycleReport, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, StreamReport, frame};
 use std::collections::HashMap;
 use std::io::Write;
 use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::net::{TcpStream, UnixStream};
@@ -101,7 +103,10 @@ struct Shared {
     waiting: Mutex<HashMap<u64, Waiting>>,
     writer: Mutex<Writer>,
     reports: Mutex<Reports>,
-    /// Wakes the link's thread: `pending` has bytes to write, or reports piled up.
+    /// The scorer's last answer (or notice) said requests wait in its admission queue:
+    /// reports go at once (each frees room someone waits for), not at the next flush.
+    report_at_once: AtomicBool,
+    /// Wakes the link's thread: `pending` has bytes to write, or reports are due.
     wake: Notify,
 }
 
@@ -132,6 +137,7 @@ impl Link {
                     waiting: Mutex::new(HashMap::new()),
                     writer: Mutex::new(Writer::default()),
                     reports: Mutex::new(Vec::new()),
+                    report_at_once: AtomicBool::new(false),
                     wake: Notify::new(),
                 })
             })
@@ -194,7 +200,7 @@ impl Link {
     }
 
     /// Queues a lifecycle report: it goes with the next call, at the next flush, or at once
-    /// when `batch_max` are waiting.
+    /// when `batch_max` are waiting or the scorer has requests waiting for room.
     pub fn report(&self, worker: usize, report: LifecycleReport) {
         let shared = self.socket(worker);
         let waiting = {
@@ -202,9 +208,16 @@ impl Link {
             reports.push((report, SystemTime::now()));
             reports.len()
         };
-        if waiting >= shared.config.batch_max {
+        if shared.reports_due(waiting) {
             shared.wake.notify_one();
         }
+    }
+}
+
+impl Shared {
+    /// Whether `waiting` reports should go now rather than at the next flush.
+    fn reports_due(&self, waiting: usize) -> bool {
+        waiting >= self.config.batch_max || (waiting > 0 && self.report_at_once.load(Ordering::Relaxed))
     }
 }
 
@@ -275,7 +288,7 @@ async fn run(shared: Arc<Shared>, mut stopped: watch::Receiver<()>) {
                     }
                 }
                 () = shared.wake.notified() => {
-                    if lock(&shared.reports).len() >= config.batch_max {
+                    if shared.reports_due(lock(&shared.reports).len()) {
                         queue_reports(&shared);
                     }
                     if let Err(e) = write_pending(&socket, &shared).await {
@@ -337,6 +350,7 @@ fn read_answers(socket: &Socket, frames: &mut Frames, shared: &Shared) -> Result
         }
     }
     while let Some(answer) = frames.message::<RouteAnswer>()? {
+        shared.report_at_once.store(answer.admission_waiting > 0, Ordering::Relaxed);
         // Not waiting: timed out already.
         let call = lock(&shared.waiting).remove(&answer.call);
         if let Some(call) = call {
