@@ -126,8 +126,12 @@ pub(crate) fn admission_notices<T: Send + 'static>(
             queuing.mark_changed();
         }
         while queuing.changed().await.is_ok() {
-            queuing.borrow_and_update();
-            let waiting = u32::try_from(scorer.admission_waiting()).unwrap_or(u32::MAX);
+            // The count as of now, but never against the change told (the next one follows).
+            let waiting = if *queuing.borrow_and_update() {
+                u32::try_from(scorer.admission_waiting()).unwrap_or(u32::MAX).max(1)
+            } else {
+                0
+            };
             let notice = RouteAnswer { admission_waiting: waiting, ..Default::default() };
             if answers.send(wrap(notice)).await.is_err() {
                 break;
