@@ -2,9 +2,10 @@
 //! reading the scorer's answer, the prefill and decode legs, error bodies. (Body validation
 //! and usage scanning are shared with the scorer, in `kvgate-route-api`.)
 
-use kvgate_route_api::{ErrorBody, RouteResponse};
+use kvgate_route_api::{ErrorBody, LifecycleReport, RouteResponse};
 use serde_json::{Map, Value, json};
 use std::net::SocketAddr;
+use std::time::SystemTime;
 
 /// What the scorer's answer means for the request.
 #[derive(Debug, PartialEq)]
@@ -102,9 +103,33 @@ pub fn request_id(now_nanos: u128, context_id: u32, counter: u64) -> String {
     format!("kvgate-{:x}-{context_id:x}-{counter:x}", now_nanos & 0xffff_ffff_ffff)
 }
 
+/// A report that waited since `at`, stamped with its age at `sent` (the scorer dates the
+/// event by it); a clock gone backwards counts as no wait.
+pub fn aged(report: LifecycleReport, at: SystemTime, sent: SystemTime) -> LifecycleReport {
+    let age = sent.duration_since(at).unwrap_or_default().as_micros();
+    LifecycleReport { age_us: Some(u32::try_from(age).unwrap_or(u32::MAX)), ..report }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reports_are_stamped_with_their_age() {
+        let report = |age_us| LifecycleReport {
+            request_id: "r".into(),
+            event: kvgate_route_api::LifecycleEvent::Done,
+            served: None,
+            output_tokens: None,
+            age_us,
+        };
+        let at = SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(100);
+        let later = at + std::time::Duration::from_micros(1500);
+        assert_eq!(aged(report(None), at, later), report(Some(1500)));
+        assert_eq!(aged(report(None), later, at), report(Some(0)), "clock gone backwards");
+        let much_later = at + std::time::Duration::from_secs(10_000);
+        assert_eq!(aged(report(None), at, much_later), report(Some(u32::MAX)));
+    }
 
     #[test]
     fn scorer_answers() {

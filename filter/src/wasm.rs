@@ -104,13 +104,7 @@ impl Shared {
             return Vec::new(); // most route calls: no clock read
         }
         let sent = now();
-        pending
-            .into_iter()
-            .map(|(report, at)| {
-                let age = sent.duration_since(at).unwrap_or_default().as_micros();
-                LifecycleReport { age_us: Some(u32::try_from(age).unwrap_or(u32::MAX)), ..report }
-            })
-            .collect()
+        pending.into_iter().map(|(report, at)| logic::aged(report, at, sent)).collect()
     }
 
     /// Sends the waiting lifecycle reports to the scorer in one message: on the route

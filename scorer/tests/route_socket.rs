@@ -23,6 +23,20 @@ async fn scorer() -> (ScorerProcess, std::path::PathBuf) {
     (ScorerProcess::start(&config).await, path)
 }
 
+/// A route socket on the scorer's API port (its preface written).
+async fn on_api_port(scorer: &ScorerProcess) -> tokio::net::TcpStream {
+    let mut socket = tokio::net::TcpStream::connect(scorer.url.trim_start_matches("http://")).await.unwrap();
+    socket.write_all(ROUTE_SOCKET_PREFACE).await.unwrap();
+    socket
+}
+
+/// A route socket on the scorer's route socket path (its preface written).
+async fn on_path(path: &std::path::Path) -> tokio::net::UnixStream {
+    let mut socket = tokio::net::UnixStream::connect(path).await.unwrap();
+    socket.write_all(ROUTE_SOCKET_PREFACE).await.unwrap();
+    socket
+}
+
 fn call(id: u64, prompt: &str) -> RouteCall {
     RouteCall {
         call: id,
@@ -31,6 +45,17 @@ fn call(id: u64, prompt: &str) -> RouteCall {
         body: format!(r#"{{"model": "m", "prompt": "{prompt}", "max_tokens": 4}}"#).into_bytes(),
         ..Default::default()
     }
+}
+
+/// The report of request `id`'s end (4 tokens out).
+fn done(id: &str) -> StreamReport {
+    StreamReport::from(LifecycleReport {
+        request_id: id.into(),
+        event: LifecycleEvent::Done,
+        output_tokens: Some(4),
+        served: None,
+        age_us: None,
+    })
 }
 
 async fn send(socket: &mut (impl AsyncWrite + Unpin), calls: &[RouteCall]) {
@@ -68,9 +93,7 @@ async fn closed(socket: &mut (impl AsyncRead + Unpin)) -> bool {
 #[tokio::test]
 async fn calls_are_answered_by_id_on_the_api_port_beside_http() {
     let (scorer, _) = scorer().await;
-    let addr = scorer.url.trim_start_matches("http://").to_string();
-    let mut socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    socket.write_all(ROUTE_SOCKET_PREFACE).await.unwrap();
+    let mut socket = on_api_port(&scorer).await;
     // Three calls in one write, each answered with the decision POST /v1/route would give.
     send(&mut socket, &[call(7, "one"), call(8, "two"), call(9, "three")]).await;
     let mut frames = Frames::default();
@@ -89,15 +112,7 @@ async fn calls_are_answered_by_id_on_the_api_port_beside_http() {
     let got = answers(&mut socket, &mut frames, 1).await;
     assert_eq!((got[0].call, got[0].status), (10, 400));
     // Reports alone are applied and not answered; the next call still is.
-    let reports = ["req-7", "req-8", "req-9"].map(|id| {
-        StreamReport::from(LifecycleReport {
-            request_id: id.into(),
-            event: LifecycleEvent::Done,
-            output_tokens: Some(4),
-            served: None,
-            age_us: None,
-        })
-    });
+    let reports = ["req-7", "req-8", "req-9"].map(done);
     send(&mut socket, &[RouteCall { reports: reports.to_vec(), ..Default::default() }, call(11, "four")]).await;
     let got = answers(&mut socket, &mut frames, 1).await;
     assert_eq!((got[0].call, got[0].status), (11, 200));
@@ -114,8 +129,7 @@ async fn calls_are_answered_by_id_on_the_api_port_beside_http() {
 #[tokio::test]
 async fn the_unix_socket_path_serves_route_sockets() {
     let (_scorer, path) = scorer().await;
-    let mut socket = tokio::net::UnixStream::connect(&path).await.unwrap();
-    socket.write_all(ROUTE_SOCKET_PREFACE).await.unwrap();
+    let mut socket = on_path(&path).await;
     send(&mut socket, &[call(1, "over a unix socket")]).await;
     let got = answers(&mut socket, &mut Frames::default(), 1).await;
     assert_eq!((got[0].call, got[0].status), (1, 200));
@@ -128,9 +142,7 @@ async fn the_unix_socket_path_serves_route_sockets() {
 #[tokio::test]
 async fn a_caller_that_breaks_the_framing_is_cut_off_and_nobody_else_is() {
     let (scorer, path) = scorer().await;
-    let addr = scorer.url.trim_start_matches("http://").to_string();
-    let mut good = tokio::net::UnixStream::connect(&path).await.unwrap();
-    good.write_all(ROUTE_SOCKET_PREFACE).await.unwrap();
+    let mut good = on_path(&path).await;
     let mut frames = Frames::default();
     for garbage in [
         // A frame longer than any body the scorer accepts.
@@ -138,8 +150,7 @@ async fn a_caller_that_breaks_the_framing_is_cut_off_and_nobody_else_is() {
         // A frame that is no route call.
         [&[0, 0, 0, 3][..], &[0xff, 0xff, 0xff]].concat(),
     ] {
-        let mut bad = tokio::net::TcpStream::connect(&addr).await.unwrap();
-        bad.write_all(ROUTE_SOCKET_PREFACE).await.unwrap();
+        let mut bad = on_api_port(&scorer).await;
         bad.write_all(&garbage).await.unwrap();
         assert!(closed(&mut bad).await, "cut off");
         // The well-behaved socket is still served.
@@ -159,12 +170,7 @@ async fn sockets_are_told_when_requests_wait_for_admission_and_answers_say_how_m
         free_port()
     );
     let scorer = ScorerProcess::start(&config).await;
-    let connect = || async {
-        let mut socket = tokio::net::TcpStream::connect(scorer.url.trim_start_matches("http://")).await.unwrap();
-        socket.write_all(ROUTE_SOCKET_PREFACE).await.unwrap();
-        socket
-    };
-    let mut socket = connect().await;
+    let mut socket = on_api_port(&scorer).await;
     let mut frames = Frames::default();
     send(&mut socket, &[call(1, "one"), call(2, "two")]).await;
     let got = answers(&mut socket, &mut frames, 2).await;
@@ -177,19 +183,10 @@ async fn sockets_are_told_when_requests_wait_for_admission_and_answers_say_how_m
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(scorer.metric("kvgate_admission_waiting").await, 2.0);
     // A socket opened while requests wait is told at once.
-    let mut late = connect().await;
+    let mut late = on_api_port(&scorer).await;
     let notice = answers(&mut late, &mut Frames::default(), 1).await;
     assert_eq!((notice[0].call, notice[0].admission_waiting), (0, 2));
     // Each end frees a pod for the first waiter; its answer counts those still waiting.
-    let done = |id: &str| {
-        StreamReport::from(LifecycleReport {
-            request_id: id.into(),
-            event: LifecycleEvent::Done,
-            output_tokens: None,
-            served: None,
-            age_us: None,
-        })
-    };
     send(&mut socket, &[RouteCall { reports: vec![done("req-1")], ..Default::default() }]).await;
     let got = answers(&mut socket, &mut frames, 1).await;
     assert_eq!((got[0].call, got[0].status, got[0].admission_waiting), (3, 200, 1));

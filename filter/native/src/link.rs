@@ -413,14 +413,8 @@ fn take_reports(reports: &Mutex<Reports>) -> Vec<StreamReport> {
     if pending.is_empty() {
         return Vec::new();
     }
-    let now = SystemTime::now();
-    pending
-        .into_iter()
-        .map(|(report, at)| {
-            let age = now.duration_since(at).unwrap_or_default().as_micros();
-            StreamReport::from(LifecycleReport { age_us: Some(u32::try_from(age).unwrap_or(u32::MAX)), ..report })
-        })
-        .collect()
+    let sent = SystemTime::now();
+    pending.into_iter().map(|(report, at)| StreamReport::from(kvgate_filter::logic::aged(report, at, sent))).collect()
 }
 
 /// Opens a route socket to the scorer (`scorer` is `ip:port`, `host:port` or `unix:<path>`)
