@@ -33,8 +33,9 @@ pub enum FailureMode {
 pub struct FilterConfig {
     /// Envoy cluster of the scorer sidecar.
     pub scorer_cluster: String,
-    /// The scorer's API (`ip:port`), for the native module, which keeps its own route stream
-    /// to it (the wasm filter reaches the scorer through `scorer_cluster`).
+    /// Where the native module opens its route sockets: the scorer's `unix:<path>` (its
+    /// `route_socket_path`) or its API's `ip:port` (the wasm filter reaches the scorer
+    /// through `scorer_cluster`).
     pub scorer_address: String,
     /// `:authority` of lifecycle batches sent to the scorer by HTTP, while the route stream is
     /// closed (route calls and, while it is open, lifecycle reports go on the stream).

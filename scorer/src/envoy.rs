@@ -12,7 +12,7 @@ const TEMPLATE: &str = include_str!("../../envoy/bootstrap.yaml.tmpl");
 pub enum Picker {
     /// The kvgate wasm filter calling the scorer sidecar's HTTP API.
     Wasm,
-    /// The kvgate filter as a native Envoy dynamic module, with its own route stream to the
+    /// The kvgate filter as a native Envoy dynamic module, on its own route socket to the
     /// scorer sidecar.
     Native,
     /// The scorer's Endpoint Picker through Envoy's ext_proc filter (the scorer
