@@ -2,7 +2,7 @@
 //! reading the scorer's answer, the prefill and decode legs, error bodies. (Body validation
 //! and usage scanning are shared with the scorer, in `kvgate-route-api`.)
 
-use kvgate_route_api::{ErrorBody, LifecycleReport, RouteResponse};
+use kvgate_route_api::{ErrorBody, LifecycleReport, Outcome, Refused, RouteAnswer};
 use serde_json::{Map, Value, json};
 use std::net::SocketAddr;
 use std::time::SystemTime;
@@ -21,43 +21,27 @@ pub enum Verdict {
     Unavailable(String),
 }
 
-/// Reads the scorer's answer. `status` is the callout's `:status` (Envoy answers 503 when
-/// the scorer is unreachable and 504 on timeout); `None` when the call produced no headers.
-pub fn interpret(status: Option<u16>, body: &[u8]) -> Verdict {
-    match status {
-        Some(200) => match serde_json::from_slice::<RouteResponse>(body) {
-            Ok(r) if r.decode.parse::<SocketAddr>().is_err() => {
-                Verdict::Unavailable(format!("scorer chose {:?}, which is not ip:port", r.decode))
+/// Reads the scorer's answer to a route call.
+pub fn interpret(answer: &RouteAnswer) -> Verdict {
+    match &answer.outcome {
+        Some(Outcome::Pick(pick)) => {
+            let addresses = std::iter::once(&pick.decode).chain(&pick.fallbacks).chain(&pick.prefill);
+            match addresses.into_iter().find(|a| a.parse::<SocketAddr>().is_err()) {
+                Some(bad) => Verdict::Unavailable(format!("scorer named {bad:?}, which is not ip:port")),
+                None => Verdict::Route {
+                    destination: pick.destinations(),
+                    pod: pick.pod.clone(),
+                    prefill: pick.prefill.clone(),
+                },
             }
-            Ok(r) if r.prefill.as_ref().is_some_and(|p| p.parse::<SocketAddr>().is_err()) => {
-                Verdict::Unavailable(format!("scorer chose prefill pod {:?}, which is not ip:port", r.prefill))
-            }
-            Ok(r) if r.fallbacks.iter().any(|f| f.parse::<SocketAddr>().is_err()) => {
-                Verdict::Unavailable(format!("scorer named fallbacks {:?}, not all ip:port", r.fallbacks))
-            }
-            Ok(r) => {
-                // The pick, then where Envoy retries (override_host walks the list in order).
-                let mut destination = r.decode;
-                for f in &r.fallbacks {
-                    destination.push(',');
-                    destination.push_str(f);
-                }
-                Verdict::Route { destination, pod: r.pod, prefill: r.prefill }
-            }
-            Err(e) => Verdict::Unavailable(format!("scorer answered an unreadable decision: {e}")),
+        }
+        Some(Outcome::Refusal(refusal)) => match refusal.refused() {
+            Refused::BadRequest | Refused::TooLarge => Verdict::BadRequest(refusal.message.clone()),
+            Refused::Overloaded => Verdict::Shed(refusal.message.clone()),
+            other => Verdict::Unavailable(format!("scorer refused: {other:?}: {}", refusal.message)),
         },
-        Some(400) => Verdict::BadRequest(error_message(body)),
-        Some(429) => Verdict::Shed(error_message(body)),
-        Some(code) => Verdict::Unavailable(format!("scorer answered {code}")),
-        None => Verdict::Unavailable("no answer from the scorer".into()),
+        None => Verdict::Unavailable("the scorer's answer says nothing".into()),
     }
-}
-
-/// The message of an error answer (its raw start when it is not the JSON error shape).
-fn error_message(body: &[u8]) -> String {
-    serde_json::from_slice::<ErrorBody>(body)
-        .map(|e| e.error.message)
-        .unwrap_or_else(|_| String::from_utf8_lossy(&body[..body.len().min(512)]).into_owned())
 }
 
 /// The prefill leg of a disaggregated request (vLLM's NIXL flow): the client's request
@@ -131,41 +115,52 @@ mod tests {
         assert_eq!(aged(report(None), at, much_later), report(Some(u32::MAX)));
     }
 
+    fn picked(decode: &str, fallbacks: &[&str], prefill: Option<&str>) -> RouteAnswer {
+        let pick = kvgate_route_api::RoutePick {
+            decode: decode.into(),
+            fallbacks: fallbacks.iter().map(|f| f.to_string()).collect(),
+            prefill: prefill.map(str::to_string),
+            pod: "p1".into(),
+        };
+        RouteAnswer { call: 1, outcome: Some(Outcome::Pick(pick)), ..Default::default() }
+    }
+
+    fn refused(reason: Refused, message: &str) -> RouteAnswer {
+        let refusal = kvgate_route_api::Refusal { reason: reason as i32, message: message.into(), retry_after: None };
+        RouteAnswer { call: 1, outcome: Some(Outcome::Refusal(refusal)), ..Default::default() }
+    }
+
     #[test]
     fn scorer_answers() {
-        let ok = br#"{"decode":"10.0.0.1:8000","pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
         assert_eq!(
-            interpret(Some(200), ok),
+            interpret(&picked("10.0.0.1:8000", &[], None)),
             Verdict::Route { destination: "10.0.0.1:8000".into(), pod: "p1".into(), prefill: None }
         );
-        let pd = br#"{"decode":"10.0.0.1:8000","prefill":"10.0.0.2:8000","pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
-        assert!(matches!(interpret(Some(200), pd), Verdict::Route { prefill: Some(p), .. } if p == "10.0.0.2:8000"));
-        let bad_pd =
-            br#"{"decode":"10.0.0.1:8000","prefill":"x","pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
-        assert!(matches!(interpret(Some(200), bad_pd), Verdict::Unavailable(_)));
-        let listed = br#"{"decode":"10.0.0.1:8000","fallbacks":["10.0.0.2:8000","10.0.0.3:8000"],"pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
+        let pd = interpret(&picked("10.0.0.1:8000", &[], Some("10.0.0.2:8000")));
+        assert!(matches!(pd, Verdict::Route { prefill: Some(p), .. } if p == "10.0.0.2:8000"));
+        assert!(matches!(interpret(&picked("10.0.0.1:8000", &[], Some("x"))), Verdict::Unavailable(_)));
         assert_eq!(
-            interpret(Some(200), listed),
+            interpret(&picked("10.0.0.1:8000", &["10.0.0.2:8000", "10.0.0.3:8000"], None)),
             Verdict::Route {
                 destination: "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000".into(),
                 pod: "p1".into(),
                 prefill: None
             }
         );
-        let bad_fallback = br#"{"decode":"10.0.0.1:8000","fallbacks":["evil:80"],"pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
-        assert!(matches!(interpret(Some(200), bad_fallback), Verdict::Unavailable(_)));
-        let host = br#"{"decode":"evil.example:80","pod":"p1","policy":"kv","prompt_tokens":5,"cached_tokens":0}"#;
-        assert!(matches!(interpret(Some(200), host), Verdict::Unavailable(_)));
-        assert!(matches!(interpret(Some(200), b"garbage"), Verdict::Unavailable(_)));
-        let bad = br#"{"error":{"message":"'prompt' is required","type":"BadRequestError","code":400}}"#;
-        assert_eq!(interpret(Some(400), bad), Verdict::BadRequest("'prompt' is required".into()));
-        assert_eq!(interpret(Some(400), b"plain"), Verdict::BadRequest("plain".into()));
-        let shed = br#"{"error":{"message":"every pod is saturated","type":"TooManyRequests","code":429}}"#;
-        assert_eq!(interpret(Some(429), shed), Verdict::Shed("every pod is saturated".into()));
-        for code in [503, 504, 500, 302] {
-            assert!(matches!(interpret(Some(code), b""), Verdict::Unavailable(_)));
+        assert!(matches!(interpret(&picked("10.0.0.1:8000", &["evil:80"], None)), Verdict::Unavailable(_)));
+        assert!(matches!(interpret(&picked("evil.example:80", &[], None)), Verdict::Unavailable(_)));
+        assert!(matches!(interpret(&RouteAnswer::default()), Verdict::Unavailable(_)));
+        assert_eq!(
+            interpret(&refused(Refused::BadRequest, "'prompt' is required")),
+            Verdict::BadRequest("'prompt' is required".into())
+        );
+        assert_eq!(
+            interpret(&refused(Refused::Overloaded, "every pod is saturated")),
+            Verdict::Shed("every pod is saturated".into())
+        );
+        for reason in [Refused::NoPod, Refused::Stopping, Refused::Unknown] {
+            assert!(matches!(interpret(&refused(reason, "")), Verdict::Unavailable(_)), "{reason:?}");
         }
-        assert!(matches!(interpret(None, b""), Verdict::Unavailable(_)));
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use crate::config::{FailureMode, FilterConfig, PdMode};
 use crate::logic::{self, Verdict};
 use kvgate_route_api::{
-    HEADER_OBJECTIVE, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, LifecycleEvent, LifecycleReport,
+    HEADER_OBJECTIVE, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, LifecycleEvent, LifecycleReport, Outcome,
     ROUTE_STREAM_METHOD, ROUTE_STREAM_SERVICE, RouteAnswer, RouteCall, StreamReport,
 };
 use prost::Message;
@@ -270,9 +270,7 @@ impl Context for Root {
         // Not waiting: timed out already, or the client left.
         let Some((id, call)) = waiting else { return };
         if hostcalls::set_effective_context(id).is_ok() {
-            let status = u16::try_from(answer.status).ok();
-            let retry_after = answer.retry_after.map(|s| s.to_string());
-            on_decision(&shared, id, &call, status, &answer.body, retry_after);
+            on_decision(&shared, id, &call, &answer);
         }
     }
 
@@ -471,19 +469,12 @@ fn unavailable(shared: &Shared, flow: &RefCell<Flow>, reason: &str) {
 }
 
 /// The scorer's answer to a request's route call (the request is the effective context).
-fn on_decision(
-    shared: &Shared,
-    id: u32,
-    call: &Waiting,
-    status: Option<u16>,
-    body: &[u8],
-    retry_after: Option<String>,
-) {
+fn on_decision(shared: &Shared, id: u32, call: &Waiting, answer: &RouteAnswer) {
     let ms = now().duration_since(call.sent).map(|d| d.as_millis() as u64).unwrap_or(0);
     let _ = hostcalls::record_metric(shared.metrics.callout_ms, ms);
     let flow_cell = &call.flow;
     let mut flow = flow_cell.borrow_mut();
-    match logic::interpret(status, body) {
+    match logic::interpret(answer) {
         Verdict::Route { destination, pod, prefill: None } => {
             log::debug!("kvgate: request {} → {pod} ({destination})", flow.request_id);
             route_to(shared, &mut flow, &destination);
@@ -514,6 +505,10 @@ fn on_decision(
         Verdict::Shed(message) => {
             incr(shared.metrics.shed, 1);
             flow.phase = Phase::Settled;
+            let retry_after = match &answer.outcome {
+                Some(Outcome::Refusal(refusal)) => refusal.retry_after.map(|s| s.to_string()),
+                _ => None,
+            };
             respond_with(429, "TooManyRequests", &message, retry_after.as_deref());
         }
         Verdict::Unavailable(reason) => {

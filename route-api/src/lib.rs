@@ -1,31 +1,29 @@
-//! The wire contract between kvgate's Envoy filter (proxy-wasm) and its scorer sidecar.
+//! What kvgate's proxies and its scorer share: the route protocol's messages ([`wire`]), the
+//! lifecycle of a routed request ([`lifecycle`]), and the HTTP API's JSON.
 //!
-//! Both sides compile this crate (the filter for `wasm32-wasip1`), so a field renamed on one
-//! side cannot silently drift from the other.
+//! Both sides compile this crate (the wasm filter for `wasm32-wasip1`), so a field renamed on
+//! one side cannot silently drift from the other.
 //!
-//! **Route** — `POST /v1/route`: the body is the client's request body, verbatim (the filter
-//! does not re-encode it); the request's metadata travels in headers:
-//! [`HEADER_REQUEST_ID`] and [`HEADER_API_PATH`]. The scorer answers 200 with a
-//! [`RouteResponse`], 400 with an [`ErrorBody`] for a request it cannot parse, 503 with an
-//! [`ErrorBody`] when no pod is eligible, 429 with an [`ErrorBody`] and `Retry-After` when
-//! the request was refused for overload (it may first wait in the scorer for room).
-//! `?explain=1` adds per-pod figures.
+//! **Route protocol** — how the proxies ask (see [`wire`]): the filter keeps a gRPC stream per
+//! Envoy worker open ([`ROUTE_STREAM_SERVICE`]/[`ROUTE_STREAM_METHOD`]), the native module a
+//! length-framed route socket ([`ROUTE_SOCKET_PREFACE`]); [`RouteCall`]s go in, typed
+//! [`RouteAnswer`]s (a [`RoutePick`] or a [`Refusal`]) come back in any order, matched by
+//! `call`; lifecycle reports ride on calls ([`RouteCall::reports`]).
 //!
-//! **Route stream** — the same exchange without a call per request: the gRPC
-//! bidirectional stream [`ROUTE_STREAM_SERVICE`]/[`ROUTE_STREAM_METHOD`] (the filter keeps one
-//! per Envoy worker open), [`RouteCall`] messages in, [`RouteAnswer`] messages out in any
-//! order, matched by `call`. An answer carries what the call's HTTP answer would (status,
-//! JSON body, `Retry-After`). The filter uses the stream; `POST /v1/route` serves everything
-//! else (and is what people try by hand).
+//! **HTTP API** — the same picking by hand or from other clients: `POST /v1/route` (the body is
+//! the client's request body, verbatim; its metadata in headers [`HEADER_REQUEST_ID`],
+//! [`HEADER_API_PATH`], [`HEADER_OBJECTIVE`]) answers 200 with a [`RouteResponse`], or an
+//! [`ErrorBody`] with the status of its [`Refused`] reason (`Retry-After` with a 429);
+//! `?explain=1` adds per-pod figures. `POST /v1/lifecycle` takes a [`LifecycleBatch`] (the wasm
+//! filter's reports while its route stream is down).
 //!
-//! **Lifecycle** — the filter reports each routed request's first token and end, batched
-//! and each dated by its age, so the scorer can release its bookings: on the route stream
-//! ([`RouteCall::reports`], riding on a route call or alone) while it is open, else
-//! `POST /v1/lifecycle` with a [`LifecycleBatch`].
-//!
-//! Also shared by both sides: which request paths are routed ([`Api`]), the first check of a
-//! request body ([`starts_as_object`]) and the scan of a response for its output size
-//! ([`completion_tokens`]) — the Endpoint Picker reads responses the way the filter does.
+//! Also shared: which request paths are routed ([`Api`]), the first check of a request body
+//! ([`starts_as_object`]) and the scan of a response for its output size
+//! ([`completion_tokens`]).
+
+mod wire;
+
+pub use wire::*;
 
 use serde::{Deserialize, Serialize};
 
@@ -46,6 +44,14 @@ impl Api {
             "/v1/completions" => Some(Api::Completions),
             "/v1/chat/completions" => Some(Api::ChatCompletions),
             _ => None,
+        }
+    }
+
+    /// Its request path.
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Completions => Api::PATHS[0],
+            Api::ChatCompletions => Api::PATHS[1],
         }
     }
 
@@ -184,6 +190,16 @@ impl ErrorBody {
     pub fn new(code: u16, kind: &str, message: impl Into<String>) -> Self {
         Self { error: ErrorDetail { message: message.into(), kind: kind.to_string(), code } }
     }
+
+    /// The body a client gets for a refusal: its status and type, and `message`.
+    pub fn refused(refused: Refused, message: impl Into<String>) -> Self {
+        Self::new(refused.status(), refused.error_type(), message)
+    }
+
+    /// As JSON.
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_else(|_| b"{}".to_vec())
+    }
 }
 
 /// What happened to a routed request.
@@ -220,159 +236,6 @@ pub struct LifecycleReport {
     pub age_us: Option<u32>,
 }
 
-/// The route stream's gRPC service (package `kvgate.route.v1`).
-pub const ROUTE_STREAM_SERVICE: &str = "kvgate.route.v1.Router";
-/// Its one method: a bidirectional stream of [`RouteCall`] → [`RouteAnswer`].
-pub const ROUTE_STREAM_METHOD: &str = "Route";
-/// The method's gRPC path.
-pub const ROUTE_STREAM_PATH: &str = "/kvgate.route.v1.Router/Route";
-
-/// A route call on the stream: what `POST /v1/route` carries in its headers and body.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct RouteCall {
-    /// Chosen by the caller, unique among its calls in flight; echoed in the answer.
-    #[prost(uint64, tag = "1")]
-    pub call: u64,
-    #[prost(string, tag = "2")]
-    pub request_id: String,
-    /// The client's API path (see [`HEADER_API_PATH`]).
-    #[prost(string, tag = "3")]
-    pub api_path: String,
-    /// See [`HEADER_OBJECTIVE`].
-    #[prost(string, optional, tag = "4")]
-    pub objective: Option<String>,
-    /// The client's request body, verbatim.
-    #[prost(bytes = "vec", tag = "5")]
-    pub body: Vec<u8>,
-    /// Lifecycle reports riding on the stream, applied before the call. A message with an
-    /// empty `api_path` is no route call: it carries reports only and is not answered.
-    #[prost(message, repeated, tag = "6")]
-    pub reports: Vec<StreamReport>,
-}
-
-/// A [`LifecycleReport`] on the route stream.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct StreamReport {
-    #[prost(string, tag = "1")]
-    pub request_id: String,
-    #[prost(enumeration = "LifecycleEvent", tag = "2")]
-    pub event: i32,
-    #[prost(string, optional, tag = "3")]
-    pub served: Option<String>,
-    #[prost(uint32, optional, tag = "4")]
-    pub output_tokens: Option<u32>,
-    #[prost(uint32, optional, tag = "5")]
-    pub age_us: Option<u32>,
-}
-
-impl From<LifecycleReport> for StreamReport {
-    fn from(r: LifecycleReport) -> Self {
-        Self {
-            request_id: r.request_id,
-            event: r.event.into(),
-            served: r.served,
-            output_tokens: r.output_tokens,
-            age_us: r.age_us,
-        }
-    }
-}
-
-impl TryFrom<StreamReport> for LifecycleReport {
-    /// The event number, when it names no event.
-    type Error = i32;
-
-    fn try_from(r: StreamReport) -> Result<Self, i32> {
-        Ok(Self {
-            request_id: r.request_id,
-            event: LifecycleEvent::try_from(r.event).map_err(|_| r.event)?,
-            served: r.served,
-            output_tokens: r.output_tokens,
-            age_us: r.age_us,
-        })
-    }
-}
-
-/// The answer to a [`RouteCall`] — or, with `call` 0, a notice: requests started waiting for
-/// admission, or none waits any more (`admission_waiting`).
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct RouteAnswer {
-    /// The call answered (callers number theirs from 1); 0 for a notice.
-    #[prost(uint64, tag = "1")]
-    pub call: u64,
-    /// The HTTP status `POST /v1/route` would answer (200, 400, 429, 503).
-    #[prost(uint32, tag = "2")]
-    pub status: u32,
-    /// A [`RouteResponse`] (200) or an [`ErrorBody`], JSON.
-    #[prost(bytes = "vec", tag = "3")]
-    pub body: Vec<u8>,
-    /// Seconds, with a 429.
-    #[prost(uint64, optional, tag = "4")]
-    pub retry_after: Option<u64>,
-    /// Requests waiting in the scorer's admission queue as it answered. While some wait, a
-    /// proxy sends its lifecycle reports at once instead of batching them: each first token
-    /// and end frees room that a waiting request (a premium one, say) is owed now.
-    #[prost(uint32, tag = "5")]
-    pub admission_waiting: u32,
-}
-
-/// Opens a **route socket**: the route stream's messages without HTTP/2 or gRPC, for a
-/// caller that keeps its own connection to the scorer's API port (the filter's native
-/// module). The caller writes this preface first, then [`RouteCall`]s; the scorer writes
-/// [`RouteAnswer`]s; each message framed as its length (4 bytes, big-endian) and its
-/// protobuf encoding. HTTP/1 and HTTP/2 clients never start this way, so the scorer tells
-/// them apart by the first bytes.
-pub const ROUTE_SOCKET_PREFACE: &[u8] = b"KVGATE-ROUTE/1\r\n\r\n";
-
-/// Largest message on a route socket (a call carries the client's whole body).
-pub const ROUTE_SOCKET_MAX_MESSAGE: usize = (64 << 20) + (64 << 10);
-
-/// Appends `message`, framed for a route socket, to `out`.
-pub fn frame(message: &impl prost::Message, out: &mut Vec<u8>) {
-    let len = message.encoded_len();
-    out.reserve(4 + len);
-    out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_be_bytes());
-    // Cannot fail: `Vec` grows as needed.
-    let _ = message.encode(out);
-}
-
-/// Reads framed messages out of the bytes a route socket delivers, however they are cut.
-#[derive(Default)]
-pub struct Frames {
-    buffer: Vec<u8>,
-    /// Bytes of `buffer` already handed out as messages.
-    start: usize,
-}
-
-impl Frames {
-    /// Where the next read from the socket goes: at least `room` free bytes at the end.
-    pub fn spare(&mut self, room: usize) -> &mut Vec<u8> {
-        if self.start > 0 && self.start == self.buffer.len() {
-            self.buffer.clear();
-            self.start = 0;
-        } else if self.start > self.buffer.capacity() / 2 {
-            self.buffer.drain(..self.start);
-            self.start = 0;
-        }
-        self.buffer.reserve(room);
-        &mut self.buffer
-    }
-
-    /// The next whole message, if one has arrived; an error for a frame longer than the
-    /// limit or a message that does not decode (the connection is then beyond repair).
-    pub fn message<M: prost::Message + Default>(&mut self) -> Result<Option<M>, String> {
-        let waiting = &self.buffer[self.start..];
-        let Some(head) = waiting.first_chunk::<4>() else { return Ok(None) };
-        let len = u32::from_be_bytes(*head) as usize;
-        if len > ROUTE_SOCKET_MAX_MESSAGE {
-            return Err(format!("a route socket message of {len} bytes (at most {ROUTE_SOCKET_MAX_MESSAGE})"));
-        }
-        let Some(body) = waiting.get(4..4 + len) else { return Ok(None) };
-        let message = M::decode(body).map_err(|e| format!("an unreadable route socket message: {e}"))?;
-        self.start += 4 + len;
-        Ok(Some(message))
-    }
-}
-
 /// `POST /v1/lifecycle` body.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Default)]
 pub struct LifecycleBatch {
@@ -384,44 +247,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn route_socket_frames_survive_any_cut() {
-        let calls: Vec<RouteCall> = (0..3)
-            .map(|i| RouteCall {
-                call: i,
-                request_id: format!("r{i}"),
-                body: vec![b'x'; 100 * i as usize],
-                ..Default::default()
-            })
-            .collect();
-        let mut wire = Vec::new();
-        for call in &calls {
-            frame(call, &mut wire);
-        }
-        for piece in [1, 3, 7, 64, wire.len()] {
-            let mut frames = Frames::default();
-            let mut read = Vec::new();
-            for bytes in wire.chunks(piece) {
-                frames.spare(bytes.len()).extend_from_slice(bytes);
-                while let Some(call) = frames.message::<RouteCall>().unwrap() {
-                    read.push(call);
-                }
-            }
-            assert_eq!(read, calls, "cut every {piece} bytes");
-        }
-        let mut frames = Frames::default();
-        frames.spare(4).extend_from_slice(&u32::MAX.to_be_bytes());
-        assert!(frames.message::<RouteCall>().unwrap_err().contains("at most"));
-        let mut frames = Frames::default();
-        frames.spare(6).extend_from_slice(&[0, 0, 0, 2, 0xff, 0xff]);
-        assert!(frames.message::<RouteCall>().unwrap_err().contains("unreadable"));
-    }
-
-    #[test]
     fn paths_map_to_apis() {
         assert_eq!(Api::from_path("/v1/completions"), Some(Api::Completions));
         assert_eq!(Api::from_path("/v1/chat/completions?x=1"), Some(Api::ChatCompletions));
         assert_eq!(Api::from_path("/v1/embeddings"), None);
-        assert!(Api::PATHS.iter().all(|p| Api::from_path(p).is_some()));
+        assert!(Api::PATHS.iter().all(|p| Api::from_path(p).is_some_and(|api| api.path() == *p)));
     }
 
     #[test]
@@ -441,25 +271,6 @@ mod tests {
         assert_eq!(completion_tokens(b"data: {\"usage\": {\"completion_tokens\" : 7}}\n\ndata: [DONE]"), Some(7));
         assert_eq!(completion_tokens(b"data: {\"choices\":[]}"), None);
         assert_eq!(completion_tokens(b"\"completion_tokens\":"), None);
-    }
-
-    #[test]
-    fn reports_cross_the_route_stream_unchanged() {
-        use prost::Message;
-        let report = LifecycleReport {
-            request_id: "r-1".into(),
-            event: LifecycleEvent::Done,
-            served: Some("10.0.0.8:8000".into()),
-            output_tokens: Some(42),
-            age_us: Some(1500),
-        };
-        let call = RouteCall { reports: vec![report.clone().into()], ..Default::default() };
-        let decoded = RouteCall::decode(call.encode_to_vec().as_slice()).unwrap();
-        assert!(decoded.api_path.is_empty() && decoded.body.is_empty(), "reports only");
-        let back: Vec<LifecycleReport> = decoded.reports.into_iter().map(|r| r.try_into().unwrap()).collect();
-        assert_eq!(back, [report]);
-        let stray = StreamReport { request_id: "x".into(), event: 9, ..Default::default() };
-        assert_eq!(LifecycleReport::try_from(stray), Err(9));
     }
 
     #[test]

@@ -2,18 +2,17 @@
 //! and the generation of the matching Envoy configuration. The routing logic itself lives in
 //! `kvgate-routing`; see `README.md` beside this crate for the design.
 
+pub mod admin;
 pub mod admission;
 pub mod config;
 pub mod discovery;
 pub mod envoy;
-pub mod epp;
-pub mod http;
 pub mod metrics;
+pub mod picking;
 pub mod prompt;
-pub mod route_socket;
-pub mod route_stream;
 pub mod scorer;
 pub mod scrape;
 pub mod serve;
 pub mod subscriber;
 pub mod sync;
+pub mod transport;

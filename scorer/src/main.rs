@@ -6,7 +6,7 @@ use clap::Parser;
 use kvgate_routing::pod_set::PodId;
 use kvgate_scorer::config::Config;
 use kvgate_scorer::discovery::{self, PodEndpoints};
-use kvgate_scorer::http;
+use kvgate_scorer::picking::Picker;
 use kvgate_scorer::scorer::Scorer;
 use kvgate_tokenize::Tokenizer;
 use std::path::PathBuf;
@@ -102,12 +102,12 @@ async fn main() -> anyhow::Result<()> {
         // Its own thread and single-threaded runtime: a gateway multiplexes every request on
         // one HTTP/2 connection, whose frames and streams are then handled on one thread
         // without handing each message to another (measured: less CPU per request).
-        let picker = scorer.clone();
+        let picker = Picker::new(scorer.clone());
         std::thread::Builder::new().name("kvgate-epp".into()).spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
             let served = runtime
                 .map_err(anyhow::Error::from)
-                .and_then(|rt| rt.block_on(kvgate_scorer::epp::serve(picker, epp, std::future::pending())));
+                .and_then(|rt| rt.block_on(kvgate_scorer::transport::epp::serve(picker, epp, std::future::pending())));
             if let Err(e) = served {
                 tracing::error!("endpoint picker failed: {e:#}");
                 std::process::exit(1);
@@ -118,7 +118,7 @@ async fn main() -> anyhow::Result<()> {
         let listener =
             tokio::net::TcpListener::bind(admin).await.with_context(|| format!("cannot listen on {admin}"))?;
         tracing::info!(%admin, "admin endpoints on their own address");
-        let router = http::admin_router(scorer.clone());
+        let router = kvgate_scorer::serve::admin_router(scorer.clone());
         tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, router).await {
                 tracing::error!("admin server failed: {e}");
@@ -136,8 +136,8 @@ async fn main() -> anyhow::Result<()> {
     kvgate_scorer::serve::serve(
         listener,
         unix,
-        http::router(scorer.clone()),
-        scorer.clone(),
+        kvgate_scorer::serve::api_router(scorer.clone()),
+        Picker::new(scorer.clone()),
         threads,
         shutdown_signal(),
     )

@@ -9,7 +9,6 @@ use crate::admission::{Queue, Refused};
 use crate::config::{Config, Role};
 use crate::metrics::Metrics;
 use crate::prompt::{self, PromptError};
-use crate::sync::SyncState;
 use ahash::AHashMap;
 use kvgate_route_api::{Api, LifecycleEvent, LifecycleReport, PodExplain};
 use kvgate_routing::events::{EventBatch, KvEvent};
@@ -26,11 +25,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-/// Why a route call failed.
+/// Why no pod was picked (see [`crate::picking`] for what each means to a client).
 #[derive(Debug, thiserror::Error)]
 pub enum RouteError {
     #[error("{0}")]
     BadRequest(String),
+    /// The body is over the transport's limit (bytes).
+    #[error("request body is larger than {0} bytes")]
+    TooLarge(usize),
     #[error("no healthy pod can serve this request")]
     NoPod,
     /// Every pod is saturated (only with `admission`): the request should wait.
@@ -42,25 +44,6 @@ pub enum RouteError {
     /// The scorer is shutting down.
     #[error("the scorer is stopping")]
     Stopping,
-}
-
-impl RouteError {
-    /// The HTTP status and error type the client gets.
-    pub fn status(&self) -> (u16, &'static str) {
-        match self {
-            RouteError::BadRequest(_) => (400, "BadRequestError"),
-            RouteError::NoPod | RouteError::Stopping => (503, "ServiceUnavailable"),
-            RouteError::Saturated | RouteError::Shed { .. } => (429, "TooManyRequests"),
-        }
-    }
-
-    /// `Retry-After` seconds, for a request refused for overload.
-    pub fn retry_after(&self) -> Option<u64> {
-        match self {
-            RouteError::Shed { retry_after_seconds, .. } => Some(*retry_after_seconds),
-            _ => None,
-        }
-    }
 }
 
 impl From<PromptError> for RouteError {
@@ -137,6 +120,15 @@ impl Pick {
         }
         out
     }
+}
+
+/// What the request paths share with the booking sync's tasks (used with `sync`).
+#[derive(Default)]
+pub struct SyncState {
+    /// Bookings changed: the publisher has something to send.
+    pub wake: tokio::sync::Notify,
+    /// The other replicas' bookings are in (or `join_wait_ms` passed): ready to route.
+    pub joined: std::sync::atomic::AtomicBool,
 }
 
 /// What the scorer knows of a pod besides routing state (configured or discovered).

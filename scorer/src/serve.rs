@@ -9,12 +9,18 @@
 //! their answers — runs on that thread (measured: a quarter to a third less of the
 //! scorer's CPU per short request). New connections go to the thread serving fewest.
 //! A connection that opens with the route socket's preface
-//! ([`kvgate_route_api::ROUTE_SOCKET_PREFACE`]) is served as one ([`crate::route_socket`]),
-//! on its thread likewise. Requests with large bodies are prepared off the thread (see
-//! [`Scorer::prepare_owned`](crate::scorer::Scorer::prepare_owned)), so a long tokenization
-//! does not hold up the other calls of the connection.
+//! ([`kvgate_route_api::ROUTE_SOCKET_PREFACE`]) is served as one
+//! ([`crate::transport::route_socket`]), on its thread likewise. Requests with large bodies are
+//! prepared off the thread (see [`Scorer::prepare_owned`]), so a long tokenization does not
+//! hold up the other calls of the connection.
+//!
+//! The HTTP app is composed here: the picking transports on `listen` ([`api_router`]) and the
+//! admin endpoints beside them or on `admin.listen` ([`admin_router`]).
 
+use crate::admin;
+use crate::picking::Picker;
 use crate::scorer::Scorer;
+use crate::transport::{http, route_socket, route_stream};
 use axum::Router;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto::Builder;
@@ -31,6 +37,24 @@ use tokio::task::JoinSet;
 /// Largest HTTP/2 frame the scorer accepts: a route call's body (tens of kB for long
 /// prompts) comes in one DATA frame instead of 16 kB pieces.
 const MAX_FRAME_BYTES: u32 = 1 << 20;
+
+/// The app on `listen`: the HTTP API's picking calls, the route stream (same port, HTTP/2),
+/// and the admin endpoints unless `admin.listen` moves them (the probes stay).
+pub fn api_router(scorer: Arc<Scorer>) -> Router {
+    let picker = Picker::new(scorer.clone());
+    let probes_only = scorer.config.admin.listen.is_some();
+    http::routes(picker.clone())
+        .route_service(kvgate_route_api::ROUTE_STREAM_PATH, route_stream::service(picker))
+        .route(kvgate_route_api::ROUTE_STREAM_V1_PATH, axum::routing::post(route_stream::refuse_v1))
+        .merge(admin::routes(scorer, probes_only))
+        .fallback(|| async { admin::not_found() })
+        .layer(axum::extract::DefaultBodyLimit::max(kvgate_route_api::MAX_BODY_BYTES))
+}
+
+/// The app on `admin.listen`.
+pub fn admin_router(scorer: Arc<Scorer>) -> Router {
+    admin::routes(scorer, false).fallback(|| async { admin::not_found() })
+}
 
 /// How long connections may take to finish after a shutdown signal (Envoy's route streams
 /// stay open until Envoy closes them).
@@ -54,14 +78,14 @@ enum Accepted {
 /// (which then times it out as it does any connection).
 const FIRST_BYTES: Duration = Duration::from_secs(10);
 
-/// Serves `router` (and route sockets, for `scorer`) on `listener` — and route sockets on
+/// Serves `router` (and route sockets, for `picker`) on `listener` — and route sockets on
 /// `unix` — with `threads` connection threads until `shutdown` completes, then lets open
 /// connections finish for up to [`DRAIN`].
 pub async fn serve(
     listener: TcpListener,
     unix: Option<UnixListener>,
     router: Router,
-    scorer: Arc<Scorer>,
+    picker: Picker,
     threads: usize,
     shutdown: impl Future<Output = ()>,
 ) -> anyhow::Result<()> {
@@ -69,11 +93,11 @@ pub async fn serve(
     for i in 0..threads.max(1) {
         let (connections, incoming) = mpsc::unbounded_channel();
         let serving = Arc::new(AtomicUsize::new(0));
-        let (router, scorer, count) = (router.clone(), scorer.clone(), serving.clone());
+        let (router, picker, count) = (router.clone(), picker.clone(), serving.clone());
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         std::thread::Builder::new()
             .name(format!("kvgate-api-{i}"))
-            .spawn(move || runtime.block_on(run_worker(router, scorer, incoming, count)))?;
+            .spawn(move || runtime.block_on(run_worker(router, picker, incoming, count)))?;
         workers.push(Worker { connections, serving });
     }
     let graceful = GracefulShutdown::new();
@@ -136,7 +160,7 @@ async fn accept_unix(
 /// they have all finished.
 async fn run_worker(
     router: Router,
-    scorer: Arc<Scorer>,
+    picker: Picker,
     mut incoming: mpsc::UnboundedReceiver<Accepted>,
     serving: Arc<AtomicUsize>,
 ) {
@@ -148,13 +172,13 @@ async fn run_worker(
         tokio::select! {
             next = incoming.recv() => {
                 let Some(accepted) = next else { break };
-                let (builder, router, scorer, serving) = (builder.clone(), router.clone(), scorer.clone(), serving.clone());
+                let (builder, router, picker, serving) = (builder.clone(), router.clone(), picker.clone(), serving.clone());
                 let (tcp, watcher) = match accepted {
                     Accepted::Tcp(tcp, watcher) => (tcp, watcher),
                     Accepted::Unix(socket) => {
                         connections.spawn(async move {
                             match tokio::net::UnixStream::from_std(socket) {
-                                Ok(socket) => crate::route_socket::serve(scorer, socket).await,
+                                Ok(socket) => route_socket::serve(picker, socket).await,
                                 Err(e) => tracing::warn!("registering an accepted route socket: {e}"),
                             }
                             serving.fetch_sub(1, Ordering::Relaxed);
@@ -165,7 +189,7 @@ async fn run_worker(
                 connections.spawn(async move {
                     match tokio::net::TcpStream::from_std(tcp) {
                         Ok(tcp) if opens_route_socket(&tcp).await => {
-                            crate::route_socket::serve(scorer, tcp).await;
+                            route_socket::serve(picker, tcp).await;
                         }
                         Ok(tcp) => {
                             let service = TowerToHyperService::new(router);
@@ -189,7 +213,7 @@ async fn run_worker(
 async fn opens_route_socket(tcp: &tokio::net::TcpStream) -> bool {
     let mut first = [0u8; kvgate_route_api::ROUTE_SOCKET_PREFACE.len()];
     match tokio::time::timeout(FIRST_BYTES, tcp.peek(&mut first)).await {
-        Ok(Ok(n)) => crate::route_socket::may_be_preface(&first[..n]),
+        Ok(Ok(n)) => route_socket::may_be_preface(&first[..n]),
         _ => false,
     }
 }

@@ -30,9 +30,9 @@ use kvgate_routing::pod_set::PodId;
 use prost::Message;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::mpsc;
 
 /// A NATS message carries at most this many bytes of updates (servers accept 1 MiB by
 /// default); more go in several numbered batches.
@@ -103,15 +103,6 @@ pub enum Kind {
     Done = 2,
     Cancelled = 3,
     Moved = 4,
-}
-
-/// What the scorer's request paths share with the sync tasks.
-#[derive(Default)]
-pub struct SyncState {
-    /// Bookings changed: the publisher has something to send.
-    pub wake: Notify,
-    /// The other replicas' bookings are in (or `join_wait_ms` passed): ready to route.
-    pub joined: AtomicBool,
 }
 
 fn unix_now() -> f64 {

@@ -1,11 +1,11 @@
 //! The route socket (what the filter's native module speaks) against the real scorer: on the
 //! API port beside HTTP and on the Unix socket path, calls answered by id, reports applied and
-//! not answered, notices of the admission queue, and a caller that breaks the framing cut off
-//! without harm to anyone else.
+//! not answered, notices of the admission queue, a caller that breaks the framing cut off
+//! without harm to anyone else, and a caller of another protocol version refused.
 
 use kvgate_route_api::{
-    Frames, LifecycleEvent, LifecycleReport, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, RouteResponse, StreamReport,
-    frame,
+    Frames, LifecycleEvent, LifecycleReport, Outcome, ROUTE_SOCKET_PREFACE, Refused, RouteAnswer, RouteCall, RoutePick,
+    StreamReport, frame,
 };
 use kvgate_test_harness::{ScorerProcess, free_port};
 use std::time::Duration;
@@ -66,6 +66,15 @@ async fn send(socket: &mut (impl AsyncWrite + Unpin), calls: &[RouteCall]) {
     socket.write_all(&out).await.unwrap();
 }
 
+/// The HTTP status an answer stands for: 200 for a pick, its refusal's status, 0 for a notice.
+fn status(answer: &RouteAnswer) -> u16 {
+    match &answer.outcome {
+        Some(Outcome::Pick(_)) => 200,
+        Some(Outcome::Refusal(refusal)) => refusal.refused().status(),
+        None => 0,
+    }
+}
+
 /// The next `n` answers (within 5 s).
 async fn answers(socket: &mut (impl AsyncRead + Unpin), frames: &mut Frames, n: usize) -> Vec<RouteAnswer> {
     let mut got = Vec::new();
@@ -101,21 +110,23 @@ async fn calls_are_answered_by_id_on_the_api_port_beside_http() {
     got.sort_by_key(|a| a.call);
     assert_eq!(got.iter().map(|a| a.call).collect::<Vec<_>>(), [7, 8, 9]);
     for answer in &got {
-        assert_eq!(answer.status, 200);
-        let decision: RouteResponse = serde_json::from_slice(&answer.body).unwrap();
-        assert!(["a", "b"].contains(&decision.pod.as_str()), "{decision:?}");
+        let Some(Outcome::Pick(RoutePick { pod, decode, .. })) = &answer.outcome else { panic!("{answer:?}") };
+        assert!(["a", "b"].contains(&pod.as_str()) && decode.starts_with("127.0.0.1:"), "{answer:?}");
     }
-    // A bad body: its 400, as JSON, on the same socket.
+    // A bad body: refused as a bad request, on the same socket.
     let mut bad = call(10, "x");
     bad.body = b"{\"prompt\": ".to_vec();
     send(&mut socket, &[bad]).await;
     let got = answers(&mut socket, &mut frames, 1).await;
-    assert_eq!((got[0].call, got[0].status), (10, 400));
+    assert_eq!((got[0].call, status(&got[0])), (10, 400));
+    let Some(Outcome::Refusal(refusal)) = &got[0].outcome else { unreachable!() };
+    assert_eq!(refusal.refused(), Refused::BadRequest);
+    assert!(refusal.message.contains("not valid JSON"), "{refusal:?}");
     // Reports alone are applied and not answered; the next call still is.
     let reports = ["req-7", "req-8", "req-9"].map(done);
     send(&mut socket, &[RouteCall { reports: reports.to_vec(), ..Default::default() }, call(11, "four")]).await;
     let got = answers(&mut socket, &mut frames, 1).await;
-    assert_eq!((got[0].call, got[0].status), (11, 200));
+    assert_eq!((got[0].call, status(&got[0])), (11, 200));
     assert_eq!(scorer.metric("kvgate_lifecycle_reports_total{event=\"done\"}").await, 3.0);
     assert_eq!(scorer.metric("kvgate_route_streams").await, 1.0);
     // HTTP on the same port is untouched.
@@ -132,7 +143,7 @@ async fn the_unix_socket_path_serves_route_sockets() {
     let mut socket = on_path(&path).await;
     send(&mut socket, &[call(1, "over a unix socket")]).await;
     let got = answers(&mut socket, &mut Frames::default(), 1).await;
-    assert_eq!((got[0].call, got[0].status), (1, 200));
+    assert_eq!((got[0].call, status(&got[0])), (1, 200));
     // Nothing but route sockets there: anything else is closed unanswered.
     let mut http = tokio::net::UnixStream::connect(&path).await.unwrap();
     http.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").await.unwrap();
@@ -156,7 +167,7 @@ async fn a_caller_that_breaks_the_framing_is_cut_off_and_nobody_else_is() {
         // The well-behaved socket is still served.
         send(&mut good, &[call(2, "still here")]).await;
         let got = answers(&mut good, &mut frames, 1).await;
-        assert_eq!((got[0].call, got[0].status), (2, 200));
+        assert_eq!((got[0].call, status(&got[0])), (2, 200));
     }
     assert_eq!(reqwest::get(format!("{}/healthz", scorer.url)).await.unwrap().status(), 200);
 }
@@ -174,7 +185,7 @@ async fn sockets_are_told_when_requests_wait_for_admission_and_answers_say_how_m
     let mut frames = Frames::default();
     send(&mut socket, &[call(1, "one"), call(2, "two")]).await;
     let got = answers(&mut socket, &mut frames, 2).await;
-    assert!(got.iter().all(|a| (a.status, a.admission_waiting) == (200, 0)), "{got:?}");
+    assert!(got.iter().all(|a| (status(a), a.admission_waiting) == (200, 0)), "{got:?}");
     // The queue forms: a notice (an answer to no call), to every socket.
     send(&mut socket, &[call(3, "three"), call(4, "four")]).await;
     let notice = answers(&mut socket, &mut frames, 1).await;
@@ -189,13 +200,46 @@ async fn sockets_are_told_when_requests_wait_for_admission_and_answers_say_how_m
     // Each end frees a pod for the first waiter; its answer counts those still waiting.
     send(&mut socket, &[RouteCall { reports: vec![done("req-1")], ..Default::default() }]).await;
     let got = answers(&mut socket, &mut frames, 1).await;
-    assert_eq!((got[0].call, got[0].status, got[0].admission_waiting), (3, 200, 1));
+    assert_eq!((got[0].call, status(&got[0]), got[0].admission_waiting), (3, 200, 1));
     // The last waiter answered: the queue is gone, and the socket is told so.
     send(&mut socket, &[RouteCall { reports: vec![done("req-2")], ..Default::default() }]).await;
     let mut got = answers(&mut socket, &mut frames, 2).await;
     got.sort_by_key(|a| a.call);
     assert_eq!(
-        got.iter().map(|a| (a.call, a.status, a.admission_waiting)).collect::<Vec<_>>(),
+        got.iter().map(|a| (a.call, status(a), a.admission_waiting)).collect::<Vec<_>>(),
         [(0, 0, 0), (4, 200, 0)]
     );
+}
+
+#[tokio::test]
+async fn a_caller_of_another_protocol_version_is_refused() {
+    let (scorer, path) = scorer().await;
+    // A native module of the protocol's first version, on either address: closed unanswered.
+    let mut old = tokio::net::TcpStream::connect(scorer.url.trim_start_matches("http://")).await.unwrap();
+    old.write_all(b"KVGATE-ROUTE/1\r\n\r\n").await.unwrap();
+    send(&mut old, &[call(1, "from an older filter")]).await;
+    assert!(closed(&mut old).await);
+    let mut old = tokio::net::UnixStream::connect(&path).await.unwrap();
+    old.write_all(b"KVGATE-ROUTE/1\r\n\r\n").await.unwrap();
+    assert!(closed(&mut old).await);
+    // A wasm filter of the first version: its gRPC stream fails at once, saying why.
+    let channel = tonic::transport::Endpoint::from_shared(scorer.url.clone()).unwrap().connect().await.unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.unwrap();
+    let calls = tokio_stream::iter(vec![call(1, "from an older filter")]);
+    let refused = grpc
+        .streaming(
+            tonic::Request::new(calls),
+            tonic::codegen::http::uri::PathAndQuery::from_static(kvgate_route_api::ROUTE_STREAM_V1_PATH),
+            tonic_prost::ProstCodec::<RouteCall, RouteAnswer>::default(),
+        )
+        .await
+        .expect_err("refused");
+    assert_eq!(refused.code(), tonic::Code::FailedPrecondition, "{refused}");
+    assert!(refused.message().contains("route protocol 1"), "{refused}");
+    // This version's callers are served meanwhile.
+    let mut socket = on_path(&path).await;
+    send(&mut socket, &[call(2, "current")]).await;
+    assert_eq!(status(&answers(&mut socket, &mut Frames::default(), 1).await[0]), 200);
+    assert_eq!(scorer.metric("kvgate_route_streams").await, 1.0, "refused callers are not counted");
 }

@@ -205,7 +205,11 @@ impl Request {
         }
         let (verdict, retry_after) = match outcome {
             Outcome::Answer(answer) => {
-                (logic::interpret(u16::try_from(answer.status).ok(), &answer.body), answer.retry_after)
+                let retry_after = match &answer.outcome {
+                    Some(kvgate_route_api::Outcome::Refusal(refusal)) => refusal.retry_after,
+                    _ => None,
+                };
+                (logic::interpret(&answer), retry_after)
             }
             Outcome::Unavailable(reason) => (Verdict::Unavailable(reason), None),
         };

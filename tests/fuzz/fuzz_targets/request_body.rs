@@ -14,5 +14,5 @@ fuzz_target!(|data: &[u8]| {
     let adapters = ["sql".to_string()];
     let _ = extract(tokenizer, Api::Completions, data, &adapters);
     let _ = extract(tokenizer, Api::ChatCompletions, data, &adapters);
-    let _ = kvgate_route_api::validate_json_object(data);
+    let _ = kvgate_route_api::starts_as_object(data);
 });

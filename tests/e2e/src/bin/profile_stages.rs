@@ -14,11 +14,16 @@ const STAGES: [(&str, &[&str]); 9] = [
     ("decision: index, load, policy", &["kvgate_routing::"]),
     (
         "bookings, admission, lifecycle",
-        &["kvgate_scorer::scorer", "kvgate_scorer::admission", "kvgate_scorer::http::lifecycle"],
+        &[
+            "kvgate_scorer::scorer",
+            "kvgate_scorer::admission",
+            "kvgate_scorer::picking",
+            "kvgate_scorer::transport::http::lifecycle",
+        ],
     ),
     (
         "route stream, route socket and HTTP (tonic, h2, hyper, prost)",
-        &["tonic::", "h2::", "hyper", "prost::", "axum::", "kvgate_scorer::route_socket", "kvgate_route_api::Frames"],
+        &["tonic::", "h2::", "hyper", "prost::", "axum::", "kvgate_scorer::transport", "kvgate_route_api::Frames"],
     ),
     ("kernel: sockets, wake-ups", &["entry_SYSCALL", "do_syscall", "asm_sysvec", "__schedule"]),
     ("tokio runtime", &["tokio::"]),

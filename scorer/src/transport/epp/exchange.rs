@@ -24,7 +24,7 @@
 
 use super::Shared;
 use crate::config::EppSection;
-use crate::scorer::{Limits, Scorer};
+use crate::picking::{PickError, PickRequest, Picker};
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -38,7 +38,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use futures::Stream;
-use kvgate_route_api::{Api, ErrorBody, HEADER_OBJECTIVE, LifecycleEvent, completion_tokens};
+use kvgate_route_api::{Api, ErrorBody, HEADER_OBJECTIVE, LifecycleEvent, Refused, completion_tokens};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -149,7 +149,7 @@ struct Booking {
 }
 
 pub struct Exchange {
-    scorer: Arc<Scorer>,
+    picker: Picker,
     settings: Arc<EppSection>,
     shared: Arc<Shared>,
     stream: u64,
@@ -171,9 +171,9 @@ pub struct Exchange {
 }
 
 impl Exchange {
-    pub fn new(scorer: Arc<Scorer>, settings: Arc<EppSection>, shared: Arc<Shared>, stream: u64) -> Self {
+    pub fn new(picker: Picker, settings: Arc<EppSection>, shared: Arc<Shared>, stream: u64) -> Self {
         Self {
-            scorer,
+            picker,
             settings,
             shared,
             stream,
@@ -271,7 +271,7 @@ impl Exchange {
     /// A gateway configured in a way the picker cannot serve: the stream fails with the
     /// reason, so the gateway's failure mode applies and its logs say why.
     fn refuse(&mut self, why: &str) {
-        self.scorer.metrics.epp_errors.with_label_values(&["protocol"]).inc();
+        self.picker.metrics().epp_errors.with_label_values(&["protocol"]).inc();
         tracing::warn!(stream = self.stream, "ext_proc: {why}");
         self.outbox.push_back(Err(Status::failed_precondition(format!("kvgate: {why}"))));
         self.failed = true;
@@ -290,13 +290,13 @@ impl Exchange {
         let request_id = header(&headers, "x-request-id").unwrap_or_default();
         if h.end_of_stream {
             self.request = RequestSide::Done;
-            return self.immediate(400, "BadRequestError", "request body is required");
+            return self.refuse_request(&PickError::BadRequest("request body is required".into()));
         }
         let subset = match subset_hint(context) {
             Ok(subset) => subset,
             Err(why) => {
                 self.request = RequestSide::Done;
-                return self.immediate(503, "ServiceUnavailable", &why);
+                return self.immediate(Refused::NoPod, &why, None);
             }
         };
         let objective = header(&headers, HEADER_OBJECTIVE);
@@ -313,8 +313,7 @@ impl Exchange {
             RequestSide::Buffering { body, chunks, .. } => {
                 if body.len() + b.body.len() > limit {
                     self.request = RequestSide::Done;
-                    let message = format!("request body is larger than {limit} bytes");
-                    return self.immediate(413, "PayloadTooLarge", &message);
+                    return self.refuse_request(&PickError::TooLarge(limit));
                 }
                 if body.is_empty() {
                     body.reserve(if b.end_of_stream { b.body.len() } else { b.body.len().max(64 << 10) });
@@ -353,30 +352,19 @@ impl Exchange {
         else {
             return;
         };
-        let booking_id = format!("epp-{}", self.scorer.next_booking());
-        // A long prompt is prepared off the picker's thread, which serves every stream.
+        let booking_id = format!("epp-{}", self.picker.next_booking());
         let body = bytes::Bytes::from(body);
-        let prepared = self.scorer.prepare_owned(api, body.clone()).await;
-        let decided = match prepared {
-            Ok(prepared) => {
-                let subset = subset.map(|addresses| self.scorer.pods_at(&addresses));
-                let limits = Limits {
-                    subset: subset.as_ref(),
-                    fallbacks: self.scorer.config.fallback_endpoints,
-                    ..Limits::default()
-                };
-                self.scorer.decide_admitted(&booking_id, &prepared, &limits, objective.as_deref()).await
-            }
-            Err(e) => Err(e),
+        let request = PickRequest {
+            booking: Some(&booking_id),
+            api_path: Some(api.path()),
+            body: body.clone(),
+            objective: objective.as_deref(),
+            subset: subset.as_deref(),
+            explain: false,
         };
-        let pick = match decided {
+        let pick = match self.picker.pick(request).await {
             Ok(pick) => pick,
-            Err(e) => {
-                let (status, kind) = e.status();
-                self.scorer.metrics.route_errors.with_label_values(&[&status.to_string()]).inc();
-                let retry_after = e.retry_after().map(|s| s.to_string());
-                return self.immediate_with(status, kind, &e.to_string(), retry_after.as_deref());
-            }
+            Err(e) => return self.refuse_request(&e),
         };
         let destinations = pick.destinations();
         tracing::debug!(stream = self.stream, request_id = %request_id, pod = %pick.decode.name, "ext_proc: picked {destinations}");
@@ -413,25 +401,26 @@ impl Exchange {
         }
     }
 
-    /// Answers the client directly (nothing is routed).
-    fn immediate(&mut self, status: u16, kind: &str, message: &str) {
-        self.immediate_with(status, kind, message, None)
+    /// Answers the client with the error (nothing is routed).
+    fn refuse_request(&mut self, e: &PickError) {
+        let retry_after = e.retry_after().map(|s| s.to_string());
+        self.immediate(e.refused(), &e.to_string(), retry_after.as_deref())
     }
 
-    /// An immediate answer, with `Retry-After` when given.
-    fn immediate_with(&mut self, status: u16, kind: &str, message: &str, retry_after: Option<&str>) {
-        let body = serde_json::to_vec(&ErrorBody::new(status, kind, message)).unwrap_or_default();
+    /// Answers the client directly with a JSON error, with `Retry-After` when given.
+    fn immediate(&mut self, refused: Refused, message: &str, retry_after: Option<&str>) {
+        let kind = refused.error_type();
         let mut set_headers = vec![set_header("content-type", "application/json"), set_header("x-kvgate-error", kind)];
         if let Some(seconds) = retry_after {
             set_headers.push(set_header("retry-after", seconds));
         }
         let headers = HeaderMutation { set_headers, remove_headers: Vec::new() };
         let answer = ImmediateResponse {
-            status: Some(HttpStatus { code: i32::from(status) }),
+            status: Some(HttpStatus { code: i32::from(refused.status()) }),
             headers: Some(headers),
-            body,
+            body: ErrorBody::refused(refused, message).to_json(),
             grpc_status: None,
-            details: format!("kvgate_{}", status),
+            details: format!("kvgate_{}", refused.status()),
         };
         self.send(Answer::ImmediateResponse(answer), None)
     }
@@ -439,7 +428,7 @@ impl Exchange {
     /// The proxy says which endpoint served (after its retries): the booking follows.
     fn note_served(&self, context: Option<&Metadata>) {
         if let (Some(booking), Some(served)) = (&self.booking, served_endpoint(context)) {
-            self.scorer.served(&booking.id, served);
+            self.picker.served(&booking.id, served);
         }
     }
 
@@ -490,7 +479,7 @@ impl Exchange {
             && !booking.first_token
         {
             booking.first_token = true;
-            self.scorer.report(&booking.id, LifecycleEvent::FirstToken, None);
+            self.picker.report(&booking.id, LifecycleEvent::FirstToken, None);
         }
     }
 
@@ -502,7 +491,7 @@ impl Exchange {
             let ok = self.response_status.is_none_or(|s| (200..300).contains(&s));
             let event = if ok { LifecycleEvent::Done } else { LifecycleEvent::Cancelled };
             tracing::debug!(stream = self.stream, request_id = %booking.request_id, "ext_proc: response ended ({event:?})");
-            self.scorer.report(&booking.id, event, self.output_tokens);
+            self.picker.report(&booking.id, event, self.output_tokens);
         }
     }
 }
@@ -527,7 +516,7 @@ impl Drop for Exchange {
             return;
         }
         tracing::debug!(stream = self.stream, request_id = %booking.request_id, "ext_proc: stream ended before the response");
-        self.scorer.report(&booking.id, LifecycleEvent::Cancelled, None);
+        self.picker.report(&booking.id, LifecycleEvent::Cancelled, None);
     }
 }
 

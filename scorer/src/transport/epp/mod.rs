@@ -4,8 +4,7 @@
 //! per HTTP request) plus gRPC health.
 //!
 //! Per request the gateway streams the request headers and body here; the picker buffers the
-//! body (bounded), makes the same decision as the filter's route call ([`Scorer::prepare`] then
-//! [`Scorer::decide`]), and answers with the pick and its fallbacks in the header
+//! body (bounded), asks the picking service as every way in does ([`Picker::pick`]), and answers with the pick and its fallbacks in the header
 //! `x-gateway-destination-endpoint` and the dynamic metadata `envoy.lb` (identical), then
 //! hands the body back unchanged. It then reads the response the gateway relays — the
 //! endpoint that served, the status, the first body bytes, the final usage — instead of the
@@ -19,7 +18,7 @@
 mod exchange;
 
 use crate::config::{EppSection, EppTls};
-use crate::scorer::Scorer;
+use crate::picking::Picker;
 use anyhow::Context;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
@@ -51,14 +50,14 @@ pub struct Shared {
 
 /// The ext_proc service: one [`exchange::Exchange`] per stream, run by the task that serves
 /// the stream.
-struct Picker {
-    scorer: Arc<Scorer>,
+struct ExtProc {
+    picker: Picker,
     settings: Arc<EppSection>,
     shared: Arc<Shared>,
 }
 
 #[tonic::async_trait]
-impl ExternalProcessor for Picker {
+impl ExternalProcessor for ExtProc {
     type ProcessStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
 
     async fn process(
@@ -66,7 +65,7 @@ impl ExternalProcessor for Picker {
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let id = self.shared.streams.fetch_add(1, Ordering::Relaxed);
-        let exchange = exchange::Exchange::new(self.scorer.clone(), self.settings.clone(), self.shared.clone(), id);
+        let exchange = exchange::Exchange::new(self.picker.clone(), self.settings.clone(), self.shared.clone(), id);
         Ok(Response::new(Box::pin(exchange.answers(request.into_inner()))))
     }
 }
@@ -90,7 +89,7 @@ fn identity(tls: &EppTls) -> anyhow::Result<Option<Identity>> {
 
 /// Serves the Endpoint Picker until `shutdown` resolves.
 pub async fn serve(
-    scorer: Arc<Scorer>,
+    picker: Picker,
     settings: EppSection,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
@@ -98,7 +97,7 @@ pub async fn serve(
     let identity = identity(&settings.tls)?;
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_service_status("liveness", ServingStatus::Serving).await;
-    let watched = scorer.clone();
+    let watched = picker.clone();
     tokio::spawn(async move {
         // Readiness follows the fleet: ready while some healthy pod can take requests.
         let mut last = None;
@@ -117,8 +116,8 @@ pub async fn serve(
     });
     // A buffered body arrives as one message: allow the body limit plus the message's framing.
     let max_message = settings.body_limit_bytes + (64 << 10);
-    let picker = Picker { scorer, settings: Arc::new(settings), shared: Arc::default() };
-    let service = ExternalProcessorServer::new(picker).max_decoding_message_size(max_message);
+    let ext_proc = ExtProc { picker, settings: Arc::new(settings), shared: Arc::default() };
+    let service = ExternalProcessorServer::new(ext_proc).max_decoding_message_size(max_message);
     // Bodies come in a few large messages: windows wide enough that a 220 kB prompt needs no
     // flow-control round trip.
     let mut server = Server::builder()

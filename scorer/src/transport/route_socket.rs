@@ -1,15 +1,14 @@
-//! The route socket: the route stream's messages framed on a plain connection to the API
-//! port (see [`kvgate_route_api::ROUTE_SOCKET_PREFACE`]) — what the filter's native module
-//! uses. Same calls, same answers, same order of events as the gRPC route stream
-//! ([`crate::route_stream::take_call`]), without HTTP/2's framing, flow control and header
+//! The route socket: the route protocol's messages framed on a plain connection to the API
+//! port or the route socket path (see [`kvgate_route_api::ROUTE_SOCKET_PREFACE`]) — what the
+//! filter's native module uses. Same calls, same answers, same order of events as the gRPC
+//! route stream ([`route_calls`]), without HTTP/2's framing, flow control and header
 //! compression on either side. Served on the thread that accepted the connection; a call
 //! decided at once is answered without a task of its own, and answers ready together go out
-//! in one write.
+//! in one write. A caller of another protocol version is refused (closed, and said in the log).
 
-use crate::route_stream::{admission_notices, take_call};
-use crate::scorer::Scorer;
-use kvgate_route_api::{Frames, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, frame};
-use std::sync::Arc;
+use super::route_calls::{self, admission_notices, take_call};
+use crate::picking::Picker;
+use kvgate_route_api::{Frames, ROUTE_SOCKET_PREFACE, ROUTE_SOCKET_PREFACE_START, RouteAnswer, RouteCall, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 
@@ -21,13 +20,17 @@ const READ_BYTES: usize = 64 << 10;
 
 /// Serves one route socket (its preface not read yet) until the caller closes it or sends
 /// something that is not a route call.
-pub async fn serve(scorer: Arc<Scorer>, socket: impl AsyncRead + AsyncWrite + Send + 'static) {
+pub async fn serve(picker: Picker, socket: impl AsyncRead + AsyncWrite + Send + 'static) {
     let (mut reader, mut writer) = tokio::io::split(socket);
     let mut preface = [0u8; ROUTE_SOCKET_PREFACE.len()];
     if reader.read_exact(&mut preface).await.is_err() || preface != ROUTE_SOCKET_PREFACE {
+        if preface.starts_with(ROUTE_SOCKET_PREFACE_START) {
+            let version = String::from_utf8_lossy(&preface[ROUTE_SOCKET_PREFACE_START.len()..]);
+            route_calls::refused_version(&format!("route socket of protocol {}", version.trim_end()));
+        }
         return;
     }
-    scorer.metrics.route_streams.inc();
+    picker.metrics().route_streams.inc();
     let (answers, mut ready) = mpsc::channel::<RouteAnswer>(ANSWERS_QUEUED);
     let writing = tokio::spawn(async move {
         let mut out = Vec::new();
@@ -43,7 +46,7 @@ pub async fn serve(scorer: Arc<Scorer>, socket: impl AsyncRead + AsyncWrite + Se
             }
         }
     });
-    let notices = admission_notices(&scorer, answers.clone(), std::convert::identity);
+    let notices = admission_notices(&picker, answers.clone(), std::convert::identity);
     let mut frames = Frames::default();
     'reading: loop {
         match reader.read_buf(frames.spare(READ_BYTES)).await {
@@ -63,7 +66,7 @@ pub async fn serve(scorer: Arc<Scorer>, socket: impl AsyncRead + AsyncWrite + Se
                     break 'reading;
                 }
             };
-            let Some(answer) = take_call(&scorer, call) else { continue };
+            let Some(answer) = take_call(&picker, call) else { continue };
             // Most calls are decided at once: answered here, without a task of their own;
             // one that waits (for room, or for a long body's preparation) gets one.
             let mut answer = Box::pin(answer);
@@ -89,11 +92,12 @@ pub async fn serve(scorer: Arc<Scorer>, socket: impl AsyncRead + AsyncWrite + Se
     drop(answers);
     // Answers still being decided go out before the socket closes, if the caller still reads.
     let _ = writing.await;
-    scorer.metrics.route_streams.dec();
+    picker.metrics().route_streams.dec();
 }
 
 /// True when a connection's first bytes (as many as have arrived) can be a route socket's
-/// preface: it then gets no HTTP.
+/// preface, of any version: it then gets no HTTP.
 pub fn may_be_preface(first: &[u8]) -> bool {
-    !first.is_empty() && ROUTE_SOCKET_PREFACE.starts_with(first)
+    let n = first.len().min(ROUTE_SOCKET_PREFACE_START.len());
+    n > 0 && first[..n] == ROUTE_SOCKET_PREFACE_START[..n]
 }

@@ -1,0 +1,166 @@
+//! The picking service: what every way into kvgate asks of the scorer, in one typed contract.
+//!
+//! A transport — the HTTP API, the route stream and the route socket, the Endpoint Picker's
+//! ext_proc exchange (`transport/`) — turns its wire format into a [`PickRequest`], asks
+//! [`Picker::pick`] and turns the [`Pick`] or the [`PickError`] back into its own format; it
+//! tells the service of the request's first token and end ([`Picker::report`]) and of the pod
+//! that really served it ([`Picker::served`]). What an error means for the client (status,
+//! error type, `Retry-After`) is decided by its [`Refused`] reason, and errors are counted
+//! here, once for every transport.
+
+use crate::metrics::Metrics;
+use crate::scorer::{Limits, Scorer};
+use bytes::Bytes;
+use kvgate_route_api::{Api, ErrorBody, HEADER_API_PATH, LifecycleEvent, LifecycleReport, Refusal, Refused};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+pub use crate::scorer::{Pick, Pod, RouteError as PickError};
+
+/// One request to pick a pod for, as a transport hands it over.
+pub struct PickRequest<'a> {
+    /// The id its booking goes under, which its lifecycle reports name; one is made up when
+    /// absent or empty.
+    pub booking: Option<&'a str>,
+    /// The client's API path (`None`: the caller named none).
+    pub api_path: Option<&'a str>,
+    /// The client's request body, verbatim.
+    pub body: Bytes,
+    /// The request's objective (`x-gateway-inference-objective`): its priority under overload.
+    pub objective: Option<&'a str>,
+    /// Only the pods at these addresses may serve it (a gateway's subset hint).
+    pub subset: Option<&'a [SocketAddr]>,
+    /// Collect every candidate's figures (honoured while the debug endpoints are on).
+    pub explain: bool,
+}
+
+/// The picking service (cheap to clone: every connection holds one).
+#[derive(Clone)]
+pub struct Picker {
+    scorer: Arc<Scorer>,
+}
+
+static GENERATED_IDS: AtomicU64 = AtomicU64::new(0);
+
+impl Picker {
+    pub fn new(scorer: Arc<Scorer>) -> Self {
+        Self { scorer }
+    }
+
+    /// The API of a request path (`None`: the caller named none).
+    fn api(path: Option<&str>) -> Result<Api, PickError> {
+        match path.map(|path| (path, Api::from_path(path))) {
+            None => Err(PickError::BadRequest(format!("missing header {HEADER_API_PATH}"))),
+            Some((_, Some(api))) => Ok(api),
+            Some((path, None)) => Err(PickError::BadRequest(format!("kvgate routes {:?}, not {path:?}", Api::PATHS))),
+        }
+    }
+
+    /// Picks the pod (or prefill and decode pods) for one request and books it: the body
+    /// prepared (parsed and tokenized, off the connection's thread when long), then decided,
+    /// waiting for room while every pod is saturated (with `admission`).
+    pub async fn pick(&self, request: PickRequest<'_>) -> Result<Pick, PickError> {
+        let scorer = &self.scorer;
+        let booking = match request.booking {
+            Some(id) if !id.is_empty() => id.to_string(),
+            _ => format!("kvgate-scorer-{}", GENERATED_IDS.fetch_add(1, Ordering::Relaxed)),
+        };
+        let prepared = match Self::api(request.api_path) {
+            Ok(api) => scorer.prepare_owned(api, request.body).await,
+            Err(e) => Err(e),
+        };
+        let decided = match prepared {
+            Ok(prepared) => {
+                let subset = request.subset.map(|addresses| scorer.pods_at(addresses));
+                let limits = Limits {
+                    subset: subset.as_ref(),
+                    fallbacks: scorer.config.fallback_endpoints,
+                    explain: request.explain && scorer.config.admin.debug_endpoints,
+                    ..Limits::default()
+                };
+                scorer.decide_admitted(&booking, &prepared, &limits, request.objective).await
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = &decided {
+            scorer.metrics.route_errors.with_label_values(&[&e.refused().status().to_string()]).inc();
+        }
+        decided
+    }
+
+    /// Applies a proxy's batch of lifecycle reports; returns how many named no booking.
+    pub fn report_batch(&self, reports: &[LifecycleReport]) -> usize {
+        self.scorer.lifecycle(reports)
+    }
+
+    /// One lifecycle event of a booking (the picker's exchange reads them from the responses
+    /// it relays); false if it named no booking.
+    pub fn report(&self, booking: &str, event: LifecycleEvent, output_tokens: Option<u32>) -> bool {
+        self.scorer.report(booking, event, output_tokens)
+    }
+
+    /// The gateway reports that `address` served the booking's request (its retries may have
+    /// moved it off the pick): the booking follows.
+    pub fn served(&self, booking: &str, address: SocketAddr) {
+        self.scorer.served(booking, address)
+    }
+
+    /// A number for a booking id no other request of this process has (the Endpoint Picker
+    /// books under its own ids: clients' `x-request-id`s may repeat).
+    pub fn next_booking(&self) -> u64 {
+        self.scorer.next_booking()
+    }
+
+    /// Requests waiting in the admission queue now (a proxy sends its reports at once while
+    /// some do).
+    pub fn admission_waiting(&self) -> u32 {
+        u32::try_from(self.scorer.admission_waiting()).unwrap_or(u32::MAX)
+    }
+
+    /// Changes whenever requests start waiting for admission or none waits any more; `None`
+    /// without admission.
+    pub fn admission_queuing(&self) -> Option<tokio::sync::watch::Receiver<bool>> {
+        self.scorer.admission_queuing()
+    }
+
+    /// Whether some healthy pod can take requests (a picker's readiness).
+    pub fn ready(&self) -> bool {
+        self.scorer.ready()
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.scorer.metrics
+    }
+}
+
+impl PickError {
+    /// What the error means for the client: one mapping for every transport.
+    pub fn refused(&self) -> Refused {
+        match self {
+            PickError::BadRequest(_) => Refused::BadRequest,
+            PickError::TooLarge(_) => Refused::TooLarge,
+            PickError::NoPod => Refused::NoPod,
+            PickError::Stopping => Refused::Stopping,
+            PickError::Saturated | PickError::Shed { .. } => Refused::Overloaded,
+        }
+    }
+
+    /// `Retry-After` seconds, for a request refused for overload.
+    pub fn retry_after(&self) -> Option<u64> {
+        match self {
+            PickError::Shed { retry_after_seconds, .. } => Some(*retry_after_seconds),
+            _ => None,
+        }
+    }
+
+    /// The error as the route protocol carries it.
+    pub fn refusal(&self) -> Refusal {
+        Refusal { reason: self.refused() as i32, message: self.to_string(), retry_after: self.retry_after() }
+    }
+
+    /// The error as an HTTP client gets it (OpenAI's error shape).
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody::refused(self.refused(), self.to_string())
+    }
+}
