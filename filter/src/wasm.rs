@@ -1,12 +1,13 @@
-//! The proxy-wasm glue: Envoy calls these contexts; they call the host through
-//! `proxy_wasm::hostcalls` directly (the SDK's convenience methods `unwrap` host errors and
-//! non-UTF-8 header values, and a panic traps the VM: every request on the worker fails).
+//! The proxy-wasm host: Envoy calls these contexts; they drive each request's
+//! [`RequestFlow`] and do what it says through `proxy_wasm::hostcalls` directly (the SDK's
+//! convenience methods `unwrap` host errors and non-UTF-8 header values, and a panic traps the
+//! VM: every request on the worker fails).
 
-use crate::config::{FailureMode, FilterConfig, PdMode};
-use crate::logic::{self, Verdict};
+use crate::config::FilterConfig;
+use kvgate_route_api::lifecycle::{AnswerNext, BodyNext, Counter, Next, Proxy, ReportQueue, RequestFlow};
 use kvgate_route_api::{
-    HEADER_OBJECTIVE, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, LifecycleEvent, LifecycleReport, Outcome,
-    ROUTE_STREAM_METHOD, ROUTE_STREAM_SERVICE, RouteAnswer, RouteCall, StreamReport,
+    HEADER_OBJECTIVE, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, LifecycleReport, ROUTE_STREAM_METHOD,
+    ROUTE_STREAM_SERVICE, RouteAnswer, RouteCall, StreamReport, lifecycle,
 };
 use prost::Message;
 use proxy_wasm::hostcalls;
@@ -14,6 +15,7 @@ use proxy_wasm::traits::{Context, HttpContext, RootContext};
 use proxy_wasm::types::{Action, BufferType, ContextType, LogLevel, MapType, MetricType};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
+use std::fmt::Arguments;
 use std::rc::Rc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -58,6 +60,23 @@ impl Metrics {
             route_stream_opened: m(MetricType::Counter, "kvgate_route_stream_opened"),
         }
     }
+
+    /// The stat of a flow's counter (`None`: one this host never counts).
+    fn of(&self, counter: Counter) -> Option<u32> {
+        Some(match counter {
+            Counter::Routed => self.routed,
+            Counter::FailOpen => self.fail_open,
+            Counter::FailClosed => self.fail_closed,
+            Counter::BadRequest => self.bad_request,
+            Counter::ScorerBadRequest => self.scorer_bad_request,
+            Counter::Shed => self.shed,
+            Counter::PdHeader => self.pd_header,
+            Counter::PdPrefillOk => self.pd_prefill_ok,
+            Counter::PdFallback => self.pd_fallback,
+            // This host sends prefill legs.
+            Counter::PdLocalPrefill => return None,
+        })
+    }
 }
 
 fn incr(metric: u32, by: i64) {
@@ -68,11 +87,7 @@ fn incr(metric: u32, by: i64) {
 struct Shared {
     config: FilterConfig,
     metrics: Metrics,
-    /// Lifecycle reports waiting for the next flush, with when each happened.
-    reports: RefCell<Vec<(LifecycleReport, SystemTime)>>,
-    /// The scorer's last answer (or notice) said requests wait in its admission queue:
-    /// reports go at once (each frees room someone waits for), not at the next flush.
-    report_at_once: Cell<bool>,
+    reports: RefCell<ReportQueue>,
     generated_ids: Cell<u64>,
     route_stream: RefCell<RouteStream>,
     /// Prefill legs in flight (sent by the root, which hears their answers), by call token.
@@ -97,20 +112,10 @@ struct Waiting {
 }
 
 impl Shared {
-    /// The waiting lifecycle reports, each stamped with its age now.
-    fn take_reports(&self) -> Vec<LifecycleReport> {
-        let pending = std::mem::take(&mut *self.reports.borrow_mut());
-        if pending.is_empty() {
-            return Vec::new(); // most route calls: no clock read
-        }
-        let sent = now();
-        pending.into_iter().map(|(report, at)| logic::aged(report, at, sent)).collect()
-    }
-
     /// Sends the waiting lifecycle reports to the scorer in one message: on the route
     /// stream while it is open, else by HTTP.
     fn flush(&self) {
-        let reports = self.take_reports();
+        let reports = self.reports.borrow_mut().take(now);
         if reports.is_empty() {
             return;
         }
@@ -134,29 +139,16 @@ impl Shared {
         let headers = vec![
             (":method", "POST"),
             (":path", LIFECYCLE_PATH),
-            (":authority", self.config.scorer_authority.as_str()),
+            (":authority", self.config.wasm.scorer_authority.as_str()),
             ("content-type", "application/json"),
         ];
-        let timeout = Duration::from_millis(self.config.lifecycle_timeout_ms);
-        match hostcalls::dispatch_http_call(&self.config.scorer_cluster, headers, Some(&body), vec![], timeout) {
+        let timeout = Duration::from_millis(self.config.wasm.lifecycle_timeout_ms);
+        match hostcalls::dispatch_http_call(&self.config.wasm.scorer_cluster, headers, Some(&body), vec![], timeout) {
             Ok(_) => incr(self.metrics.lifecycle_sent, n),
             Err(status) => {
                 incr(self.metrics.lifecycle_failed, n);
                 log::debug!("kvgate: lifecycle batch not sent: {status:?}");
             }
-        }
-    }
-
-    fn report(&self, request_id: &str, event: LifecycleEvent, output_tokens: Option<u32>, served: Option<String>) {
-        let due = {
-            let mut reports = self.reports.borrow_mut();
-            let report =
-                LifecycleReport { request_id: request_id.to_string(), event, output_tokens, served, age_us: None };
-            reports.push((report, now()));
-            reports.len() >= self.config.lifecycle_batch_max || self.report_at_once.get()
-        };
-        if due {
-            self.flush();
         }
     }
 
@@ -166,7 +158,7 @@ impl Shared {
         // The host reads a serialized `GrpcService`, or failing that a cluster name; the SDK
         // passes text. A name shorter than 128 bytes serializes to valid UTF-8; a longer one
         // goes as the name (which a stray parse of it as a proto could misread).
-        let name = &self.config.scorer_cluster;
+        let name = &self.config.wasm.scorer_cluster;
         let service = String::from_utf8(GrpcService::cluster(name).encode_to_vec()).unwrap_or_else(|_| name.clone());
         match hostcalls::open_grpc_stream(&service, ROUTE_STREAM_SERVICE, ROUTE_STREAM_METHOD, vec![]) {
             Ok(token) => {
@@ -181,9 +173,7 @@ impl Shared {
     fn fail_waiting(&self, reason: &str) {
         let waiting = std::mem::take(&mut self.route_stream.borrow_mut().waiting);
         for (id, call) in waiting {
-            if hostcalls::set_effective_context(id).is_ok() {
-                unavailable(self, &call.flow, reason);
-            }
+            answered(self, id, &call.flow, Err(reason));
         }
     }
 
@@ -191,7 +181,7 @@ impl Shared {
     /// such a call was sent is stuck, and replaced.
     fn expire_waiting(&self) {
         let now = now();
-        let limit = Duration::from_millis(self.config.scorer_timeout_ms);
+        let limit = Duration::from_millis(self.config.proxy.scorer_timeout_ms);
         let (expired, stuck) = {
             let mut stream = self.route_stream.borrow_mut();
             let expired: Vec<(u32, Waiting)> = stream
@@ -201,11 +191,9 @@ impl Shared {
             let stuck = expired.iter().any(|(_, call)| stream.last_answer.is_none_or(|last| last < call.sent));
             (expired, stuck)
         };
-        let reason = format!("no answer within {} ms", self.config.scorer_timeout_ms);
+        let reason = format!("no answer within {} ms", self.config.proxy.scorer_timeout_ms);
         for (id, call) in expired {
-            if hostcalls::set_effective_context(id).is_ok() {
-                unavailable(self, &call.flow, &reason);
-            }
+            answered(self, id, &call.flow, Err(&reason));
         }
         if stuck {
             let token = self.route_stream.borrow_mut().token.take();
@@ -261,7 +249,7 @@ impl Context for Root {
                 return;
             }
         };
-        shared.report_at_once.set(answer.admission_waiting > 0);
+        shared.reports.borrow_mut().heard(&answer);
         let waiting = {
             let mut stream = shared.route_stream.borrow_mut();
             stream.last_answer = Some(now());
@@ -269,9 +257,9 @@ impl Context for Root {
         };
         // Not waiting: timed out already, or the client left.
         let Some((id, call)) = waiting else { return };
-        if hostcalls::set_effective_context(id).is_ok() {
-            on_decision(&shared, id, &call, &answer);
-        }
+        let ms = now().duration_since(call.sent).map(|d| d.as_millis() as u64).unwrap_or(0);
+        let _ = hostcalls::record_metric(shared.metrics.callout_ms, ms);
+        answered(&shared, id, &call.flow, Ok(&answer));
     }
 
     fn on_grpc_stream_close(&mut self, token: u32, status: u32) {
@@ -298,7 +286,7 @@ impl Context for Root {
         let status = call_status(num_headers);
         let answer = buffer(BufferType::HttpCallResponseBody, body_size);
         if hostcalls::set_effective_context(id).is_ok() {
-            on_prefilled(&shared, &flow, status, &answer);
+            prefilled(&shared, &flow, Ok((status, &answer)));
         }
     }
 }
@@ -308,19 +296,18 @@ impl RootContext for Root {
         let bytes = buffer(BufferType::PluginConfiguration, size);
         match FilterConfig::parse(&bytes) {
             Ok(config) => {
-                let _ = hostcalls::set_tick_period(Duration::from_millis(config.lifecycle_flush_ms));
+                let _ = hostcalls::set_tick_period(Duration::from_millis(config.proxy.lifecycle_flush_ms));
                 log::info!(
                     "kvgate: routing {:?} via cluster {} (timeout {} ms, fail-{:?})",
-                    config.paths,
-                    config.scorer_cluster,
-                    config.scorer_timeout_ms,
-                    config.failure_mode
+                    config.proxy.paths,
+                    config.wasm.scorer_cluster,
+                    config.proxy.scorer_timeout_ms,
+                    config.proxy.failure_mode
                 );
                 let shared = Rc::new(Shared {
+                    reports: RefCell::new(ReportQueue::new(config.proxy.lifecycle_batch_max)),
                     config,
                     metrics: Metrics::define(),
-                    reports: RefCell::new(Vec::new()),
-                    report_at_once: Cell::new(false),
                     generated_ids: Cell::new(0),
                     route_stream: RefCell::new(RouteStream::default()),
                     prefill_legs: RefCell::new(HashMap::new()),
@@ -348,7 +335,7 @@ impl RootContext for Root {
 
     fn create_http_context(&self, context_id: u32) -> Option<Box<dyn HttpContext>> {
         let shared = self.shared.clone()?;
-        Some(Box::new(Request { shared, context_id, flow: Rc::new(RefCell::new(Flow::default())) }))
+        Some(Box::new(Request { shared, context_id, flow: Rc::default() }))
     }
 
     fn get_type(&self) -> Option<ContextType> {
@@ -356,48 +343,71 @@ impl RootContext for Root {
     }
 }
 
-#[derive(Default, PartialEq, Clone)]
-enum Phase {
-    /// Not for the scorer (other path or method): passes untouched.
-    #[default]
-    Passthrough,
-    /// Buffering the body.
-    Buffering,
-    /// Waiting for the scorer.
-    Deciding,
-    /// Waiting for the prefill leg of a disaggregated request; then on to `decode`.
-    Prefilling { decode: String },
-    /// Sent to the pod the scorer chose.
-    Routed,
-    /// Answered by the filter itself (400, 503) or sent on without a decision (fail-open).
-    Settled,
-}
-
 /// A request's [`Flow`], held by the request and, while it waits, by the root.
 type SharedFlow = Rc<RefCell<Flow>>;
 
-/// One request's state, shared with the root while the request waits on it (for its
-/// decision or its prefill leg): the root acts on the request as its effective context.
+/// One request's flow, shared with the root while the request waits on it (for its decision
+/// or its prefill leg): the root acts on the request as its effective context.
 #[derive(Default)]
 struct Flow {
-    phase: Phase,
-    request_id: String,
-    api_path: String,
+    flow: RequestFlow,
     /// Size of the buffered request body.
     body_size: usize,
-    /// `:status` of the response, read when its headers pass.
-    response_status: Option<u16>,
-    /// `upstream.address` when the response headers passed.
-    served: Option<String>,
-    first_token: bool,
-    response_complete: bool,
-    output_tokens: Option<u32>,
 }
 
 struct Request {
     shared: Rc<Shared>,
     context_id: u32,
     flow: SharedFlow,
+}
+
+/// What the flow asks of the host, for the effective context's request.
+struct Host<'a> {
+    shared: &'a Shared,
+    /// Size of the request body buffered (what a decode leg's body replaces).
+    body_size: usize,
+}
+
+impl Proxy for Host<'_> {
+    fn set_request_header(&mut self, name: &str, value: Option<&str>) {
+        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, name, value);
+    }
+
+    fn send_response(&mut self, status: u16, headers: &[(&str, &str)], body: &[u8]) {
+        if let Err(e) = hostcalls::send_http_response(u32::from(status), headers.to_vec(), Some(body)) {
+            log::warn!("kvgate: cannot send the {status} answer: {e:?}");
+        }
+    }
+
+    fn count(&mut self, counter: Counter) {
+        if let Some(metric) = self.shared.metrics.of(counter) {
+            incr(metric, 1);
+        }
+    }
+
+    fn report(&mut self, report: LifecycleReport) {
+        let due = self.shared.reports.borrow_mut().push(report, now());
+        if due {
+            self.shared.flush();
+        }
+    }
+
+    fn warn(&mut self, message: Arguments<'_>) {
+        log::warn!("{message}");
+    }
+
+    fn debug(&mut self, message: Arguments<'_>) {
+        log::debug!("{message}");
+    }
+
+    fn sends_prefill_legs(&self) -> bool {
+        true
+    }
+
+    fn replace_request_body(&mut self, body: &[u8]) -> Result<(), String> {
+        hostcalls::set_buffer(BufferType::HttpRequestBody, 0, self.body_size, body)
+            .map_err(|e| format!("cannot rewrite the body: {e:?}"))
+    }
 }
 
 /// The first `size` bytes of a buffer; empty without asking the host when `size` is 0 (the
@@ -425,202 +435,106 @@ fn now() -> SystemTime {
     hostcalls::get_current_time().unwrap_or(UNIX_EPOCH)
 }
 
-/// Answers the client directly with a JSON error.
-fn respond(status: u16, kind: &str, message: &str) {
-    respond_with(status, kind, message, None)
-}
-
-/// A JSON error, with `Retry-After` when given.
-fn respond_with(status: u16, kind: &str, message: &str, retry_after: Option<&str>) {
-    let body = logic::error_body(status, kind, message);
-    let mut headers = vec![("content-type", "application/json"), ("x-kvgate-error", kind)];
-    if let Some(seconds) = retry_after {
-        headers.push(("retry-after", seconds));
+/// The scorer's answer to a waiting request's call, or why there is none, heard by the root.
+fn answered(shared: &Shared, id: u32, flow_cell: &SharedFlow, answer: Result<&RouteAnswer, &str>) {
+    if hostcalls::set_effective_context(id).is_err() {
+        return; // the request is gone
     }
-    if let Err(e) = hostcalls::send_http_response(u32::from(status), headers, Some(&body)) {
-        log::warn!("kvgate: cannot send the {status} answer: {e:?}");
-    }
-}
-
-/// The scorer could not decide: the failure mode applies. Returns the action for a
-/// callback of the request itself; from elsewhere, `Continue` has already been acted on.
-fn fail(shared: &Shared, flow: &mut Flow, reason: &str) -> Action {
-    flow.phase = Phase::Settled;
-    match shared.config.failure_mode {
-        FailureMode::Open => {
-            incr(shared.metrics.fail_open, 1);
-            log::warn!("kvgate: scorer unavailable ({reason}); request {} left to Envoy's balancing", flow.request_id);
-            Action::Continue
+    let mut flow = flow_cell.borrow_mut();
+    let Flow { flow: request, body_size } = &mut *flow;
+    let mut host = Host { shared, body_size: *body_size };
+    match request.answer(&shared.config.proxy, &mut host, answer) {
+        AnswerNext::Go => {
+            let _ = hostcalls::resume_http_request();
         }
-        FailureMode::Closed => {
-            incr(shared.metrics.fail_closed, 1);
-            log::warn!("kvgate: scorer unavailable ({reason}); request {} refused", flow.request_id);
-            respond(503, "ServiceUnavailable", "the routing service is unavailable");
-            Action::Pause
+        AnswerNext::Hold => {}
+        AnswerNext::PrefillLeg { prefill } => {
+            drop(flow);
+            send_prefill_leg(shared, id, flow_cell, &prefill);
         }
     }
 }
 
-/// [`fail`] for a request paused while waiting (the request is the effective context).
-fn unavailable(shared: &Shared, flow: &RefCell<Flow>, reason: &str) {
-    if fail(shared, &mut flow.borrow_mut(), reason) == Action::Continue {
+/// The prefill leg, sent by the filter to the prefill pod through the pods cluster.
+fn send_prefill_leg(shared: &Shared, id: u32, flow_cell: &SharedFlow, prefill: &str) {
+    let sent = {
+        let flow = flow_cell.borrow();
+        let original = buffer(BufferType::HttpRequestBody, flow.body_size);
+        lifecycle::prefill_leg_body(&original).map_err(|e| format!("cannot build the prefill leg: {e}")).and_then(
+            |leg| {
+                let headers = vec![
+                    (":method", "POST"),
+                    (":path", flow.flow.api_path()),
+                    (":authority", "kvgate-prefill"),
+                    ("content-type", "application/json"),
+                    (HEADER_REQUEST_ID, flow.flow.request_id()),
+                    (shared.config.proxy.destination_header.as_str(), prefill),
+                ];
+                let timeout = Duration::from_millis(shared.config.wasm.prefill_timeout_ms);
+                let cluster = &shared.config.wasm.pods_cluster;
+                hostcalls::dispatch_http_call(cluster, headers, Some(&leg), vec![], timeout)
+                    .map_err(|status| format!("cannot call cluster {cluster}: {status:?}"))
+            },
+        )
+    };
+    match sent {
+        Ok(token) => {
+            shared.prefill_legs.borrow_mut().insert(token, (id, flow_cell.clone()));
+        }
+        Err(why) => prefilled(shared, flow_cell, Err(why)),
+    }
+}
+
+/// The prefill leg's outcome (the request is the effective context).
+fn prefilled(shared: &Shared, flow_cell: &SharedFlow, leg: Result<(Option<u16>, &[u8]), String>) {
+    let mut flow = flow_cell.borrow_mut();
+    let Flow { flow: request, body_size } = &mut *flow;
+    let original = buffer(BufferType::HttpRequestBody, *body_size);
+    let mut host = Host { shared, body_size: *body_size };
+    if request.prefilled(&shared.config.proxy, &mut host, leg, &original) == Next::Go {
         let _ = hostcalls::resume_http_request();
     }
 }
 
-/// The scorer's answer to a request's route call (the request is the effective context).
-fn on_decision(shared: &Shared, id: u32, call: &Waiting, answer: &RouteAnswer) {
-    let ms = now().duration_since(call.sent).map(|d| d.as_millis() as u64).unwrap_or(0);
-    let _ = hostcalls::record_metric(shared.metrics.callout_ms, ms);
-    let flow_cell = &call.flow;
-    let mut flow = flow_cell.borrow_mut();
-    match logic::interpret(answer) {
-        Verdict::Route { destination, pod, prefill: None } => {
-            log::debug!("kvgate: request {} → {pod} ({destination})", flow.request_id);
-            route_to(shared, &mut flow, &destination);
-        }
-        Verdict::Route { destination, pod, prefill: Some(prefill) } => {
-            log::debug!("kvgate: request {} → prefill {prefill}, decode {pod} ({destination})", flow.request_id);
-            match shared.config.pd_mode {
-                PdMode::Header => {
-                    incr(shared.metrics.pd_header, 1);
-                    let _ = hostcalls::set_map_value(
-                        MapType::HttpRequestHeaders,
-                        &shared.config.prefiller_header,
-                        Some(&prefill),
-                    );
-                    route_to(shared, &mut flow, &destination);
-                }
-                PdMode::Envoy => {
-                    drop(flow);
-                    send_prefill_leg(shared, id, flow_cell, &prefill, destination);
-                }
-            }
-        }
-        Verdict::BadRequest(message) => {
-            incr(shared.metrics.scorer_bad_request, 1);
-            flow.phase = Phase::Settled;
-            respond(400, "BadRequestError", &message);
-        }
-        Verdict::Shed(message) => {
-            incr(shared.metrics.shed, 1);
-            flow.phase = Phase::Settled;
-            let retry_after = match &answer.outcome {
-                Some(Outcome::Refusal(refusal)) => refusal.retry_after.map(|s| s.to_string()),
-                _ => None,
-            };
-            respond_with(429, "TooManyRequests", &message, retry_after.as_deref());
-        }
-        Verdict::Unavailable(reason) => {
-            drop(flow);
-            unavailable(shared, flow_cell, &reason);
-        }
+/// A hook's action for what the flow says.
+fn action(next: Next) -> Action {
+    match next {
+        Next::Go => Action::Continue,
+        Next::Hold => Action::Pause,
     }
-}
-
-/// Sets the destination and lets the request go.
-fn route_to(shared: &Shared, flow: &mut Flow, destination: &str) {
-    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &shared.config.destination_header, Some(destination));
-    incr(shared.metrics.routed, 1);
-    flow.phase = Phase::Routed;
-    let _ = hostcalls::resume_http_request();
-}
-
-/// The prefill leg, sent by the filter to the prefill pod through the pods cluster.
-fn send_prefill_leg(shared: &Shared, id: u32, flow_cell: &SharedFlow, prefill: &str, decode: String) {
-    let mut flow = flow_cell.borrow_mut();
-    let original = buffer(BufferType::HttpRequestBody, flow.body_size);
-    let leg = match logic::prefill_leg_body(&original) {
-        Ok(leg) => leg,
-        Err(e) => return prefill_failed(shared, &mut flow, &format!("cannot build the prefill leg: {e}"), &decode),
-    };
-    let headers = vec![
-        (":method", "POST"),
-        (":path", flow.api_path.as_str()),
-        (":authority", "kvgate-prefill"),
-        ("content-type", "application/json"),
-        (HEADER_REQUEST_ID, flow.request_id.as_str()),
-        (shared.config.destination_header.as_str(), prefill),
-    ];
-    let timeout = Duration::from_millis(shared.config.prefill_timeout_ms);
-    match hostcalls::dispatch_http_call(&shared.config.pods_cluster, headers, Some(&leg), vec![], timeout) {
-        Ok(token) => {
-            flow.phase = Phase::Prefilling { decode };
-            shared.prefill_legs.borrow_mut().insert(token, (id, flow_cell.clone()));
-        }
-        Err(status) => {
-            let reason = format!("cannot call cluster {}: {status:?}", shared.config.pods_cluster);
-            prefill_failed(shared, &mut flow, &reason, &decode)
-        }
-    }
-}
-
-/// The prefill pod answered: hand its `kv_transfer_params` to the decode pod.
-fn on_prefilled(shared: &Shared, flow_cell: &RefCell<Flow>, status: Option<u16>, answer: &[u8]) {
-    let mut flow = flow_cell.borrow_mut();
-    let Phase::Prefilling { decode } = flow.phase.clone() else { return };
-    shared.report(&flow.request_id, LifecycleEvent::PrefillDone, None, None);
-    if status != Some(200) {
-        return prefill_failed(shared, &mut flow, &format!("prefill pod answered {status:?}"), &decode);
-    }
-    let original = buffer(BufferType::HttpRequestBody, flow.body_size);
-    let body = match logic::decode_leg_body(&original, answer) {
-        Ok(body) => body,
-        Err(e) => return prefill_failed(shared, &mut flow, &e, &decode),
-    };
-    if let Err(e) = hostcalls::set_buffer(BufferType::HttpRequestBody, 0, original.len(), &body) {
-        return prefill_failed(shared, &mut flow, &format!("cannot rewrite the body: {e:?}"), &decode);
-    }
-    // The client's content-length no longer holds; a stale one would truncate the body.
-    let length = body.len().to_string();
-    let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, "content-length", Some(&length));
-    incr(shared.metrics.pd_prefill_ok, 1);
-    route_to(shared, &mut flow, &decode);
-}
-
-/// No usable prefill: the decode pod prefills locally; the client still gets its answer.
-fn prefill_failed(shared: &Shared, flow: &mut Flow, reason: &str, decode: &str) {
-    incr(shared.metrics.pd_fallback, 1);
-    log::warn!("kvgate: prefill leg of {} failed ({reason}); decoding with local prefill", flow.request_id);
-    if !matches!(flow.phase, Phase::Prefilling { .. }) {
-        shared.report(&flow.request_id, LifecycleEvent::PrefillDone, None, None);
-    }
-    route_to(shared, flow, decode);
 }
 
 impl Request {
+    fn host(&self) -> Host<'_> {
+        Host { shared: &self.shared, body_size: 0 }
+    }
+
     /// Sends the request's route call on the stream and pauses until it is answered.
-    fn ask_scorer(&mut self, body: Vec<u8>) -> Action {
+    fn ask_scorer(&mut self, mut call: RouteCall) -> Action {
         let shared = self.shared.clone();
-        let mut flow = self.flow.borrow_mut();
         let Some(token) = shared.route_stream.borrow().token else {
-            return fail(&shared, &mut flow, "the route stream to the scorer is not open");
+            return self.unanswered("the route stream to the scorer is not open");
         };
         // The waiting lifecycle reports ride along: the scorer applies them first, so this
         // decision sees them without waiting for the next flush.
-        let reports = shared.take_reports();
-        let call = RouteCall {
-            call: u64::from(self.context_id),
-            request_id: flow.request_id.clone(),
-            api_path: flow.api_path.clone(),
-            objective: header(MapType::HttpRequestHeaders, HEADER_OBJECTIVE),
-            body,
-            reports: reports.into_iter().map(StreamReport::from).collect(),
-        };
+        call.call = u64::from(self.context_id);
+        call.reports = shared.reports.borrow_mut().take_for_call(now);
         if let Err(status) = hostcalls::send_grpc_stream_message(token, Some(&call.encode_to_vec()), false) {
             if !call.reports.is_empty() {
                 shared.send_reports_by_http(unsent(call));
             }
-            return fail(&shared, &mut flow, &format!("cannot send on the route stream: {status:?}"));
+            return self.unanswered(&format!("cannot send on the route stream: {status:?}"));
         }
         incr(shared.metrics.lifecycle_sent, call.reports.len() as i64);
-        flow.phase = Phase::Deciding;
-        shared
-            .route_stream
-            .borrow_mut()
-            .waiting
-            .insert(self.context_id, Waiting { flow: self.flow.clone(), sent: now() });
+        let waiting = Waiting { flow: self.flow.clone(), sent: now() };
+        shared.route_stream.borrow_mut().waiting.insert(self.context_id, waiting);
         Action::Pause
+    }
+
+    /// The call could not be sent: the failure mode decides, in the request's own hook.
+    fn unanswered(&mut self, reason: &str) -> Action {
+        let next = self.flow.borrow_mut().flow.answer(&self.shared.config.proxy, &mut self.host(), Err(reason));
+        action(if next == AnswerNext::Go { Next::Go } else { Next::Hold })
     }
 }
 
@@ -628,108 +542,63 @@ impl Context for Request {}
 
 impl HttpContext for Request {
     fn on_http_request_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
-        let shared = &self.shared;
-        // Nobody but the scorer names the destination: drop any client-supplied value.
-        let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, &shared.config.destination_header, None);
-        let method = header(MapType::HttpRequestHeaders, ":method").unwrap_or_default();
+        let method = header(MapType::HttpRequestHeaders, ":method");
         let path = header(MapType::HttpRequestHeaders, ":path").unwrap_or_default();
-        if method != "POST" || !shared.config.intercepts(&path) {
-            return Action::Continue;
-        }
-        let mut flow = self.flow.borrow_mut();
-        flow.api_path = path.split('?').next().unwrap_or_default().to_string();
-        flow.request_id = match header(MapType::HttpRequestHeaders, HEADER_REQUEST_ID) {
-            Some(id) if !id.is_empty() => id,
-            _ => {
-                let n = shared.generated_ids.get().wrapping_add(1);
-                shared.generated_ids.set(n);
-                let nanos = now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-                let id = logic::request_id(nanos, self.context_id, n);
-                let _ = hostcalls::set_map_value(MapType::HttpRequestHeaders, HEADER_REQUEST_ID, Some(&id));
-                id
-            }
+        let new_id = || {
+            let n = self.shared.generated_ids.get().wrapping_add(1);
+            self.shared.generated_ids.set(n);
+            let nanos = now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+            lifecycle::request_id(nanos, self.context_id, n)
         };
-        if end_of_stream {
-            incr(shared.metrics.bad_request, 1);
-            flow.phase = Phase::Settled;
-            respond(400, "BadRequestError", "request body is required");
-            return Action::Pause;
-        }
-        flow.phase = Phase::Buffering;
-        Action::Pause
+        let next = self.flow.borrow_mut().flow.request_headers(
+            &self.shared.config.proxy,
+            &mut self.host(),
+            method.as_deref(),
+            &path,
+            end_of_stream,
+            || header(MapType::HttpRequestHeaders, HEADER_REQUEST_ID),
+            new_id,
+        );
+        action(next)
     }
 
     fn on_http_request_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        {
+        let next = {
             let mut flow = self.flow.borrow_mut();
-            match flow.phase {
-                Phase::Buffering if !end_of_stream => return Action::Pause,
-                Phase::Buffering => {}
-                Phase::Passthrough | Phase::Routed | Phase::Settled => return Action::Continue,
-                Phase::Deciding | Phase::Prefilling { .. } => return Action::Pause,
-            }
             flow.body_size = body_size;
+            flow.flow.request_body(
+                &mut self.host(),
+                end_of_stream,
+                || buffer(BufferType::HttpRequestBody, body_size),
+                || header(MapType::HttpRequestHeaders, HEADER_OBJECTIVE),
+            )
+        };
+        match next {
+            BodyNext::Go => Action::Continue,
+            BodyNext::Wait => Action::Pause,
+            BodyNext::Call(call) => self.ask_scorer(call),
         }
-        let body = buffer(BufferType::HttpRequestBody, body_size);
-        // What is plainly not a JSON object is refused here; the scorer parses the rest (one
-        // parse per request) and answers 400 for what it cannot read.
-        if !kvgate_route_api::starts_as_object(&body) {
-            incr(self.shared.metrics.bad_request, 1);
-            self.flow.borrow_mut().phase = Phase::Settled;
-            respond(400, "BadRequestError", kvgate_route_api::NOT_AN_OBJECT);
-            return Action::Pause;
-        }
-        self.ask_scorer(body)
     }
 
     fn on_http_response_headers(&mut self, _headers: usize, end_of_stream: bool) -> Action {
-        let mut flow = self.flow.borrow_mut();
-        flow.response_status = header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok());
-        if flow.phase == Phase::Routed {
-            // The pod that answered: Envoy may have retried one of the pick's fallbacks.
-            flow.served = hostcalls::get_property(vec!["upstream", "address"])
-                .ok()
-                .flatten()
-                .and_then(|a| String::from_utf8(a).ok());
-        }
-        if end_of_stream {
-            flow.response_complete = true;
-        }
+        let status = header(MapType::HttpResponseHeaders, ":status").and_then(|s| s.parse::<u16>().ok());
+        // The pod that answered: Envoy may have retried one of the pick's fallbacks.
+        let served = || {
+            hostcalls::get_property(vec!["upstream", "address"]).ok().flatten().and_then(|a| String::from_utf8(a).ok())
+        };
+        self.flow.borrow_mut().flow.response_headers(status, end_of_stream, served);
         Action::Continue
     }
 
     fn on_http_response_body(&mut self, body_size: usize, end_of_stream: bool) -> Action {
-        let mut flow = self.flow.borrow_mut();
-        if flow.phase == Phase::Routed {
-            if !flow.first_token && body_size > 0 {
-                flow.first_token = true;
-                let served = flow.served.take();
-                self.shared.report(&flow.request_id, LifecycleEvent::FirstToken, None, served);
-            }
-            if let Some(n) = kvgate_route_api::completion_tokens(&buffer(BufferType::HttpResponseBody, body_size)) {
-                flow.output_tokens = Some(n);
-            }
-        }
-        if end_of_stream {
-            flow.response_complete = true;
-        }
+        let chunk = || buffer(BufferType::HttpResponseBody, body_size);
+        self.flow.borrow_mut().flow.response_body(&mut self.host(), end_of_stream, chunk);
         Action::Continue
     }
 
     fn on_log(&mut self) {
         // No answer is awaited any more (the client may have left while it was).
         self.shared.route_stream.borrow_mut().waiting.remove(&self.context_id);
-        let flow = self.flow.borrow();
-        // A decided request (or one whose decision may have been made before the client
-        // left) releases its booking in the scorer.
-        if let Phase::Prefilling { .. } = flow.phase {
-            self.shared.report(&flow.request_id, LifecycleEvent::PrefillDone, None, None);
-        }
-        if !matches!(flow.phase, Phase::Routed | Phase::Deciding | Phase::Prefilling { .. }) {
-            return;
-        }
-        let ok = flow.response_complete && flow.response_status.is_some_and(|s| (200..300).contains(&s));
-        let event = if ok { LifecycleEvent::Done } else { LifecycleEvent::Cancelled };
-        self.shared.report(&flow.request_id, event, flow.output_tokens, None);
+        self.flow.borrow_mut().flow.complete(&mut self.host());
     }
 }

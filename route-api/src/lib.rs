@@ -21,6 +21,7 @@
 //! ([`starts_as_object`]) and the scan of a response for its output size
 //! ([`completion_tokens`]).
 
+pub mod lifecycle;
 mod wire;
 
 pub use wire::*;

@@ -11,8 +11,8 @@
 
 use crate::abi::{self, Filter, LogLevel, body_status, headers_status};
 use crate::link::{Link, LinkConfig};
-use crate::{Config, Counters, Request};
-use kvgate_filter::config::FilterConfig;
+use crate::{Config, Counters, NativeSettings, Request};
+use kvgate_route_api::lifecycle;
 use std::ffi::{c_char, c_void};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
@@ -41,15 +41,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
 ) -> *const c_void {
     // SAFETY: Envoy's configuration bytes, valid during this call.
     let bytes = unsafe { config.bytes() };
-    let config = match FilterConfig::parse(bytes) {
-        Ok(config) if config.scorer_address.is_empty() => {
-            abi::log(
-                LogLevel::Error,
-                "kvgate: the native module needs scorer_address (the scorer's unix:<path> or ip:port)",
-            );
-            return std::ptr::null();
-        }
-        Ok(config) => config,
+    let (proxy, own) = match lifecycle::parse::<NativeSettings>(bytes) {
+        Ok(parsed) => parsed,
         Err(e) => {
             abi::log(LogLevel::Error, &format!("kvgate: configuration rejected: {e}"));
             return std::ptr::null();
@@ -61,10 +54,10 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
         return std::ptr::null();
     };
     let link_config = LinkConfig {
-        scorer: config.scorer_address.clone(),
-        timeout: Duration::from_millis(config.scorer_timeout_ms),
-        flush: Duration::from_millis(config.lifecycle_flush_ms),
-        batch_max: config.lifecycle_batch_max,
+        scorer: own.scorer_address.clone(),
+        timeout: Duration::from_millis(proxy.scorer_timeout_ms),
+        flush: Duration::from_millis(proxy.lifecycle_flush_ms),
+        batch_max: proxy.lifecycle_batch_max,
     };
     let link = match Link::start(link_config, abi::concurrency()) {
         Ok(link) => link,
@@ -73,11 +66,8 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
             return std::ptr::null();
         }
     };
-    abi::log(
-        LogLevel::Info,
-        &format!("kvgate: native module routing {:?} via {}", config.paths, config.scorer_address),
-    );
-    Arc::into_raw(Arc::new(Config { config, link, calls: AtomicU64::new(1), counters })).cast()
+    abi::log(LogLevel::Info, &format!("kvgate: native module routing {:?} via {}", proxy.paths, own.scorer_address));
+    Arc::into_raw(Arc::new(Config { proxy, link, calls: AtomicU64::new(1), counters })).cast()
 }
 
 #[unsafe(no_mangle)]
@@ -165,11 +155,12 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
-    _filter_envoy: *mut c_void,
+    filter_envoy: *mut c_void,
     module: *mut c_void,
 ) {
-    // SAFETY: Envoy's pointer for this hook.
-    unsafe { request(module) }.on_stream_complete();
+    // SAFETY: Envoy's pointers for this hook.
+    let (filter, request) = unsafe { (Filter::new(filter_envoy), request(module)) };
+    request.on_stream_complete(&filter);
 }
 
 #[unsafe(no_mangle)]

@@ -11,11 +11,11 @@
 //! requests wait for admission (the room they free is owed now).
 
 use crate::abi::{self, LogLevel, Scheduler};
-use kvgate_route_api::{Frames, LifecycleReport, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, StreamReport, frame};
+use kvgate_route_api::lifecycle::ReportQueue;
+use kvgate_route_api::{Frames, LifecycleReport, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, frame};
 use std::collections::HashMap;
 use std::io::Write;
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::net::{TcpStream, UnixStream};
@@ -73,9 +73,6 @@ const SEND_BUFFER_BYTES: usize = 4 << 20;
 /// Calls the socket has not taken yet beyond which new calls fail at once.
 const MAX_PENDING_BYTES: usize = 64 << 20;
 
-/// Reports waiting, with when each happened.
-type Reports = Vec<(LifecycleReport, SystemTime)>;
-
 /// How the link reaches and waits for the scorer.
 #[derive(Clone)]
 pub struct LinkConfig {
@@ -102,10 +99,7 @@ struct Shared {
     /// Calls sent and not answered yet, by call id.
     waiting: Mutex<HashMap<u64, Waiting>>,
     writer: Mutex<Writer>,
-    reports: Mutex<Reports>,
-    /// The scorer's last answer (or notice) said requests wait in its admission queue:
-    /// reports go at once (each frees room someone waits for), not at the next flush.
-    report_at_once: AtomicBool,
+    reports: Mutex<ReportQueue>,
     /// Wakes the link's thread: `pending` has bytes to write, or reports are due.
     wake: Notify,
 }
@@ -136,8 +130,7 @@ impl Link {
                     config: config.clone(),
                     waiting: Mutex::new(HashMap::new()),
                     writer: Mutex::new(Writer::default()),
-                    reports: Mutex::new(Vec::new()),
-                    report_at_once: AtomicBool::new(false),
+                    reports: Mutex::new(ReportQueue::new(config.batch_max)),
                     wake: Notify::new(),
                 })
             })
@@ -176,7 +169,7 @@ impl Link {
             drop(writer);
             return slot.deliver(Outcome::Unavailable("the scorer is not reading its route socket".into()));
         }
-        call.reports = take_reports(&shared.reports);
+        call.reports = lock(&shared.reports).take_for_call(SystemTime::now);
         let deadline = Instant::now() + shared.config.timeout;
         lock(&shared.waiting).insert(call.call, Waiting { slot, deadline });
         let Writer { socket, pending, scratch } = &mut *writer;
@@ -203,21 +196,10 @@ impl Link {
     /// when `batch_max` are waiting or the scorer has requests waiting for room.
     pub fn report(&self, worker: usize, report: LifecycleReport) {
         let shared = self.socket(worker);
-        let waiting = {
-            let mut reports = lock(&shared.reports);
-            reports.push((report, SystemTime::now()));
-            reports.len()
-        };
-        if shared.reports_due(waiting) {
+        let due = lock(&shared.reports).push(report, SystemTime::now());
+        if due {
             shared.wake.notify_one();
         }
-    }
-}
-
-impl Shared {
-    /// Whether `waiting` reports should go now rather than at the next flush.
-    fn reports_due(&self, waiting: usize) -> bool {
-        waiting >= self.config.batch_max || (waiting > 0 && self.report_at_once.load(Ordering::Relaxed))
     }
 }
 
@@ -288,7 +270,7 @@ async fn run(shared: Arc<Shared>, mut stopped: watch::Receiver<()>) {
                     }
                 }
                 () = shared.wake.notified() => {
-                    if shared.reports_due(lock(&shared.reports).len()) {
+                    if lock(&shared.reports).due() {
                         queue_reports(&shared);
                     }
                     if let Err(e) = write_pending(&socket, &shared).await {
@@ -350,7 +332,7 @@ fn read_answers(socket: &Socket, frames: &mut Frames, shared: &Shared) -> Result
         }
     }
     while let Some(answer) = frames.message::<RouteAnswer>()? {
-        shared.report_at_once.store(answer.admission_waiting > 0, Ordering::Relaxed);
+        lock(&shared.reports).heard(&answer);
         // Not waiting: timed out already.
         let call = lock(&shared.waiting).remove(&answer.call);
         if let Some(call) = call {
@@ -387,7 +369,7 @@ fn queue_reports(shared: &Shared) {
     if writer.socket.is_none() {
         return;
     }
-    let reports = take_reports(&shared.reports);
+    let reports = lock(&shared.reports).take_for_call(SystemTime::now);
     if !reports.is_empty() {
         frame(&RouteCall { reports, ..Default::default() }, &mut writer.pending);
     }
@@ -405,16 +387,6 @@ fn expire(shared: &Shared) {
     for call in expired {
         call.slot.deliver(Outcome::Unavailable(why.clone()));
     }
-}
-
-/// The waiting reports, each stamped with its age now.
-fn take_reports(reports: &Mutex<Reports>) -> Vec<StreamReport> {
-    let pending = std::mem::take(&mut *lock(reports));
-    if pending.is_empty() {
-        return Vec::new();
-    }
-    let sent = SystemTime::now();
-    pending.into_iter().map(|(report, at)| StreamReport::from(kvgate_filter::logic::aged(report, at, sent))).collect()
 }
 
 /// Opens a route socket to the scorer (`scorer` is `ip:port`, `host:port` or `unix:<path>`)

@@ -38,7 +38,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use futures::Stream;
-use kvgate_route_api::{Api, ErrorBody, HEADER_OBJECTIVE, LifecycleEvent, Refused, completion_tokens};
+use kvgate_route_api::lifecycle::ResponseWatch;
+use kvgate_route_api::{Api, ErrorBody, HEADER_OBJECTIVE, LifecycleEvent, Refused};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -145,7 +146,6 @@ struct Booking {
     request_id: String,
     /// Made by another stream (named in the `kvgate` metadata): this one only reports.
     joined: bool,
-    first_token: bool,
 }
 
 pub struct Exchange {
@@ -166,8 +166,8 @@ pub struct Exchange {
     modes: Modes,
     request: RequestSide,
     booking: Option<Booking>,
-    response_status: Option<u16>,
-    output_tokens: Option<u32>,
+    /// The response, as far as this stream sees it (the request lifecycle every way in shares).
+    response: ResponseWatch,
 }
 
 impl Exchange {
@@ -185,8 +185,7 @@ impl Exchange {
             modes: Modes::PROTOCOL,
             request: RequestSide::Start,
             booking: None,
-            response_status: None,
-            output_tokens: None,
+            response: ResponseWatch::default(),
         }
     }
 
@@ -244,7 +243,7 @@ impl Exchange {
         {
             // A booking made by the stream that routed this request: this one reports for it.
             self.shared.observers_seen.store(true, Ordering::Relaxed);
-            self.booking = Some(Booking { id, request_id: String::new(), first_token: false, joined: true });
+            self.booking = Some(Booking { id, request_id: String::new(), joined: true });
         }
         if self.observing {
             return match message.request {
@@ -369,7 +368,7 @@ impl Exchange {
         let destinations = pick.destinations();
         tracing::debug!(stream = self.stream, request_id = %request_id, pod = %pick.decode.name, "ext_proc: picked {destinations}");
         let metadata = decision_metadata(&destinations, &booking_id);
-        self.booking = Some(Booking { id: booking_id, request_id, first_token: false, joined: false });
+        self.booking = Some(Booking { id: booking_id, request_id, joined: false });
         let mut set = vec![(DESTINATION, destinations.as_str())];
         if let Some(prefill) = &pick.prefill {
             set.push((self.settings.prefiller_header.as_str(), prefill.address.as_str()));
@@ -434,18 +433,19 @@ impl Exchange {
 
     fn response_headers(&mut self, h: HttpHeaders, context: Option<&Metadata>) {
         let headers = h.headers.unwrap_or_default();
-        self.response_status = header(&headers, ":status").and_then(|s| s.parse().ok());
+        let status = header(&headers, ":status").and_then(|s| s.parse().ok());
         if !self.saw_response {
             self.note_served(context);
         }
         self.saw_response = true;
+        self.response.headers(status, h.end_of_stream);
         // Bookings are settled before answering: once the proxy has the answer, the next
         // decision may already count on them.
         if h.end_of_stream {
             self.response_ended();
-        } else if self.modes.response == BodyMode::None {
+        } else if self.modes.response == BodyMode::None && self.booking.is_some() && self.response.first_token() {
             // No body will be seen: the headers are as close to the first token as it gets.
-            self.first_token();
+            self.report(LifecycleEvent::FirstToken, None);
         }
         self.send(Answer::ResponseHeaders(HeadersResponse::default()), None)
     }
@@ -456,13 +456,8 @@ impl Exchange {
             self.note_served(context);
         }
         self.saw_response = true;
-        if !b.body.is_empty() {
-            self.first_token();
-            if self.booking.is_some()
-                && let Some(n) = completion_tokens(&b.body)
-            {
-                self.output_tokens = Some(n);
-            }
+        if self.booking.is_some() && self.response.body(&b.body, b.end_of_stream) {
+            self.report(LifecycleEvent::FirstToken, None);
         }
         if b.end_of_stream {
             self.response_ended();
@@ -474,25 +469,23 @@ impl Exchange {
         self.send(answer, None)
     }
 
-    fn first_token(&mut self) {
-        if let Some(booking) = self.booking.as_mut()
-            && !booking.first_token
-        {
-            booking.first_token = true;
-            self.picker.report(&booking.id, LifecycleEvent::FirstToken, None);
+    fn report(&self, event: LifecycleEvent, output_tokens: Option<u32>) {
+        if let Some(booking) = &self.booking {
+            self.picker.report(&booking.id, event, output_tokens);
         }
     }
 
     /// The response is complete: `done` if it succeeded, else `cancelled`.
     fn response_ended(&mut self) {
         self.response_over = true;
-        if let Some(booking) = self.booking.take() {
-            // A stream may see the body but not the headers (response_header_mode SKIP).
-            let ok = self.response_status.is_none_or(|s| (200..300).contains(&s));
-            let event = if ok { LifecycleEvent::Done } else { LifecycleEvent::Cancelled };
-            tracing::debug!(stream = self.stream, request_id = %booking.request_id, "ext_proc: response ended ({event:?})");
-            self.picker.report(&booking.id, event, self.output_tokens);
+        self.response.completed();
+        if let Some(end) = self.response.finish() {
+            if let Some(booking) = &self.booking {
+                tracing::debug!(stream = self.stream, request_id = %booking.request_id, "ext_proc: response ended ({:?})", end.event);
+            }
+            self.report(end.event, end.output_tokens);
         }
+        self.booking = None;
     }
 }
 
@@ -516,7 +509,9 @@ impl Drop for Exchange {
             return;
         }
         tracing::debug!(stream = self.stream, request_id = %booking.request_id, "ext_proc: stream ended before the response");
-        self.picker.report(&booking.id, LifecycleEvent::Cancelled, None);
+        if let Some(end) = self.response.finish() {
+            self.picker.report(&booking.id, end.event, end.output_tokens);
+        }
     }
 }
 

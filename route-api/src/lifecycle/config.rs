@@ -1,0 +1,213 @@
+//! The proxies' configuration (JSON in Envoy's filter configuration): the fields every host
+//! shares, validated here, and each host's own fields beside them in one object.
+
+use crate::Api;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// How a disaggregated request reaches its prefill pod.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum PdMode {
+    /// The proxy sends the prefill leg itself and hands its `kv_transfer_params` to the
+    /// decode pod (vLLM's NIXL flow, no extra proxy to deploy); a host that sends no legs
+    /// lets the decode pod prefill.
+    Envoy,
+    /// The proxy names the prefill pod in a header for the decode pod's own sidecar (llm-d's
+    /// convention) and routes to the decode pod.
+    Header,
+}
+
+/// What to do when the scorer is down, slow (timeout) or cannot decide.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum FailureMode {
+    /// Let Envoy's fallback load balancing pick a pod: requests keep flowing, without
+    /// cache affinity.
+    Open,
+    /// Answer 503 with a JSON error.
+    Closed,
+}
+
+/// The settings every proxy host shares.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ProxyConfig {
+    /// Route-call timeout; beyond it the failure mode applies.
+    pub scorer_timeout_ms: u64,
+    pub failure_mode: FailureMode,
+    /// Request paths routed by the scorer (exact match, query string ignored), among
+    /// [`Api::PATHS`]; other traffic passes untouched.
+    pub paths: Vec<String>,
+    /// Header naming the chosen pod for Envoy's `override_host` load-balancing policy.
+    pub destination_header: String,
+    /// Lifecycle reports not yet gone with a route call are sent at this period (also the
+    /// period at which route-call timeouts are checked)…
+    pub lifecycle_flush_ms: u64,
+    /// …or as soon as this many are waiting, or at once while the scorer says requests wait
+    /// in its admission queue (each report frees room one of them is owed).
+    pub lifecycle_batch_max: usize,
+    pub pd_mode: PdMode,
+    /// Header naming the prefill pod in `header` mode.
+    pub prefiller_header: String,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        Self {
+            scorer_timeout_ms: 100,
+            failure_mode: FailureMode::Open,
+            paths: Api::PATHS.iter().map(|p| p.to_string()).collect(),
+            destination_header: "x-gateway-destination-endpoint".into(),
+            lifecycle_flush_ms: 20,
+            lifecycle_batch_max: 256,
+            pd_mode: PdMode::Envoy,
+            prefiller_header: "x-prefiller-host-port".into(),
+        }
+    }
+}
+
+/// A lowercase HTTP header name.
+pub(crate) fn header_name(name: &str) -> bool {
+    !name.is_empty() && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
+}
+
+impl ProxyConfig {
+    /// Its field names.
+    pub const FIELDS: &[&str] = &[
+        "scorer_timeout_ms",
+        "failure_mode",
+        "paths",
+        "destination_header",
+        "lifecycle_flush_ms",
+        "lifecycle_batch_max",
+        "pd_mode",
+        "prefiller_header",
+    ];
+
+    fn validate(&self) -> Result<(), String> {
+        if self.scorer_timeout_ms == 0 || self.lifecycle_flush_ms == 0 || self.lifecycle_batch_max == 0 {
+            return Err("scorer_timeout_ms, lifecycle_flush_ms and lifecycle_batch_max must be positive".into());
+        }
+        // The scorer tokenizes by API, so only the paths of APIs it knows can be routed.
+        if self.paths.is_empty() {
+            return Err(format!("paths must name some of {:?}", Api::PATHS));
+        }
+        if let Some(p) = self.paths.iter().find(|p| Api::from_path(p).is_none() || p.contains('?')) {
+            return Err(format!("paths: {p:?} is not a routed API path (one of {:?})", Api::PATHS));
+        }
+        for (field, name) in
+            [("destination_header", &self.destination_header), ("prefiller_header", &self.prefiller_header)]
+        {
+            if !header_name(name) {
+                return Err(format!("{field} {name:?} is not a lowercase header name"));
+            }
+        }
+        Ok(())
+    }
+
+    /// True if requests to `path` are routed by the scorer.
+    pub fn intercepts(&self, path: &str) -> bool {
+        let path = path.split('?').next().unwrap_or_default();
+        self.paths.iter().any(|p| p == path)
+    }
+}
+
+/// A host's own settings, beside the shared ones in the same JSON object.
+pub trait HostConfig: DeserializeOwned + Default {
+    /// The host, for messages ("the wasm filter").
+    const HOST: &'static str;
+    /// Its field names.
+    const FIELDS: &'static [&'static str];
+    /// Checks values and combinations.
+    fn validate(&self) -> Result<(), String>;
+}
+
+/// Parses and validates a host's configuration; an empty one means all defaults. A field
+/// neither shared nor the host's refuses the configuration, naming it.
+pub fn parse<H: HostConfig>(bytes: &[u8]) -> Result<(ProxyConfig, H), String> {
+    let invalid = |e: &dyn std::fmt::Display| format!("invalid kvgate filter configuration: {e}");
+    let mut fields: Map<String, Value> = if bytes.iter().all(u8::is_ascii_whitespace) {
+        Map::new()
+    } else {
+        serde_json::from_slice(bytes).map_err(|e| invalid(&e))?
+    };
+    if let Some(unknown) =
+        fields.keys().find(|k| !ProxyConfig::FIELDS.contains(&k.as_str()) && !H::FIELDS.contains(&k.as_str()))
+    {
+        return Err(invalid(&format!(
+            "unknown field `{unknown}`: {} takes {}",
+            H::HOST,
+            [ProxyConfig::FIELDS, H::FIELDS].concat().join(", ")
+        )));
+    }
+    let own: Map<String, Value> = H::FIELDS.iter().filter_map(|f| fields.remove_entry(*f)).collect();
+    let shared: ProxyConfig = serde_json::from_value(Value::Object(fields)).map_err(|e| invalid(&e))?;
+    let own: H = serde_json::from_value(Value::Object(own)).map_err(|e| invalid(&e))?;
+    shared.validate()?;
+    own.validate()?;
+    Ok((shared, own))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Default, Deserialize, Serialize, Debug, PartialEq)]
+    #[serde(default, deny_unknown_fields)]
+    struct Own {
+        socket: String,
+    }
+
+    impl HostConfig for Own {
+        const HOST: &'static str = "a test host";
+        const FIELDS: &'static [&'static str] = &["socket"];
+        fn validate(&self) -> Result<(), String> {
+            if self.socket == "bad" { Err("socket is bad".into()) } else { Ok(()) }
+        }
+    }
+
+    #[test]
+    fn field_lists_name_every_field() {
+        let names = |value: Value| value.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+        assert_eq!(names(serde_json::to_value(ProxyConfig::default()).unwrap()), ProxyConfig::FIELDS);
+        assert_eq!(names(serde_json::to_value(Own::default()).unwrap()), Own::FIELDS);
+    }
+
+    #[test]
+    fn defaults_and_overrides() {
+        let (c, own) = parse::<Own>(b"").unwrap();
+        assert_eq!((c.clone(), own), (ProxyConfig::default(), Own::default()));
+        assert!(c.intercepts("/v1/chat/completions") && c.intercepts("/v1/completions?x=1"));
+        assert!(!c.intercepts("/v1/models") && !c.intercepts("/v1/completions/render"));
+        let (c, own) =
+            parse::<Own>(br#"{"failure_mode": "closed", "scorer_timeout_ms": 20, "pd_mode": "header", "socket": "s"}"#)
+                .unwrap();
+        assert_eq!((c.failure_mode, c.scorer_timeout_ms, c.pd_mode), (FailureMode::Closed, 20, PdMode::Header));
+        assert_eq!(own.socket, "s");
+    }
+
+    #[test]
+    fn invalid_configurations_say_why() {
+        for (json, needle) in [
+            (r#"{"failure_mode": "sometimes"}"#, "expected `open` or `closed`"),
+            (r#"{"scorer_timeout": 5}"#, "unknown field `scorer_timeout`: a test host takes scorer_timeout_ms"),
+            (r#"{"scorer_timeout_ms": 0}"#, "positive"),
+            (r#"{"lifecycle_batch_max": 0}"#, "positive"),
+            (r#"{"paths": []}"#, "paths"),
+            (r#"{"paths": ["v1/completions"]}"#, "paths"),
+            (r#"{"paths": ["/v1/embeddings"]}"#, "not a routed API path"),
+            (r#"{"destination_header": "X-Dest"}"#, "destination_header"),
+            (r#"{"pd_mode": "sidecar"}"#, "expected `envoy` or `header`"),
+            (r#"{"prefiller_header": "X"}"#, "prefiller_header"),
+            (r#"{"socket": 3}"#, "invalid type"),
+            (r#"{"socket": "bad"}"#, "socket is bad"),
+            ("not json", "invalid"),
+            ("[]", "invalid"),
+        ] {
+            let err = parse::<Own>(json.as_bytes()).unwrap_err();
+            assert!(err.contains(needle), "{json}: {err}");
+        }
+    }
+}
