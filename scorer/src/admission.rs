@@ -12,6 +12,7 @@
 
 use std::cmp::Reverse;
 use std::collections::BTreeMap;
+use std::num::NonZeroUsize;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use tokio::sync::{oneshot, watch};
@@ -29,7 +30,7 @@ pub enum Refused {
 
 /// Requests waiting for room, by place.
 pub struct Queue {
-    limit: usize,
+    limit: NonZeroUsize,
     waiters: Mutex<BTreeMap<Place, oneshot::Sender<()>>>,
     arrivals: AtomicU64,
     /// Requests that have waited and are not decided yet: those in `waiters`, and those
@@ -65,7 +66,9 @@ pub struct Ticket {
 }
 
 impl Queue {
-    pub fn new(limit: usize) -> Self {
+    /// A queue holding at most `limit` waiters (at least one: a full queue always has a last
+    /// waiter for a newcomer to displace).
+    pub fn new(limit: NonZeroUsize) -> Self {
         Self {
             limit,
             waiters: Mutex::new(BTreeMap::new()),
@@ -120,7 +123,7 @@ impl Queue {
     /// request of higher priority took the place (`Err`).
     pub fn wait(&self, ticket: Ticket) -> Result<oneshot::Receiver<()>, Refused> {
         let mut waiters = self.lock();
-        if waiters.len() >= self.limit && !waiters.contains_key(&ticket.place) {
+        if waiters.len() >= self.limit.get() && !waiters.contains_key(&ticket.place) {
             let last = *waiters.keys().next_back().expect("a full queue has a last waiter");
             if last <= ticket.place {
                 return Err(Refused::QueueFull);
@@ -154,7 +157,7 @@ mod tests {
 
     #[test]
     fn higher_priority_first_then_arrival_and_a_full_queue_keeps_the_most_important() {
-        let q = Queue::new(3);
+        let q = Queue::new(NonZeroUsize::new(3).unwrap());
         let (low, normal1, normal2) = (q.ticket(-1), q.ticket(0), q.ticket(0));
         let mut low_rx = q.wait(low).unwrap();
         let mut n1 = q.wait(normal1).unwrap();
@@ -177,7 +180,7 @@ mod tests {
 
     #[test]
     fn held_counts_from_the_first_wait_to_the_decision_and_queuing_follows_it() {
-        let q = Queue::new(8);
+        let q = Queue::new(NonZeroUsize::new(8).unwrap());
         let gauge = prometheus::Gauge::new("waiting", "waiting").unwrap();
         let mut queuing = q.queuing();
         let first = q.hold(&gauge);
@@ -195,7 +198,7 @@ mod tests {
 
     #[test]
     fn a_waiter_whose_request_is_gone_passes_the_turn() {
-        let q = Queue::new(8);
+        let q = Queue::new(NonZeroUsize::new(8).unwrap());
         let (a, b) = (q.ticket(0), q.ticket(0));
         drop(q.wait(a).unwrap());
         let mut b_rx = q.wait(b).unwrap();

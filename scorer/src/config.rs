@@ -22,12 +22,13 @@ fn invalid<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T,
     Err(ConfigError::Invalid { field: field.into(), message: message.into() })
 }
 
-use kvgate_routing::index::{IndexConfig, OffloadConfig};
+use kvgate_routing::config::{PdConfig, RouterConfig, positive};
+use kvgate_routing::index::IndexConfig;
 use kvgate_routing::load::LoadConfig;
 pub use kvgate_routing::router::Role;
-use kvgate_routing::router::{RouterConfig, Saturation};
-use kvgate_routing::speed::SpeedConfig;
+use kvgate_routing::router::Saturation;
 use std::collections::BTreeMap;
+use std::num::NonZeroUsize;
 
 /// One vLLM pod.
 #[derive(Clone, Debug, Deserialize)]
@@ -50,81 +51,6 @@ pub struct PodConfig {
 
 fn default_role() -> Role {
     Role::Both
-}
-
-/// The KV indexes.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct IndexSection {
-    /// Most blocks indexed per pod (precise and approximate index each).
-    pub max_blocks_per_pod: usize,
-    /// How long blocks routed to a pod without events count as cached there.
-    pub approximate_ttl_seconds: f64,
-    /// Blocks the pods' KV connectors offload to host memory or storage (events with
-    /// `medium` CPU or STORAGE).
-    pub offload: OffloadSection,
-}
-
-impl Default for IndexSection {
-    fn default() -> Self {
-        Self { max_blocks_per_pod: 1 << 20, approximate_ttl_seconds: 120.0, offload: OffloadSection::default() }
-    }
-}
-
-/// `index.offload`: see [`OffloadConfig`].
-#[derive(Clone, Debug, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct OffloadSection {
-    /// Most offloaded blocks indexed per pod and tier; 0 ignores offloaded blocks.
-    pub max_blocks_per_pod: usize,
-    /// Loading a block from host memory, as a fraction of computing it (0–1).
-    pub cpu_load_cost: f64,
-    /// Loading a block from storage, as a fraction of computing it (0–1).
-    pub storage_load_cost: f64,
-}
-
-impl Default for OffloadSection {
-    fn default() -> Self {
-        let d = OffloadConfig::default();
-        Self {
-            max_blocks_per_pod: d.max_blocks_per_pod,
-            cpu_load_cost: d.cpu_load_cost,
-            storage_load_cost: d.storage_load_cost,
-        }
-    }
-}
-
-/// In-flight bookkeeping.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct LoadSection {
-    /// Expected completion tokens of a request without `max_tokens`.
-    pub default_output_tokens: u32,
-    /// Estimated decode speed of one sequence, to decay expected output over time.
-    pub decode_tokens_per_second: f64,
-    /// A booking without a `done` report is dropped after this long.
-    pub request_ttl_seconds: f64,
-    /// Bookings at least this old that a pod's engine does not account for (its scraped
-    /// running + waiting requests are fewer) are dropped, oldest first: their end was never
-    /// reported (a lifecycle batch lost while the scorer was frozen, a gateway replica
-    /// gone). 0 turns this off (then only `request_ttl_seconds` drops them).
-    pub reconcile_after_seconds: f64,
-    /// Learning each pod's prefill speed from the first tokens it reports, so that pods
-    /// of different speeds are compared in predicted seconds (`learn: false` to compare
-    /// them in tokens of work alone).
-    pub pod_speed: SpeedConfig,
-}
-
-impl Default for LoadSection {
-    fn default() -> Self {
-        Self {
-            default_output_tokens: 256,
-            decode_tokens_per_second: 50.0,
-            request_ttl_seconds: 600.0,
-            reconcile_after_seconds: 10.0,
-            pod_speed: SpeedConfig::default(),
-        }
-    }
 }
 
 /// Scraping of pods' `/metrics`.
@@ -161,25 +87,6 @@ pub struct AdminSection {
 impl Default for AdminSection {
     fn default() -> Self {
         Self { listen: None, debug_endpoints: true }
-    }
-}
-
-/// Prefill/decode disaggregation.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PdSection {
-    /// Disaggregate when the best decode-capable pod would have to prefill at least this many
-    /// uncached tokens (and a healthy prefill pod exists). 0 = always.
-    pub threshold_tokens: u32,
-    /// How the prefill pod is chosen (`kv`: KV overlap + queued prefill work).
-    pub prefill_policy: PolicyConfig,
-    /// How the decode pod of a disaggregated request is chosen (`kv`: decode load).
-    pub decode_policy: PolicyConfig,
-}
-
-impl Default for PdSection {
-    fn default() -> Self {
-        Self { threshold_tokens: 1024, prefill_policy: PolicyConfig::default(), decode_policy: PolicyConfig::default() }
     }
 }
 
@@ -241,9 +148,9 @@ pub struct AdmissionSection {
     /// requests above the default priority: interactive traffic finds room while a burst
     /// of ordinary requests waits.
     pub headroom: f64,
-    /// Requests waiting at most; a newcomer beyond it is refused, or takes the place of a
-    /// waiter of lower priority.
-    pub queue_limit: usize,
+    /// Requests waiting at most (at least 1); a newcomer beyond it is refused, or takes the
+    /// place of a waiter of lower priority.
+    pub queue_limit: NonZeroUsize,
     /// Longest wait for room (then 429); Envoy's timeouts toward the scorer are rendered
     /// this much longer.
     pub max_wait_ms: u64,
@@ -262,7 +169,7 @@ impl Default for AdmissionSection {
             max_queued_prefill_tokens: None,
             max_inflight_requests: None,
             headroom: 0.0,
-            queue_limit: 1024,
+            queue_limit: NonZeroUsize::new(1024).expect("not zero"),
             max_wait_ms: 5000,
             objectives: BTreeMap::new(),
             default_priority: 0,
@@ -426,13 +333,13 @@ pub struct Config {
     #[serde(default = "default_fallback_endpoints")]
     pub fallback_endpoints: usize,
     #[serde(default)]
-    pub index: IndexSection,
+    pub index: IndexConfig,
     #[serde(default)]
-    pub load: LoadSection,
+    pub load: LoadConfig,
     #[serde(default)]
     pub health: HealthSection,
     #[serde(default)]
-    pub pd: PdSection,
+    pub pd: PdConfig,
     #[serde(default)]
     pub admin: AdminSection,
     #[serde(default)]
@@ -510,11 +417,6 @@ fn subject_token(s: &str) -> bool {
     !s.is_empty() && !s.chars().any(|c| c == '.' || c == '*' || c == '>' || c.is_whitespace())
 }
 
-/// A finite number above zero (NaN and infinities are not).
-fn positive(v: f64) -> bool {
-    v.is_finite() && v > 0.0
-}
-
 fn default_listen() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 7070))
 }
@@ -536,27 +438,11 @@ impl Config {
     /// cluster simulator builds its routers from (same defaults, same validation).
     pub fn router_config(&self) -> RouterConfig {
         RouterConfig {
-            index: IndexConfig {
-                block_size: self.block_size,
-                max_blocks_per_pod: self.index.max_blocks_per_pod,
-                offload: OffloadConfig {
-                    max_blocks_per_pod: self.index.offload.max_blocks_per_pod,
-                    cpu_load_cost: self.index.offload.cpu_load_cost,
-                    storage_load_cost: self.index.offload.storage_load_cost,
-                },
-            },
-            approximate_ttl_seconds: self.index.approximate_ttl_seconds,
-            load: LoadConfig {
-                block_size: self.block_size,
-                default_output_tokens: self.load.default_output_tokens,
-                decode_tokens_per_second: self.load.decode_tokens_per_second,
-                request_ttl: self.load.request_ttl_seconds,
-                speed: self.load.pod_speed,
-            },
+            block_size: self.block_size,
+            index: self.index.clone(),
+            load: self.load.clone(),
             policy: self.policy.clone(),
-            prefill_policy: self.pd.prefill_policy.clone(),
-            decode_policy: self.pd.decode_policy.clone(),
-            pd_threshold_tokens: self.pd.threshold_tokens,
+            pd: self.pd.clone(),
             seed: self.seed,
             saturation: self.admission.as_ref().map(AdmissionSection::saturation),
         }
@@ -584,24 +470,6 @@ impl Config {
         Ok(config)
     }
 
-    fn validate_policy(section: &str, policy: &PolicyConfig) -> Result<(), ConfigError> {
-        let PolicyConfig::Kv(kv) = policy else { return Ok(()) };
-        for (name, v) in [
-            ("prefill_weight", kv.prefill_weight),
-            ("decode_weight", kv.decode_weight),
-            ("prefix_weight", kv.prefix_weight),
-            ("temperature", kv.temperature),
-        ] {
-            if !(v.is_finite() && v >= 0.0) {
-                return invalid(format!("{section}.{name}"), format!("{v} must be a finite number >= 0"));
-            }
-        }
-        if !positive(kv.attention_horizon_tokens) {
-            return invalid(format!("{section}.attention_horizon_tokens"), "must be positive");
-        }
-        Ok(())
-    }
-
     /// Parses and validates YAML text (file checks aside).
     pub fn parse(text: &str) -> Result<Config, ConfigError> {
         let config: Config = serde_saphyr::from_str(text)
@@ -611,8 +479,8 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        if self.block_size == 0 {
-            return invalid("block_size", "must be positive");
+        if let Err(e) = self.router_config().validate() {
+            return invalid(e.field, e.message);
         }
         let mut dns_names = HashSet::new();
         for (i, dns) in self.discovery.dns.iter().enumerate() {
@@ -714,33 +582,8 @@ impl Config {
                 return invalid(field("metrics"), format!("{url:?} must be an http:// URL"));
             }
         }
-        for (section, policy) in [
-            ("policy", &self.policy),
-            ("pd.prefill_policy", &self.pd.prefill_policy),
-            ("pd.decode_policy", &self.pd.decode_policy),
-        ] {
-            Self::validate_policy(section, policy)?;
-        }
-        if let Some(a) = &self.admission {
-            if !(0.0..1.0).contains(&a.headroom) {
-                return invalid("admission.headroom", "must be in [0, 1)");
-            }
-            if (Saturation { headroom: 0.0, ..a.saturation() }) == Saturation::default() {
-                return invalid(
-                    "admission",
-                    "set when a pod is saturated: max_waiting, max_kv_usage, max_queued_prefill_tokens or \
-                     max_inflight_requests",
-                );
-            }
-            if a.max_kv_usage.is_some_and(|u| !(u > 0.0 && u <= 1.0)) {
-                return invalid("admission.max_kv_usage", "must be in (0, 1]");
-            }
-            if a.max_waiting.is_some_and(|w| !(w.is_finite() && w >= 0.0)) {
-                return invalid("admission.max_waiting", "must be a number >= 0");
-            }
-            if a.queue_limit == 0 || a.max_wait_ms == 0 {
-                return invalid("admission", "queue_limit and max_wait_ms must be positive");
-            }
+        if self.admission.as_ref().is_some_and(|a| a.max_wait_ms == 0) {
+            return invalid("admission.max_wait_ms", "must be positive");
         }
         if let Some(sync) = &self.sync {
             if !sync.nats.split(',').all(|u| u.trim().starts_with("nats://") || u.trim().starts_with("tls://")) {
@@ -776,32 +619,6 @@ impl Config {
             if h.is_empty() || !h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') {
                 return invalid("epp.prefiller_header", format!("{h:?} is not a lowercase header name"));
             }
-        }
-        if self.index.max_blocks_per_pod == 0 {
-            return invalid("index.max_blocks_per_pod", "must be positive");
-        }
-        for (field, cost) in [
-            ("index.offload.cpu_load_cost", self.index.offload.cpu_load_cost),
-            ("index.offload.storage_load_cost", self.index.offload.storage_load_cost),
-        ] {
-            if !(0.0..=1.0).contains(&cost) {
-                return invalid(field, format!("{cost} is not between 0 and 1 (a fraction of computing the block)"));
-            }
-        }
-        if !positive(self.index.approximate_ttl_seconds) {
-            return invalid("index.approximate_ttl_seconds", "must be positive");
-        }
-        if !positive(self.load.decode_tokens_per_second) {
-            return invalid("load.decode_tokens_per_second", "must be positive");
-        }
-        if !(self.load.reconcile_after_seconds.is_finite() && self.load.reconcile_after_seconds >= 0.0) {
-            return invalid("load.reconcile_after_seconds", "must be >= 0 (0: off)");
-        }
-        if !positive(self.load.request_ttl_seconds) {
-            return invalid("load.request_ttl_seconds", "must be positive");
-        }
-        if let Err((field, why)) = self.load.pod_speed.validate() {
-            return invalid(format!("load.pod_speed.{field}"), why);
         }
         if !positive(self.health.retry_seconds) {
             return invalid("health.retry_seconds", "must be positive");
@@ -927,6 +744,27 @@ pods:
             ("epp: {prefiller_header: X-P}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "epp.prefiller_header"),
             ("admission: {queue_limit: 4}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "saturated"),
             ("admission: {max_kv_usage: 1.5}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "admission.max_kv_usage"),
+            ("admission: {max_waiting: 4, queue_limit: 0}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "nonzero"),
+            (
+                "admission: {max_waiting: 4, max_wait_ms: 0}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
+                "admission.max_wait_ms",
+            ),
+            (
+                "admission: {max_waiting: 4, headroom: 1}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
+                "admission.headroom",
+            ),
+            (
+                "pd: {prefill_policy: {name: kv, temperature: -1}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
+                "pd.prefill_policy.temperature",
+            ),
+            (
+                "index: {max_blocks_per_pod: 0}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
+                "index.max_blocks_per_pod",
+            ),
+            (
+                "load: {request_ttl_seconds: 0}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
+                "load.request_ttl_seconds",
+            ),
             (
                 "admission: {max_waiting: 4, objectives: {gold: high}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
                 "high",

@@ -808,13 +808,10 @@ impl Scorer {
                 let same_engine = matches!((known, started_at), (Some(a), Some(b)) if a == b);
                 let restarted = matches!((known, started_at), (Some(a), Some(b)) if a != b);
                 core.router.reported(pod, load);
-                let reconcile_after = self.config.load.reconcile_after_seconds;
-                if reconcile_after > 0.0 {
-                    let dropped = core.router.reconcile(pod, now - reconcile_after);
-                    if dropped > 0 {
-                        self.metrics.bookings_reconciled.inc_by(dropped as u64);
-                        tracing::debug!(pod = %core.pods[pod.index()].name, dropped, "bookings the engine does not hold dropped");
-                    }
+                let dropped = core.router.reconcile(pod, now);
+                if dropped > 0 {
+                    self.metrics.bookings_reconciled.inc_by(dropped as u64);
+                    tracing::debug!(pod = %core.pods[pod.index()].name, dropped, "bookings the engine does not hold dropped");
                 }
                 self.room_may_have_appeared();
                 if !was_healthy {

@@ -8,6 +8,7 @@
 //! 3. Memory per indexed (block, pod) entry, from the index's table capacities.
 //! 4. Tokenization with the real Qwen3 tokenizer (completions and chat, template included).
 
+use kvgate_routing::config::PdConfig;
 use kvgate_routing::events::decode_batch;
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::index::{IndexConfig, KvIndex};
@@ -73,19 +74,11 @@ fn us(d: Duration) -> String {
 /// A `Router` as the scorer builds it, over a 64-pod index of ≈ 1M entries.
 fn fleet_router(encoder: &EventEncoder) -> Router {
     let mut router = Router::new(&RouterConfig {
-        index: IndexConfig { block_size: BS, max_blocks_per_pod: 1 << 22, offload: Default::default() },
-        approximate_ttl_seconds: 120.0,
-        load: LoadConfig {
-            block_size: BS,
-            default_output_tokens: 256,
-            decode_tokens_per_second: 50.0,
-            request_ttl: 600.0,
-            speed: Default::default(),
-        },
+        block_size: BS,
+        index: IndexConfig { max_blocks_per_pod: 1 << 22, ..IndexConfig::default() },
+        load: LoadConfig::default(),
         policy: PolicyConfig::default(),
-        prefill_policy: PolicyConfig::default(),
-        decode_policy: PolicyConfig::default(),
-        pd_threshold_tokens: 1024,
+        pd: PdConfig::default(),
         seed: 1,
         saturation: None,
     });
@@ -224,8 +217,7 @@ fn main() {
     let events_per_round = 2_000 * 64u64; // 32 stored + 32 removed blocks per batch pair
     let mut best = Duration::MAX;
     for _ in 0..5 {
-        let mut ingest =
-            KvIndex::new(IndexConfig { block_size: BS, max_blocks_per_pod: 1 << 20, offload: Default::default() });
+        let mut ingest = KvIndex::new(BS, IndexConfig::default());
         let pod = ingest.add_pod();
         let t = Instant::now();
         for p in &payloads {

@@ -22,33 +22,62 @@
 //! ignores), the first removal clears it early — an under-estimate, which can only cost
 //! affinity, never misroute to a pod lacking the block.
 
+use crate::config::{Invalid, check, positive};
 use crate::events::{BlockStored, EventBatch, KvEvent, Tier};
 use crate::hash::{EngineHash, SequenceHash, chain, root_hash};
 use crate::holders::BlockHolders;
 use crate::pod_set::{PodId, PodSet};
 use ahash::AHashMap;
+use serde::Deserialize;
 use std::collections::VecDeque;
 
-/// Limits of the index.
-#[derive(Clone, Debug)]
+/// The KV indexes (`index`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
 pub struct IndexConfig {
-    /// Tokens per block; must equal the engines' block size.
-    pub block_size: usize,
-    /// Most GPU blocks indexed per pod; the oldest stored are forgotten first beyond it.
+    /// Most blocks indexed per pod (precise and approximate index each); the oldest stored
+    /// are forgotten first beyond it.
     pub max_blocks_per_pod: usize,
+    /// How long blocks routed to a pod without events count as cached there.
+    pub approximate_ttl_seconds: f64,
+    /// Blocks the pods' KV connectors offload to host memory or storage (events with
+    /// `medium` CPU or STORAGE).
     pub offload: OffloadConfig,
 }
 
+impl Default for IndexConfig {
+    fn default() -> Self {
+        Self { max_blocks_per_pod: 1 << 20, approximate_ttl_seconds: 120.0, offload: OffloadConfig::default() }
+    }
+}
+
+impl IndexConfig {
+    pub fn validate(&self) -> Result<(), Invalid> {
+        check(self.max_blocks_per_pod > 0, "max_blocks_per_pod", "must be positive")?;
+        check(positive(self.approximate_ttl_seconds), "approximate_ttl_seconds", "must be positive")?;
+        for (field, cost) in
+            [("cpu_load_cost", self.offload.cpu_load_cost), ("storage_load_cost", self.offload.storage_load_cost)]
+        {
+            if !(0.0..=1.0).contains(&cost) {
+                let why = format!("{cost} is not between 0 and 1 (a fraction of computing the block)");
+                return Err(Invalid::new(field, why).under("offload"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The tiers a pod's KV connector offloads blocks to (vLLM's `OffloadingConnector`, LMCache):
-/// a block there is loaded back instead of recomputed.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// a block there is loaded back instead of recomputed (`index.offload`).
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
 pub struct OffloadConfig {
     /// Most blocks indexed per pod in each offload tier; 0: offloaded blocks are not indexed
     /// (counted as ignored).
     pub max_blocks_per_pod: usize,
-    /// Loading a block from host memory, as a fraction of computing it.
+    /// Loading a block from host memory, as a fraction of computing it (0–1).
     pub cpu_load_cost: f64,
-    /// Loading a block from storage, as a fraction of computing it.
+    /// Loading a block from storage, as a fraction of computing it (0–1).
     pub storage_load_cost: f64,
 }
 
@@ -200,6 +229,8 @@ pub struct TieredMatch {
 
 /// The index over all pods.
 pub struct KvIndex {
+    /// Tokens per block; must equal the engines' block size.
+    block_size: usize,
     config: IndexConfig,
     /// GPU, CPU, storage (the order of [`TIERS`]).
     tiers: [TierBlocks; 3],
@@ -207,9 +238,9 @@ pub struct KvIndex {
 }
 
 impl KvIndex {
-    pub fn new(config: IndexConfig) -> Self {
-        assert!(config.block_size > 0, "block_size must be positive");
-        Self { config, tiers: Default::default(), stats: Vec::new() }
+    pub fn new(block_size: usize, config: IndexConfig) -> Self {
+        assert!(block_size > 0, "block_size must be positive");
+        Self { block_size, config, tiers: Default::default(), stats: Vec::new() }
     }
 
     pub fn config(&self) -> &IndexConfig {
@@ -316,7 +347,7 @@ impl KvIndex {
             self.enforce_cap(pod, slot);
             return;
         }
-        if stored.block_size != self.config.block_size {
+        if stored.block_size != self.block_size {
             self.stats[pod.index()].block_size_mismatches += n;
             return;
         }
@@ -334,7 +365,7 @@ impl KvIndex {
                 }
             },
         };
-        let bs = self.config.block_size;
+        let bs = self.block_size;
         for (i, &engine) in stored.block_hashes.iter().enumerate() {
             parent = chain(parent, &stored.token_ids[i * bs..(i + 1) * bs]);
             self.tiers[slot].insert(pod, engine, parent);
@@ -400,8 +431,7 @@ mod tests {
     const BS: usize = 4;
 
     fn index(pods: usize, cap: usize) -> (KvIndex, Vec<PodId>) {
-        let mut idx =
-            KvIndex::new(IndexConfig { block_size: BS, max_blocks_per_pod: cap, offload: OffloadConfig::default() });
+        let mut idx = KvIndex::new(BS, IndexConfig { max_blocks_per_pod: cap, ..IndexConfig::default() });
         let ids = (0..pods).map(|_| idx.add_pod()).collect();
         (idx, ids)
     }
@@ -610,12 +640,12 @@ mod tests {
     #[test]
     fn offload_tiers_can_be_left_out_and_are_capped() {
         let off = OffloadConfig { max_blocks_per_pod: 0, ..OffloadConfig::default() };
-        let mut idx = KvIndex::new(IndexConfig { block_size: BS, max_blocks_per_pod: 100, offload: off });
+        let mut idx = KvIndex::new(BS, IndexConfig { max_blocks_per_pod: 100, offload: off, ..IndexConfig::default() });
         let pod = idx.add_pod();
         idx.apply(pod, &batch(vec![stored(&[10, 11], None, &T[..8]), offloaded(&[10, 11], Tier::Cpu)]));
         assert_eq!((idx.pod_offloaded_blocks(pod), idx.stats(pod).ignored_blocks), (0, 2));
         let two = OffloadConfig { max_blocks_per_pod: 2, ..OffloadConfig::default() };
-        let mut idx = KvIndex::new(IndexConfig { block_size: BS, max_blocks_per_pod: 100, offload: two });
+        let mut idx = KvIndex::new(BS, IndexConfig { max_blocks_per_pod: 100, offload: two, ..IndexConfig::default() });
         let pod = idx.add_pod();
         idx.apply(pod, &batch(vec![stored(&[10, 11, 12], None, &T), offloaded(&[10, 11, 12], Tier::Cpu)]));
         assert_eq!((idx.pod_offloaded_blocks(pod), idx.stats(pod).cap_evictions), (2, 1));

@@ -12,9 +12,11 @@
 //! - [`approx`]: blocks recently routed to pods that publish no events, with a TTL;
 //! - [`policy`]: one trait, one file per policy (`kv`, `prefix`, `ttft`, `least-loaded`,
 //!   `round-robin`, `random`, `power-of-two`), built from configuration;
-//! - [`router`]: all of it combined into one decision per request, prefill/decode included.
+//! - [`router`]: all of it combined into one decision per request, prefill/decode included;
+//! - [`config`]: what a router is built from, each part validated beside its type.
 
 pub mod approx;
+pub mod config;
 pub mod events;
 pub mod hash;
 pub mod holders;

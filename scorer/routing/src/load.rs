@@ -17,24 +17,55 @@
 //! request holds its prefill pod too) and the gateway replica that made it — replicas that
 //! share their bookings apply each other's beside their own.
 
+use crate::config::{Invalid, check, positive};
 use crate::hash::SequenceHash;
 use crate::pod_set::PodId;
 use crate::speed::{PodSpeeds, SpeedConfig, SpeedView};
 use ahash::AHashMap;
+use serde::Deserialize;
 use std::sync::Arc;
 
-/// Parameters of the bookkeeping.
-#[derive(Clone, Debug)]
+/// In-flight bookkeeping (`load`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
 pub struct LoadConfig {
-    pub block_size: usize,
-    /// Expected output tokens when a request sets no `max_tokens`.
+    /// Expected completion tokens of a request without `max_tokens`.
     pub default_output_tokens: u32,
-    /// Estimated decode speed of one sequence (tokens/s), to decay expected output.
+    /// Estimated decode speed of one sequence (tokens/s), to decay expected output over time.
     pub decode_tokens_per_second: f64,
-    /// Seconds after which a booking without `done` is dropped.
-    pub request_ttl: f64,
-    /// Learning each pod's prefill speed (first tokens) and decode speed (output tokens).
-    pub speed: SpeedConfig,
+    /// A booking without a `done` report is dropped after this long.
+    pub request_ttl_seconds: f64,
+    /// Bookings at least this old that a pod's engine does not account for (its scraped
+    /// running + waiting requests are fewer) are dropped, oldest first: their end was never
+    /// reported (a lifecycle batch lost while the scorer was frozen, a gateway replica
+    /// gone). 0 turns this off (then only `request_ttl_seconds` drops them).
+    pub reconcile_after_seconds: f64,
+    /// Learning each pod's prefill speed from the first tokens it reports, so that pods
+    /// of different speeds are compared in predicted seconds (`learn: false` to compare
+    /// them in tokens of work alone), and its decode speed from the output tokens reported.
+    pub pod_speed: SpeedConfig,
+}
+
+impl Default for LoadConfig {
+    fn default() -> Self {
+        Self {
+            default_output_tokens: 256,
+            decode_tokens_per_second: 50.0,
+            request_ttl_seconds: 600.0,
+            reconcile_after_seconds: 10.0,
+            pod_speed: SpeedConfig::default(),
+        }
+    }
+}
+
+impl LoadConfig {
+    pub fn validate(&self) -> Result<(), Invalid> {
+        check(positive(self.decode_tokens_per_second), "decode_tokens_per_second", "must be positive")?;
+        let reconcile = self.reconcile_after_seconds;
+        check(reconcile.is_finite() && reconcile >= 0.0, "reconcile_after_seconds", "must be >= 0 (0: off)")?;
+        check(positive(self.request_ttl_seconds), "request_ttl_seconds", "must be positive")?;
+        self.pod_speed.validate().map_err(|e| e.under("pod_speed"))
+    }
 }
 
 /// The trapezoid estimate of prefill attention work for `prompt` tokens with `cached`
@@ -192,6 +223,7 @@ pub enum Lifecycle {
 
 /// The in-flight bookkeeping for all pods.
 pub struct LoadTracker {
+    block_size: usize,
     config: LoadConfig,
     pods: Vec<PodState>,
     requests: AHashMap<BookingKey, Inflight>,
@@ -211,9 +243,9 @@ impl UnknownRequest {
 }
 
 impl LoadTracker {
-    pub fn new(config: LoadConfig) -> Self {
-        let speeds = PodSpeeds::new(config.speed);
-        Self { config, pods: Vec::new(), requests: AHashMap::new(), speeds, expired: 0 }
+    pub fn new(block_size: usize, config: LoadConfig) -> Self {
+        let speeds = PodSpeeds::new(config.pod_speed);
+        Self { block_size, config, pods: Vec::new(), requests: AHashMap::new(), speeds, expired: 0 }
     }
 
     /// Registers a pod (ids are dense, as in the index).
@@ -228,7 +260,7 @@ impl LoadTracker {
     pub fn book(&mut self, key: &BookingKey, booking: &Booking<'_>, now: f64) -> Arc<[SequenceHash]> {
         self.release(key);
         let output = booking.max_output_tokens.unwrap_or(self.config.default_output_tokens);
-        let partial_block = !(booking.prompt_tokens as usize).is_multiple_of(self.config.block_size);
+        let partial_block = !(booking.prompt_tokens as usize).is_multiple_of(self.block_size);
         let mut req = Inflight {
             pod: booking.pod,
             prompt_tokens: booking.prompt_tokens,
@@ -239,7 +271,7 @@ impl LoadTracker {
             output_tokens: output,
             first_token_at: None,
             booked_at: now,
-            expires_at: now + self.config.request_ttl,
+            expires_at: now + self.config.request_ttl_seconds,
             slot: 0,
         };
         req.set_cached(booking.cached_tokens);
@@ -448,7 +480,7 @@ impl LoadTracker {
     /// Current predicted load of `pod` at time `now`.
     pub fn load(&self, pod: PodId, now: f64) -> PodLoad {
         let state = &self.pods[pod.index()];
-        let bs = self.config.block_size as f64;
+        let bs = self.block_size as f64;
         let decode_speed = self.speeds.decode_tokens_per_second(pod).unwrap_or(self.config.decode_tokens_per_second);
         let (mut output_blocks, mut read_blocks) = (0.0, 0.0);
         for r in &state.decode {
@@ -488,13 +520,13 @@ mod tests {
     use super::*;
 
     fn tracker() -> (LoadTracker, PodId, PodId) {
-        let mut t = LoadTracker::new(LoadConfig {
-            block_size: 4,
+        let config = LoadConfig {
             default_output_tokens: 8,
             decode_tokens_per_second: 4.0,
-            request_ttl: 60.0,
-            speed: Default::default(),
-        });
+            request_ttl_seconds: 60.0,
+            ..LoadConfig::default()
+        };
+        let mut t = LoadTracker::new(4, config);
         let (a, b) = (t.add_pod(), t.add_pod());
         (t, a, b)
     }

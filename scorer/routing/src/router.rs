@@ -11,14 +11,14 @@
 //! the main policy picks one pod that prefills and decodes. The choice is booked at once.
 
 use crate::approx::ApproxIndex;
+pub use crate::config::RouterConfig;
+use crate::config::{Invalid, check};
 use crate::events::EventBatch;
 use crate::hash::SequenceHash;
-use crate::index::{IndexConfig, KvIndex, TieredMatch};
-use crate::load::{
-    Booking, BookingKey, BookingUpdate, Leg, Lifecycle, LoadConfig, LoadTracker, Origin, UnknownRequest,
-};
+use crate::index::{KvIndex, TieredMatch};
+use crate::load::{Booking, BookingKey, BookingUpdate, Leg, Lifecycle, LoadTracker, Origin, UnknownRequest};
 use crate::pod_set::{PodId, PodSet};
-use crate::policy::{Candidate, Decision, Policy, PolicyConfig, ReportedLoad, RouteInput};
+use crate::policy::{Candidate, Decision, Policy, ReportedLoad, RouteInput};
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
@@ -36,25 +36,6 @@ impl Role {
     pub fn decodes(self) -> bool {
         matches!(self, Role::Both | Role::Decode)
     }
-}
-
-/// Everything a [`Router`] is built from.
-#[derive(Clone, Debug)]
-pub struct RouterConfig {
-    pub index: IndexConfig,
-    /// TTL of approximate entries (pods without KV events).
-    pub approximate_ttl_seconds: f64,
-    pub load: LoadConfig,
-    pub policy: PolicyConfig,
-    pub prefill_policy: PolicyConfig,
-    pub decode_policy: PolicyConfig,
-    /// Disaggregate when at least this many prompt tokens are uncached on the best
-    /// decode-capable pod (and prefill pods exist).
-    pub pd_threshold_tokens: u32,
-    /// Seed of the policies' random choices.
-    pub seed: u64,
-    /// When pods have no room (absent: never saturated).
-    pub saturation: Option<Saturation>,
 }
 
 /// One request, as the router needs it: its block chain (kvgate's own hashes) and sizes.
@@ -146,6 +127,16 @@ pub struct Saturation {
 }
 
 impl Saturation {
+    /// Checks the limits; one at least must be set (else nothing is ever saturated).
+    pub fn validate(&self) -> Result<(), Invalid> {
+        check((0.0..1.0).contains(&self.headroom), "headroom", "must be in [0, 1)")?;
+        let unset = Saturation { headroom: 0.0, ..*self } == Saturation::default();
+        let why = "set when a pod is saturated: max_waiting, max_kv_usage, max_queued_prefill_tokens or max_inflight_requests";
+        check(!unset, "", why)?;
+        check(self.max_kv_usage.is_none_or(|u| u > 0.0 && u <= 1.0), "max_kv_usage", "must be in (0, 1]")?;
+        check(self.max_waiting.is_none_or(|w| w.is_finite() && w >= 0.0), "max_waiting", "must be a number >= 0")
+    }
+
     /// Whether `c` has no room — for a request that must leave the headroom free, when
     /// `leave_headroom`.
     pub fn saturated(&self, c: &Candidate, leave_headroom: bool) -> bool {
@@ -174,6 +165,8 @@ struct PodState {
 pub struct Router {
     block_size: u32,
     pd_threshold_tokens: u32,
+    /// See [`crate::load::LoadConfig::reconcile_after_seconds`].
+    reconcile_after_seconds: f64,
     saturation: Option<Saturation>,
     pods: Vec<PodState>,
     index: KvIndex,
@@ -211,16 +204,17 @@ fn fallbacks(candidates: &[Candidate], decision: &Decision, n: usize) -> Vec<Pod
 impl Router {
     pub fn new(config: &RouterConfig) -> Self {
         Self {
-            block_size: config.index.block_size as u32,
-            pd_threshold_tokens: config.pd_threshold_tokens,
+            block_size: config.block_size as u32,
+            pd_threshold_tokens: config.pd.threshold_tokens,
+            reconcile_after_seconds: config.load.reconcile_after_seconds,
             saturation: config.saturation,
             pods: Vec::new(),
-            index: KvIndex::new(config.index.clone()),
-            approx: ApproxIndex::new(config.approximate_ttl_seconds, config.index.max_blocks_per_pod),
-            load: LoadTracker::new(config.load.clone()),
+            index: KvIndex::new(config.block_size, config.index.clone()),
+            approx: ApproxIndex::new(config.index.approximate_ttl_seconds, config.index.max_blocks_per_pod),
+            load: LoadTracker::new(config.block_size, config.load.clone()),
             policy: config.policy.build(config.seed),
-            prefill_policy: config.prefill_policy.build(config.seed.wrapping_add(1)),
-            decode_policy: config.decode_policy.build(config.seed.wrapping_add(2)),
+            prefill_policy: config.pd.prefill_policy.build(config.seed.wrapping_add(1)),
+            decode_policy: config.pd.decode_policy.build(config.seed.wrapping_add(2)),
             overlap: Vec::new(),
             approx_overlap: Vec::new(),
             shared: None,
@@ -655,12 +649,15 @@ impl Router {
         state.reported = Some(reported);
     }
 
-    /// Drops bookings made before `booked_before` that the pod's last report does not
-    /// account for ([`LoadTracker::reconcile`]); returns how many.
-    pub fn reconcile(&mut self, pod: PodId, booked_before: f64) -> usize {
+    /// Drops bookings older than `load.reconcile_after_seconds` that the pod's last report
+    /// does not account for ([`LoadTracker::reconcile`]); returns how many.
+    pub fn reconcile(&mut self, pod: PodId, now: f64) -> usize {
         match self.pods[pod.index()].reported {
-            Some(r) => self.load.reconcile(pod, (r.running + r.waiting).max(0.0) as u32, booked_before),
-            None => 0,
+            Some(r) if self.reconcile_after_seconds > 0.0 => {
+                let booked_before = now - self.reconcile_after_seconds;
+                self.load.reconcile(pod, (r.running + r.waiting).max(0.0) as u32, booked_before)
+            }
+            _ => 0,
         }
     }
 
@@ -684,7 +681,11 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::PdConfig;
     use crate::hash::{root_hash, sequence_hashes};
+    use crate::index::IndexConfig;
+    use crate::load::LoadConfig;
+    use crate::policy::PolicyConfig;
 
     fn router(threshold: u32) -> Router {
         Router::new(&test_config(threshold))
@@ -692,19 +693,15 @@ mod tests {
 
     fn test_config(threshold: u32) -> RouterConfig {
         RouterConfig {
-            index: IndexConfig { block_size: 16, max_blocks_per_pod: 1 << 20, offload: Default::default() },
-            approximate_ttl_seconds: 60.0,
-            load: LoadConfig {
-                block_size: 16,
-                default_output_tokens: 64,
-                decode_tokens_per_second: 50.0,
-                request_ttl: 600.0,
-                speed: Default::default(),
-            },
+            block_size: 16,
+            index: IndexConfig { approximate_ttl_seconds: 60.0, ..IndexConfig::default() },
+            load: LoadConfig { default_output_tokens: 64, ..LoadConfig::default() },
             policy: PolicyConfig::default(),
-            prefill_policy: PolicyConfig::default(),
-            decode_policy: PolicyConfig::LeastLoaded,
-            pd_threshold_tokens: threshold,
+            pd: PdConfig {
+                threshold_tokens: threshold,
+                decode_policy: PolicyConfig::LeastLoaded,
+                ..PdConfig::default()
+            },
             seed: 7,
             saturation: None,
         }

@@ -33,6 +33,7 @@
 //! (in place of `load.decode_tokens_per_second`), so a slow pod's decode load is held
 //! longer. Time is the caller's (no clock here).
 
+use crate::config::{Invalid, check};
 use crate::pod_set::PodId;
 use serde::Deserialize;
 
@@ -62,21 +63,12 @@ impl Default for SpeedConfig {
 }
 
 impl SpeedConfig {
-    /// What is wrong with this configuration, if anything: `(field, why)`.
-    pub fn validate(&self) -> Result<(), (&'static str, &'static str)> {
-        if !(self.window_samples >= 2.0 && self.window_samples.is_finite()) {
-            return Err(("window_samples", "must be at least 2"));
-        }
-        if !(self.prior_samples >= 0.0 && self.prior_samples.is_finite()) {
-            return Err(("prior_samples", "must be 0 or more"));
-        }
-        if !(self.max_slowness >= 1.0 && self.max_slowness.is_finite()) {
-            return Err(("max_slowness", "must be at least 1"));
-        }
-        if !(self.alike_spread >= 1.0 && self.alike_spread.is_finite()) {
-            return Err(("alike_spread", "must be at least 1"));
-        }
-        Ok(())
+    pub fn validate(&self) -> Result<(), Invalid> {
+        let at_least = |v: f64, min: f64| v >= min && v.is_finite();
+        check(at_least(self.window_samples, 2.0), "window_samples", "must be at least 2")?;
+        check(at_least(self.prior_samples, 0.0), "prior_samples", "must be 0 or more")?;
+        check(at_least(self.max_slowness, 1.0), "max_slowness", "must be at least 1")?;
+        check(at_least(self.alike_spread, 1.0), "alike_spread", "must be at least 1")
     }
 }
 

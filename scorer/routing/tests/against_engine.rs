@@ -43,8 +43,7 @@ fn run(format: EventFormat, hashes: HashFormat, seed: u64) {
             })
         })
         .collect();
-    let mut index =
-        KvIndex::new(IndexConfig { block_size: BS, max_blocks_per_pod: 1 << 20, offload: Default::default() });
+    let mut index = KvIndex::new(BS, IndexConfig::default());
     let pods: Vec<PodId> = engines.iter().map(|_| index.add_pod()).collect();
     let all: PodSet = pods.iter().copied().collect();
     let prefixes: Vec<Vec<u32>> =

@@ -7,7 +7,7 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(batch) = decode_batch(data) {
-        let mut index = KvIndex::new(IndexConfig { block_size: 4, max_blocks_per_pod: 64, offload: Default::default() });
+        let mut index = KvIndex::new(4, IndexConfig { max_blocks_per_pod: 64, ..IndexConfig::default() });
         let pod = index.add_pod();
         index.apply(pod, &batch);
         index.apply(pod, &batch);

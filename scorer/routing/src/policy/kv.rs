@@ -47,6 +47,7 @@
 //! (unless every pod is busy, then all stay eligible).
 
 use super::{Candidate, Decision, Policy, RouteInput, argmin_tie, uncached_tokens};
+use crate::config::{Invalid, check, positive};
 use crate::load::prefill_work;
 use rand::Rng;
 use rand::rngs::StdRng;
@@ -117,6 +118,20 @@ impl Default for KvPolicyConfig {
             max_waiting: None,
             max_kv_usage: None,
         }
+    }
+}
+
+impl KvPolicyConfig {
+    pub fn validate(&self) -> Result<(), Invalid> {
+        for (name, v) in [
+            ("prefill_weight", self.prefill_weight),
+            ("decode_weight", self.decode_weight),
+            ("prefix_weight", self.prefix_weight),
+            ("temperature", self.temperature),
+        ] {
+            check(v.is_finite() && v >= 0.0, name, &format!("{v} must be a finite number >= 0"))?;
+        }
+        check(positive(self.attention_horizon_tokens), "attention_horizon_tokens", "must be positive")
     }
 }
 

@@ -108,6 +108,14 @@ impl Default for PolicyConfig {
 }
 
 impl PolicyConfig {
+    /// Checks the policy's parameters.
+    pub fn validate(&self) -> Result<(), crate::config::Invalid> {
+        match self {
+            PolicyConfig::Kv(kv) => kv.validate(),
+            _ => Ok(()),
+        }
+    }
+
     /// Builds the policy; `seed` makes its random choices reproducible.
     pub fn build(&self, seed: u64) -> Box<dyn Policy> {
         let rng = StdRng::seed_from_u64(seed);
