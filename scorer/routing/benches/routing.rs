@@ -8,14 +8,13 @@
 //! 3. Memory per indexed (block, pod) entry, from the index's table capacities.
 //! 4. Tokenization with the real Qwen3 tokenizer (completions and chat, template included).
 
-use kvgate_routing::config::PdConfig;
 use kvgate_routing::events::decode_batch;
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::index::{IndexConfig, KvIndex};
 use kvgate_routing::load::{Lifecycle, LoadConfig, Origin};
 use kvgate_routing::pod_set::PodId;
 use kvgate_routing::policy::PolicyConfig;
-use kvgate_routing::router::{Role, RouteRequest, Router, RouterConfig};
+use kvgate_routing::router::{PdConfig, Role, RouteRequest, Router, RouterConfig};
 use kvgate_sim::cache::{CacheChange, EngineBlockHash, HashKeys};
 use kvgate_sim::events::{EventEncoder, EventFormat, HashFormat};
 use std::time::{Duration, Instant};
@@ -218,7 +217,7 @@ fn main() {
     let mut best = Duration::MAX;
     for _ in 0..5 {
         let mut ingest = KvIndex::new(BS, IndexConfig::default());
-        let pod = ingest.add_pod();
+        let pod = PodId(0);
         let t = Instant::now();
         for p in &payloads {
             ingest.apply(pod, &decode_batch(p).expect("valid"));

@@ -9,7 +9,7 @@
 
 use crate::hash::SequenceHash;
 use crate::holders::BlockHolders;
-use crate::pod_set::{PodId, PodSet};
+use crate::pod_set::{PodId, PodMap, PodSet};
 use ahash::AHashMap;
 use std::collections::VecDeque;
 
@@ -26,24 +26,18 @@ pub struct ApproxIndex {
     ttl: f64,
     max_blocks_per_pod: usize,
     holders: BlockHolders,
-    pods: Vec<PodRoutes>,
+    pods: PodMap<PodRoutes>,
 }
 
 impl ApproxIndex {
     pub fn new(ttl_seconds: f64, max_blocks_per_pod: usize) -> Self {
-        Self { ttl: ttl_seconds, max_blocks_per_pod, holders: BlockHolders::default(), pods: Vec::new() }
-    }
-
-    /// Registers a pod (dense ids, as in the other tables).
-    pub fn add_pod(&mut self) -> PodId {
-        self.pods.push(PodRoutes::default());
-        PodId(self.pods.len() as u32 - 1)
+        Self { ttl: ttl_seconds, max_blocks_per_pod, holders: BlockHolders::default(), pods: PodMap::default() }
     }
 
     /// Records that `chain` was routed to `pod` at `now`.
     pub fn record(&mut self, pod: PodId, chain: &[SequenceHash], now: f64) {
         let expiry = now + self.ttl;
-        let routes = &mut self.pods[pod.index()];
+        let routes = self.pods.get_mut(pod);
         for &h in chain {
             if routes.expires.insert(h, expiry).is_none() {
                 self.holders.insert(h, pod);
@@ -61,7 +55,7 @@ impl ApproxIndex {
 
     /// Forgets blocks whose TTL has passed.
     pub fn expire(&mut self, now: f64) {
-        for (i, routes) in self.pods.iter_mut().enumerate() {
+        for (i, routes) in self.pods.values_mut().enumerate() {
             while let Some(&(h, at)) = routes.order.front() {
                 if at > now {
                     break;
@@ -77,7 +71,7 @@ impl ApproxIndex {
 
     /// Forgets everything routed to `pod`.
     pub fn clear_pod(&mut self, pod: PodId) {
-        let routes = std::mem::take(&mut self.pods[pod.index()]);
+        let routes = std::mem::take(self.pods.get_mut(pod));
         for h in routes.expires.into_keys() {
             self.holders.remove(h, pod);
         }
@@ -85,14 +79,14 @@ impl ApproxIndex {
 
     /// Blocks recorded for `pod`.
     pub fn pod_blocks(&self, pod: PodId) -> usize {
-        self.pods[pod.index()].expires.len()
+        self.pods.get(pod).map_or(0, |r| r.expires.len())
     }
 
     /// Leading blocks of `chain` recently routed to each pod in `eligible` (see
     /// [`crate::index::KvIndex::longest_prefixes`]); entries past their TTL but not yet
     /// expired by [`ApproxIndex::expire`] still count.
     pub fn longest_prefixes(&self, chain: &[SequenceHash], eligible: &PodSet, out: &mut Vec<u32>) {
-        self.holders.longest_prefixes(chain, eligible, self.pods.len(), out);
+        self.holders.longest_prefixes(chain, eligible, out);
     }
 }
 
@@ -107,7 +101,7 @@ mod tests {
     #[test]
     fn routed_blocks_count_until_their_ttl() {
         let mut idx = ApproxIndex::new(10.0, 1000);
-        let (a, b) = (idx.add_pod(), idx.add_pod());
+        let (a, b) = (PodId(0), PodId(1));
         let both: PodSet = [a, b].into_iter().collect();
         idx.record(a, &chain(5), 0.0);
         idx.record(b, &chain(2), 5.0);
@@ -130,7 +124,7 @@ mod tests {
     #[test]
     fn the_per_pod_cap_drops_the_oldest_records() {
         let mut idx = ApproxIndex::new(100.0, 3);
-        let a = idx.add_pod();
+        let a = PodId(0);
         idx.record(a, &chain(5), 0.0);
         assert_eq!(idx.pod_blocks(a), 3);
         let mut out = Vec::new();

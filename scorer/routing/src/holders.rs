@@ -63,10 +63,10 @@ impl BlockHolders {
     }
 
     /// For each pod of `eligible`, the number of leading blocks of `chain` it holds, written to
-    /// `out[pod]` (`out` resized to `num_pods`, others 0).
-    pub fn longest_prefixes(&self, chain: &[SequenceHash], eligible: &PodSet, num_pods: usize, out: &mut Vec<u32>) {
+    /// `out[pod]` (`out` resized to cover every eligible pod's id, others 0).
+    pub fn longest_prefixes(&self, chain: &[SequenceHash], eligible: &PodSet, out: &mut Vec<u32>) {
         out.clear();
-        out.resize(num_pods, 0);
+        out.resize(eligible.id_bound(), 0);
         for (shard, map) in self.shards.iter().enumerate() {
             let mut active = eligible.word(shard);
             let mut matched = 0u32;
@@ -107,14 +107,14 @@ mod tests {
         assert!(!h.insert(chain[0], PodId(0)), "already held");
         let all: PodSet = (0..140).map(PodId).collect();
         let mut out = Vec::new();
-        h.longest_prefixes(&chain, &all, 140, &mut out);
+        h.longest_prefixes(&chain, &all, &mut out);
         assert_eq!((out[0], out[3], out[64], out[130], out[1]), (4, 2, 3, 4, 0));
         let some: PodSet = [PodId(3), PodId(64)].into_iter().collect();
-        h.longest_prefixes(&chain, &some, 140, &mut out);
-        assert_eq!((out[0], out[3], out[64], out[130]), (0, 2, 3, 0));
+        h.longest_prefixes(&chain, &some, &mut out);
+        assert_eq!((out[0], out[3], out[64], out.get(130).copied().unwrap_or(0)), (0, 2, 3, 0));
         h.remove(chain[1], PodId(0));
         assert!(!h.holds(chain[1], PodId(0)) && h.holds(chain[2], PodId(0)));
-        h.longest_prefixes(&chain, &all, 140, &mut out);
+        h.longest_prefixes(&chain, &all, &mut out);
         assert_eq!(out[0], 1);
         assert_eq!(h.len(), 4 + 3 + 4, "per shard: 4 blocks, 3, 4");
     }

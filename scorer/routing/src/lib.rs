@@ -12,11 +12,11 @@
 //! - [`approx`]: blocks recently routed to pods that publish no events, with a TTL;
 //! - [`policy`]: one trait, one file per policy (`kv`, `prefix`, `ttft`, `least-loaded`,
 //!   `round-robin`, `random`, `power-of-two`), built from configuration;
-//! - [`router`]: all of it combined into one decision per request, prefill/decode included;
-//! - [`config`]: what a router is built from, each part validated beside its type.
+//! - [`router`]: all of it combined into one decision per request, prefill/decode included,
+//!   and what it is built from ([`router::RouterConfig`]: each part deserialized and
+//!   validated beside its type, [`validate`]).
 
 pub mod approx;
-pub mod config;
 pub mod events;
 pub mod hash;
 pub mod holders;
@@ -28,3 +28,4 @@ pub mod policy;
 pub mod router;
 pub mod sequence;
 pub mod speed;
+pub mod validate;

@@ -17,10 +17,10 @@
 //! request holds its prefill pod too) and the gateway replica that made it — replicas that
 //! share their bookings apply each other's beside their own.
 
-use crate::config::{Invalid, check, positive};
 use crate::hash::SequenceHash;
-use crate::pod_set::PodId;
+use crate::pod_set::{PodId, PodMap};
 use crate::speed::{PodSpeeds, SpeedConfig, SpeedView};
+use crate::validate::{Invalid, check, positive};
 use ahash::AHashMap;
 use serde::Deserialize;
 use std::sync::Arc;
@@ -225,7 +225,7 @@ pub enum Lifecycle {
 pub struct LoadTracker {
     block_size: usize,
     config: LoadConfig,
-    pods: Vec<PodState>,
+    pods: PodMap<PodState>,
     requests: AHashMap<BookingKey, Inflight>,
     speeds: PodSpeeds,
     expired: u64,
@@ -245,14 +245,7 @@ impl UnknownRequest {
 impl LoadTracker {
     pub fn new(block_size: usize, config: LoadConfig) -> Self {
         let speeds = PodSpeeds::new(config.pod_speed);
-        Self { block_size, config, pods: Vec::new(), requests: AHashMap::new(), speeds, expired: 0 }
-    }
-
-    /// Registers a pod (ids are dense, as in the index).
-    pub fn add_pod(&mut self) -> PodId {
-        self.pods.push(PodState::default());
-        self.speeds.add_pod();
-        PodId(self.pods.len() as u32 - 1)
+        Self { block_size, config, pods: PodMap::default(), requests: AHashMap::new(), speeds, expired: 0 }
     }
 
     /// Books a decision under `key` at time `now`; returns the chain it keeps. A key already
@@ -299,7 +292,7 @@ impl LoadTracker {
 
     /// Adds a request's load to its pod.
     fn insert(&mut self, key: BookingKey, mut req: Inflight) {
-        let pod = &mut self.pods[req.pod.index()];
+        let pod = self.pods.get_mut(req.pod);
         if req.first_token_at.is_none() {
             pod.queued_prefill_tokens += req.prefill_tokens;
             pod.queued_prefill_work += req.prefill_work;
@@ -322,10 +315,7 @@ impl LoadTracker {
     /// computed there now, which a request routed there next will find cached (its own
     /// prefill is queued behind theirs) before any KV event has announced them.
     pub fn inflight_prefix(&self, pod: PodId, chain: &[SequenceHash]) -> usize {
-        let blocks = &self.pods[pod.index()].shared_blocks;
-        if blocks.is_empty() {
-            return 0;
-        }
+        let Some(blocks) = self.pods.get(pod).map(|p| &p.shared_blocks).filter(|b| !b.is_empty()) else { return 0 };
         // Every booking holds its whole chain from the first block, and a block's hash names
         // its whole prefix, so the blocks held of any chain are a prefix of it: the first
         // block not held is found by bisection, not by walking the chain.
@@ -351,7 +341,7 @@ impl LoadTracker {
             Lifecycle::FirstToken => {
                 if req.first_token_at.is_none() {
                     req.first_token_at = Some(now);
-                    let state = &mut self.pods[pod.index()];
+                    let state = self.pods.get_mut(pod);
                     state.decode[req.slot].first_token_at = Some(now);
                     state.queued_prefill_tokens -= req.prefill_tokens;
                     state.queued_prefill_work -= req.prefill_work;
@@ -379,7 +369,7 @@ impl LoadTracker {
     /// Takes a request's load off its pod and returns it.
     fn remove(&mut self, key: &BookingKey) -> Option<(BookingKey, Inflight)> {
         let (id, req) = self.requests.remove_entry(key)?;
-        let pod = &mut self.pods[req.pod.index()];
+        let pod = self.pods.get_mut(req.pod);
         if req.first_token_at.is_none() {
             pod.queued_prefill_tokens -= req.prefill_tokens;
             pod.queued_prefill_work -= req.prefill_work;
@@ -421,7 +411,7 @@ impl LoadTracker {
     /// was never reported. The oldest of them are dropped; returns how many.
     pub fn reconcile(&mut self, pod: PodId, engine_requests: u32, booked_before: f64) -> usize {
         let old = |id: &BookingKey| self.requests.get(id).filter(|r| r.booked_at < booked_before).map(|r| r.booked_at);
-        let inflight = &self.pods[pod.index()].inflight;
+        let Some(inflight) = self.pods.get(pod).map(|p| &p.inflight) else { return 0 };
         let count = inflight.iter().filter(|id| old(id).is_some()).count();
         let Some(excess) = count.checked_sub(engine_requests as usize).filter(|&n| n > 0) else { return 0 };
         let mut oldest: Vec<(f64, BookingKey)> =
@@ -440,11 +430,10 @@ impl LoadTracker {
 
     /// Drops every booking of a pod (it died or left).
     pub fn clear_pod(&mut self, pod: PodId) {
-        let ids = std::mem::take(&mut self.pods[pod.index()].inflight);
-        for id in ids {
+        let state = std::mem::take(self.pods.get_mut(pod));
+        for id in state.inflight {
             self.requests.remove(&id);
         }
-        self.pods[pod.index()] = PodState::default();
     }
 
     /// Drops every booking another replica made (it left, or its bookings are about to be
@@ -479,7 +468,7 @@ impl LoadTracker {
 
     /// Current predicted load of `pod` at time `now`.
     pub fn load(&self, pod: PodId, now: f64) -> PodLoad {
-        let state = &self.pods[pod.index()];
+        let Some(state) = self.pods.get(pod) else { return PodLoad::default() };
         let bs = self.block_size as f64;
         let decode_speed = self.speeds.decode_tokens_per_second(pod).unwrap_or(self.config.decode_tokens_per_second);
         let (mut output_blocks, mut read_blocks) = (0.0, 0.0);
@@ -526,8 +515,8 @@ mod tests {
             request_ttl_seconds: 60.0,
             ..LoadConfig::default()
         };
-        let mut t = LoadTracker::new(4, config);
-        let (a, b) = (t.add_pod(), t.add_pod());
+        let t = LoadTracker::new(4, config);
+        let (a, b) = (PodId(0), PodId(1));
         (t, a, b)
     }
 

@@ -1,9 +1,11 @@
-//! Pod identities and sets of pods (which pods are eligible for a request).
+//! Pod identities, sets of pods (which pods are eligible for a request), and per-pod state
+//! by id.
 
 use smallvec::SmallVec;
 
-/// Index of a pod in the scorer's pod table.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+/// A pod, as the [`Router`](crate::router::Router) that allocated the id knows it: ids are
+/// dense, from 0, and kept for good (a pod that leaves and comes back keeps its id).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PodId(pub u32);
 
 impl PodId {
@@ -35,6 +37,58 @@ impl PodSet {
     pub fn word(&self, i: usize) -> u64 {
         self.words.get(i).copied().unwrap_or(0)
     }
+
+    /// One more than its highest member's id (0 when empty).
+    pub fn id_bound(&self) -> usize {
+        let last = self.words.iter().rposition(|w| *w != 0);
+        last.map_or(0, |i| i * 64 + 64 - self.words[i].leading_zeros() as usize)
+    }
+}
+
+/// A component's state of each pod, by id: grown on first use, so that no table has to be
+/// kept in step with another, and a pod is registered in one place only (the router).
+#[derive(Clone, Debug)]
+pub struct PodMap<T> {
+    items: Vec<T>,
+}
+
+impl<T> Default for PodMap<T> {
+    fn default() -> Self {
+        Self { items: Vec::new() }
+    }
+}
+
+impl<T: Default> PodMap<T> {
+    /// The pod's state, if it has any yet.
+    pub fn get(&self, pod: PodId) -> Option<&T> {
+        self.items.get(pod.index())
+    }
+
+    /// The pod's state, made (default) on first use.
+    pub fn get_mut(&mut self, pod: PodId) -> &mut T {
+        if pod.index() >= self.items.len() {
+            self.items.resize_with(pod.index() + 1, T::default);
+        }
+        &mut self.items[pod.index()]
+    }
+
+    /// Every pod's state, with its id.
+    pub fn iter(&self) -> impl Iterator<Item = (PodId, &T)> {
+        self.items.iter().enumerate().map(|(i, t)| (PodId(i as u32), t))
+    }
+
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.items.iter_mut()
+    }
+
+    /// Pods with state (a bound on their ids).
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
 }
 
 impl FromIterator<PodId> for PodSet {
@@ -62,5 +116,15 @@ mod tests {
         assert_eq!(a.word(1), 1);
         assert_eq!(a.word(3), 1 << 8);
         assert_eq!(a.word(7), 0);
+        assert_eq!((a.id_bound(), PodSet::default().id_bound()), (201, 0));
+    }
+
+    #[test]
+    fn pod_maps_grow_on_first_use() {
+        let mut m: PodMap<u32> = PodMap::default();
+        assert_eq!(m.get(PodId(3)), None);
+        *m.get_mut(PodId(3)) += 5;
+        assert_eq!((m.get(PodId(3)), m.get(PodId(1)), m.len()), (Some(&5), Some(&0), 4));
+        assert_eq!(m.iter().map(|(p, v)| (p.0, *v)).last(), Some((3, 5)));
     }
 }

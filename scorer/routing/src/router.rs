@@ -11,21 +11,24 @@
 //! the main policy picks one pod that prefills and decodes. The choice is booked at once.
 
 use crate::approx::ApproxIndex;
-pub use crate::config::RouterConfig;
-use crate::config::{Invalid, check};
 use crate::events::EventBatch;
 use crate::hash::SequenceHash;
+use crate::index::IndexConfig;
 use crate::index::{KvIndex, TieredMatch};
+use crate::load::LoadConfig;
 use crate::load::{Booking, BookingKey, BookingUpdate, Leg, Lifecycle, LoadTracker, Origin, UnknownRequest};
 use crate::pod_set::{PodId, PodSet};
+use crate::policy::PolicyConfig;
 use crate::policy::{Candidate, Decision, Policy, ReportedLoad, RouteInput};
+use crate::validate::{Invalid, check};
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// Which side of prefill/decode disaggregation a pod serves.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
+    #[default]
     Both,
     Prefill,
     Decode,
@@ -35,6 +38,57 @@ impl Role {
     /// Whether the pod can take a request's decode (and a direct request).
     pub fn decodes(self) -> bool {
         matches!(self, Role::Both | Role::Decode)
+    }
+}
+
+/// Prefill/decode disaggregation (`pd`).
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct PdConfig {
+    /// Disaggregate when the best decode-capable pod would have to prefill at least this many
+    /// uncached tokens (and a healthy prefill pod exists). 0 = always.
+    pub threshold_tokens: u32,
+    /// How the prefill pod is chosen (`kv`: KV overlap + queued prefill work).
+    pub prefill_policy: PolicyConfig,
+    /// How the decode pod of a disaggregated request is chosen (`kv`: decode load).
+    pub decode_policy: PolicyConfig,
+}
+
+impl Default for PdConfig {
+    fn default() -> Self {
+        Self { threshold_tokens: 1024, prefill_policy: PolicyConfig::default(), decode_policy: PolicyConfig::default() }
+    }
+}
+
+/// Everything a router is built from.
+#[derive(Clone, Debug)]
+pub struct RouterConfig {
+    /// Tokens per KV block: must equal the engines' `--block-size`.
+    pub block_size: usize,
+    pub index: IndexConfig,
+    pub load: LoadConfig,
+    pub policy: PolicyConfig,
+    pub pd: PdConfig,
+    /// Seed of the policies' random choices.
+    pub seed: u64,
+    /// When pods have no room (absent: never saturated).
+    pub saturation: Option<Saturation>,
+}
+
+impl RouterConfig {
+    /// Checks every part; fields are named as the scorer's YAML writes them (the saturation
+    /// limits under `admission`).
+    pub fn validate(&self) -> Result<(), Invalid> {
+        check(self.block_size > 0, "block_size", "must be positive")?;
+        self.index.validate().map_err(|e| e.under("index"))?;
+        self.load.validate().map_err(|e| e.under("load"))?;
+        self.policy.validate().map_err(|e| e.under("policy"))?;
+        self.pd.prefill_policy.validate().map_err(|e| e.under("pd.prefill_policy"))?;
+        self.pd.decode_policy.validate().map_err(|e| e.under("pd.decode_policy"))?;
+        if let Some(saturation) = &self.saturation {
+            saturation.validate().map_err(|e| e.under("admission"))?;
+        }
+        Ok(())
     }
 }
 
@@ -326,12 +380,11 @@ impl Router {
         }
     }
 
-    /// Adds a pod, healthy. `precise`: its KV events will be applied; otherwise it is
-    /// indexed approximately by what is routed there.
+    /// Adds a pod, healthy, and gives it its id: the one place pod ids are made (the index,
+    /// the bookings and the speeds keep their state of it by that id). `precise`: its KV
+    /// events will be applied; otherwise it is indexed approximately by what is routed there.
     pub fn add_pod(&mut self, role: Role, precise: bool) -> PodId {
-        let id = self.index.add_pod();
-        self.approx.add_pod();
-        self.load.add_pod();
+        let id = PodId(self.pods.len() as u32);
         let key = xxh3_64(&(id.index() as u64).to_le_bytes());
         self.pods.push(PodState { role, precise, present: true, healthy: true, reported: None, key });
         id
@@ -543,7 +596,8 @@ impl Router {
                 let (cached, offloaded_tokens, offload_work_tokens) = match cached_override {
                     Some(cached) => (cached, 0, 0),
                     None => {
-                        let indexed = self.overlap[p.index()].max(self.approx_overlap[p.index()]);
+                        let overlap = |o: &[u32]| o.get(p.index()).copied().unwrap_or(0);
+                        let indexed = overlap(&self.overlap).max(overlap(&self.approx_overlap));
                         let blocks = indexed.max(self.load.inflight_prefix(p, request.chain) as u32);
                         let cached = tokens(blocks);
                         // Blocks past the GPU prefix the pod holds offloaded: loaded, not computed.
@@ -681,11 +735,7 @@ impl Router {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::PdConfig;
     use crate::hash::{root_hash, sequence_hashes};
-    use crate::index::IndexConfig;
-    use crate::load::LoadConfig;
-    use crate::policy::PolicyConfig;
 
     fn router(threshold: u32) -> Router {
         Router::new(&test_config(threshold))

@@ -33,8 +33,8 @@
 //! (in place of `load.decode_tokens_per_second`), so a slow pod's decode load is held
 //! longer. Time is the caller's (no clock here).
 
-use crate::config::{Invalid, check};
-use crate::pod_set::PodId;
+use crate::pod_set::{PodId, PodMap};
+use crate::validate::{Invalid, check};
 use serde::Deserialize;
 
 /// How pod speeds are learned.
@@ -152,7 +152,7 @@ pub struct PodSpeeds {
     /// reports a pod needs before its decode speed is used.
     decode_reports_needed: f64,
     fleet: Line,
-    pods: Vec<PodSpeed>,
+    pods: PodMap<PodSpeed>,
     /// Whether the learned slownesses span more than `alike_spread` (updated per sample).
     unlike: bool,
 }
@@ -161,19 +161,14 @@ impl PodSpeeds {
     pub fn new(config: SpeedConfig) -> Self {
         let keep = 1.0 - 1.0 / config.window_samples;
         let decode_reports_needed = (1.0 - keep.powf(config.prior_samples.max(1.0))) / (1.0 - keep) - 1e-9;
-        Self { config, keep, decode_reports_needed, fleet: Line::default(), pods: Vec::new(), unlike: false }
-    }
-
-    /// Registers a pod (ids are dense, as everywhere).
-    pub fn add_pod(&mut self) {
-        self.pods.push(PodSpeed::default());
+        Self { config, keep, decode_reports_needed, fleet: Line::default(), pods: PodMap::default(), unlike: false }
     }
 
     /// A prefill of `tokens` uncached tokens, booked on `pod` at `booked_at`, finished at
     /// `now`.
     pub fn prefill_done(&mut self, pod: PodId, booked_at: f64, tokens: u64, now: f64) {
         let keep = self.keep;
-        let Some(state) = self.pods.get_mut(pod.index()) else { return };
+        let state = self.pods.get_mut(pod);
         if tokens == 0 {
             return; // Nothing computed there (its KV came from a prefill pod).
         }
@@ -191,7 +186,7 @@ impl PodSpeeds {
             state.samples = state.samples * keep + 1.0;
         }
         self.fleet.add(x, y, keep);
-        let judged = self.pods.iter().filter(|p| p.samples > 0.0).map(|p| self.learned_slowness(p));
+        let judged = self.pods.iter().filter(|(_, p)| p.samples > 0.0).map(|(_, p)| self.learned_slowness(p));
         let (fastest, slowest) = judged.fold((f64::INFINITY, 0.0_f64), |(lo, hi), s| (lo.min(s), hi.max(s)));
         self.unlike = slowest > fastest * self.config.alike_spread;
     }
@@ -200,7 +195,7 @@ impl PodSpeeds {
     /// `output_tokens` tokens.
     pub fn decode_done(&mut self, pod: PodId, first_token_at: f64, output_tokens: u32, now: f64) {
         let keep = self.keep;
-        let Some(state) = self.pods.get_mut(pod.index()) else { return };
+        let state = self.pods.get_mut(pod);
         if output_tokens < 2 || now <= first_token_at {
             return;
         }
@@ -211,13 +206,13 @@ impl PodSpeeds {
 
     /// The pod's learned decode speed per sequence, if learning is on and it has one.
     pub fn decode_tokens_per_second(&self, pod: PodId) -> Option<f64> {
-        self.pods.get(pod.index()).filter(|_| self.config.learn).and_then(|p| self.learned_decode(p))
+        self.pods.get(pod).filter(|_| self.config.learn).and_then(|p| self.learned_decode(p))
     }
 
     /// The pod's slowness as applied: 1 unless learning is on and the fleet's pods are
     /// unlike (their learned slownesses span more than `alike_spread`).
     pub fn slowness(&self, pod: PodId) -> f64 {
-        match self.pods.get(pod.index()) {
+        match self.pods.get(pod) {
             Some(p) if self.config.learn && self.unlike => self.learned_slowness(p),
             _ => 1.0,
         }
@@ -239,7 +234,7 @@ impl PodSpeeds {
 
     /// The pod's learned speed (whether or not it is applied).
     pub fn view(&self, pod: PodId) -> SpeedView {
-        match self.pods.get(pod.index()) {
+        match self.pods.get(pod) {
             Some(state) => SpeedView {
                 slowness: self.learned_slowness(state),
                 samples: state.samples,
@@ -274,11 +269,9 @@ mod tests {
         }
     }
 
-    /// A learner for four pods.
+    /// A learner (of pods 0–3, as the tests feed it).
     fn learner(config: SpeedConfig) -> PodSpeeds {
-        let mut speeds = PodSpeeds::new(config);
-        (0..4).for_each(|_| speeds.add_pod());
-        speeds
+        PodSpeeds::new(config)
     }
 
     /// What was learned (before the tolerance).

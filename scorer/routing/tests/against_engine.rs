@@ -44,7 +44,7 @@ fn run(format: EventFormat, hashes: HashFormat, seed: u64) {
         })
         .collect();
     let mut index = KvIndex::new(BS, IndexConfig::default());
-    let pods: Vec<PodId> = engines.iter().map(|_| index.add_pod()).collect();
+    let pods: Vec<PodId> = (0..engines.len() as u32).map(PodId).collect();
     let all: PodSet = pods.iter().copied().collect();
     let prefixes: Vec<Vec<u32>> =
         (0..8).map(|_| (0..rng.random_range(4..40)).map(|_| rng.random_range(0..50)).collect()).collect();

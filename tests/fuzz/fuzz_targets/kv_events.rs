@@ -8,7 +8,7 @@ use libfuzzer_sys::fuzz_target;
 fuzz_target!(|data: &[u8]| {
     if let Ok(batch) = decode_batch(data) {
         let mut index = KvIndex::new(4, IndexConfig { max_blocks_per_pod: 64, ..IndexConfig::default() });
-        let pod = index.add_pod();
+        let pod = kvgate_routing::pod_set::PodId(0);
         index.apply(pod, &batch);
         index.apply(pod, &batch);
         assert!(index.pod_blocks(pod) <= 64);

@@ -47,8 +47,8 @@
 //! (unless every pod is busy, then all stay eligible).
 
 use super::{Candidate, Decision, Policy, RouteInput, argmin_tie, uncached_tokens};
-use crate::config::{Invalid, check, positive};
 use crate::load::prefill_work;
+use crate::validate::{Invalid, check, positive};
 use rand::Rng;
 use rand::rngs::StdRng;
 use serde::Deserialize;

@@ -109,7 +109,7 @@ impl Default for PolicyConfig {
 
 impl PolicyConfig {
     /// Checks the policy's parameters.
-    pub fn validate(&self) -> Result<(), crate::config::Invalid> {
+    pub fn validate(&self) -> Result<(), crate::validate::Invalid> {
         match self {
             PolicyConfig::Kv(kv) => kv.validate(),
             _ => Ok(()),
