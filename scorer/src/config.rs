@@ -22,11 +22,11 @@ fn invalid<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T,
     Err(ConfigError::Invalid { field: field.into(), message: message.into() })
 }
 
-use kvgate_routing::config::{PdConfig, RouterConfig, positive};
 use kvgate_routing::index::IndexConfig;
 use kvgate_routing::load::LoadConfig;
 pub use kvgate_routing::router::Role;
-use kvgate_routing::router::Saturation;
+use kvgate_routing::router::{PdConfig, RouterConfig, Saturation};
+use kvgate_routing::validate::positive;
 use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
 

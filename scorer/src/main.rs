@@ -3,7 +3,6 @@
 
 use anyhow::Context;
 use clap::Parser;
-use kvgate_routing::pod_set::PodId;
 use kvgate_scorer::config::Config;
 use kvgate_scorer::discovery::{self, PodEndpoints};
 use kvgate_scorer::picking::Picker;
@@ -65,14 +64,14 @@ async fn main() -> anyhow::Result<()> {
     let admin_listen = config.admin.listen;
     let scorer = Arc::new(Scorer::new(config, tokenizer));
 
-    // Static pods have ids 0.. in configuration order; their tasks run for good.
-    for (i, p) in scorer.config.pods.iter().enumerate() {
+    // The configured pods' tasks run for good.
+    for (p, &id) in scorer.config.pods.iter().zip(scorer.static_pods()) {
         let endpoints = PodEndpoints {
             kv_events: p.kv_events.clone(),
             kv_events_replay: p.kv_events_replay.clone(),
             metrics: p.metrics.clone(),
         };
-        discovery::spawn_pod_tasks(&scorer, PodId(i as u32), &endpoints);
+        discovery::spawn_pod_tasks(&scorer, id, &endpoints);
     }
     for k in scorer.config.discovery.kubernetes.clone() {
         tracing::info!(namespace = %k.namespace, selector = %k.label_selector, "discovering pods through the Kubernetes API");

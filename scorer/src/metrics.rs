@@ -15,6 +15,8 @@ pub struct Metrics {
     pub tokenizer_cache_pieces: IntCounterVec,
     pub tokenizer_cache_tokens: prometheus::IntGauge,
     pub route_errors: IntCounterVec,
+    pub state_lock_waits: IntCounter,
+    pub state_lock_wait_seconds: Histogram,
     pub route_streams: prometheus::IntGauge,
     pub prompt_tokens: IntCounter,
     pub cached_tokens: IntCounter,
@@ -115,6 +117,14 @@ impl Metrics {
             reg!(prometheus::IntGauge::new("tokenizer_cache_tokens", "Token ids the tokenizer cache holds."));
         let route_errors =
             reg!(IntCounterVec::new(Opts::new("route_errors_total", "Route calls answered with an error."), &["code"]));
+        let state_lock_waits = reg!(IntCounter::new(
+            "state_lock_waits_total",
+            "Times a thread found the scorer's state (index, bookings, pods) locked by another and waited."
+        ));
+        let state_lock_wait_seconds = reg!(Histogram::with_opts(
+            HistogramOpts::new("state_lock_wait_seconds", "How long those waits for the scorer's state took.")
+                .buckets(buckets())
+        ));
         let route_streams =
             reg!(prometheus::IntGauge::new("route_streams", "Route streams open (one per Envoy worker and filter)."));
         let prompt_tokens = reg!(IntCounter::new("routed_prompt_tokens_total", "Prompt tokens of routed requests."));
@@ -263,6 +273,8 @@ impl Metrics {
             tokenizer_cache_pieces,
             tokenizer_cache_tokens,
             route_errors,
+            state_lock_waits,
+            state_lock_wait_seconds,
             route_streams,
             prompt_tokens,
             cached_tokens,

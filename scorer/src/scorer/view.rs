@@ -1,0 +1,113 @@
+//! What `GET /v1/pods` shows of each pod, and the per-pod gauges it refreshes.
+
+use super::Scorer;
+use crate::config::Role;
+use kvgate_routing::index::PodIndexStats;
+use serde::Serialize;
+
+/// One entry of `GET /v1/pods`.
+#[derive(Serialize)]
+pub struct PodView {
+    pub name: String,
+    pub address: String,
+    pub role: Role,
+    pub healthy: bool,
+    /// `precise` (KV events) or `approximate` (what kvgate routed there).
+    pub index: &'static str,
+    pub cached_blocks: usize,
+    /// Blocks its KV connector offloaded to host memory or storage (precise index only).
+    pub offloaded_blocks: usize,
+    pub inflight_requests: u32,
+    pub queued_prefill_tokens: u64,
+    pub decode_blocks: f64,
+    /// Its prefill time relative to the fleet's average (1 = average), learned from the
+    /// first tokens it reported; applied to its costs unless `load.pod_speed.learn` is off.
+    pub slowness: f64,
+    /// The (decayed) count of first tokens that taught it.
+    pub slowness_samples: f64,
+    /// Tokens per second one sequence decodes there, learned from `done` reports with
+    /// output tokens (absent until enough arrived).
+    pub decode_tokens_per_second: Option<f64>,
+    pub events_received: u64,
+    pub event_gaps: u64,
+    /// Batches the gaps skipped (lost by the publisher's full queue or the network), before
+    /// any replay: with `events_received` this accounts for every batch a pod published.
+    pub event_batches_missed: u64,
+    /// Duplicate or late batches dropped by their sequence number.
+    pub event_batches_stale: u64,
+    pub event_decode_errors: u64,
+    pub reported: Option<ReportedView>,
+    pub index_stats: PodIndexStats,
+}
+
+#[derive(Serialize)]
+pub struct ReportedView {
+    pub running: f64,
+    pub waiting: f64,
+    pub kv_cache_usage: f64,
+}
+
+impl Scorer {
+    /// `GET /v1/pods`; also refreshes the gauges.
+    pub fn pods_view(&self) -> Vec<PodView> {
+        let now = self.now();
+        let core = self.lock();
+        let views: Vec<PodView> = (core.pods.iter())
+            .filter(|(id, _)| core.router.is_present(*id))
+            .map(|(_, entry)| {
+                let (p, h) = (&entry.info, entry.health);
+                let load = core.router.load().load(p.id, now);
+                let cached = core.router.pod_blocks(p.id);
+                let speed = core.router.load().speed(p.id);
+                PodView {
+                    name: p.name.clone(),
+                    address: p.address.clone(),
+                    role: p.role,
+                    healthy: core.router.is_healthy(p.id),
+                    index: if p.precise { "precise" } else { "approximate" },
+                    cached_blocks: cached,
+                    offloaded_blocks: core.router.index().pod_offloaded_blocks(p.id),
+                    inflight_requests: load.inflight_requests,
+                    queued_prefill_tokens: load.queued_prefill_tokens,
+                    decode_blocks: load.decode_blocks,
+                    slowness: speed.slowness,
+                    slowness_samples: speed.samples,
+                    decode_tokens_per_second: speed.decode_tokens_per_second,
+                    events_received: h.events_received,
+                    event_gaps: h.event_gaps,
+                    event_batches_missed: h.batches_missed,
+                    event_batches_stale: h.batches_stale,
+                    event_decode_errors: h.decode_errors,
+                    reported: core.router.reported_load(p.id).map(|r| ReportedView {
+                        running: r.running,
+                        waiting: r.waiting,
+                        kv_cache_usage: r.kv_cache_usage,
+                    }),
+                    index_stats: core.router.index().stats(p.id),
+                }
+            })
+            .collect();
+        let (entries, distinct) = (core.router.index().entries(), core.router.index().distinct_blocks());
+        drop(core);
+        for v in &views {
+            let index = if v.index == "precise" { "precise" } else { "approximate" };
+            self.metrics.index_blocks.with_label_values(&[&v.name, index]).set(v.cached_blocks as f64);
+            if v.index == "precise" {
+                self.metrics.index_blocks.with_label_values(&[&v.name, "offloaded"]).set(v.offloaded_blocks as f64);
+            }
+            self.metrics.inflight_requests.with_label_values(&[&v.name]).set(f64::from(v.inflight_requests));
+            self.metrics.queued_prefill_tokens.with_label_values(&[&v.name]).set(v.queued_prefill_tokens as f64);
+            self.metrics.pod_slowness.with_label_values(&[&v.name]).set(v.slowness);
+        }
+        self.metrics.index_entries.with_label_values(&["block_pod_entries"]).set(entries as f64);
+        self.metrics.index_entries.with_label_values(&["distinct_blocks"]).set(distinct as f64);
+        if let Some(stats) = self.tokenizer.segment_cache_stats() {
+            for (outcome, total) in [("hit", stats.hits), ("miss", stats.misses)] {
+                let counter = self.metrics.tokenizer_cache_pieces.with_label_values(&[outcome]);
+                counter.inc_by(total.saturating_sub(counter.get()));
+            }
+            self.metrics.tokenizer_cache_tokens.set(i64::try_from(stats.tokens).unwrap_or(i64::MAX));
+        }
+        views
+    }
+}
