@@ -26,18 +26,11 @@ proxy_wasm::main! {{
 
 /// Counters and histograms exported through Envoy's stats (`wasmcustom.kvgate_*`).
 struct Metrics {
-    routed: u32,
-    fail_open: u32,
-    fail_closed: u32,
-    bad_request: u32,
-    scorer_bad_request: u32,
+    /// The request flow's counters, by [`Counter`] number.
+    flow: [u32; Counter::ALL.len()],
     callout_ms: u32,
     lifecycle_sent: u32,
     lifecycle_failed: u32,
-    pd_prefill_ok: u32,
-    pd_fallback: u32,
-    pd_header: u32,
-    shed: u32,
     route_stream_opened: u32,
 }
 
@@ -45,37 +38,12 @@ impl Metrics {
     fn define() -> Self {
         let m = |kind, name: &str| hostcalls::define_metric(kind, name).unwrap_or(u32::MAX);
         Self {
-            routed: m(MetricType::Counter, "kvgate_routed"),
-            fail_open: m(MetricType::Counter, "kvgate_fail_open"),
-            fail_closed: m(MetricType::Counter, "kvgate_fail_closed"),
-            bad_request: m(MetricType::Counter, "kvgate_bad_request"),
-            scorer_bad_request: m(MetricType::Counter, "kvgate_scorer_bad_request"),
+            flow: Counter::ALL.map(|c| m(MetricType::Counter, &format!("kvgate_{}", c.name()))),
             callout_ms: m(MetricType::Histogram, "kvgate_callout_ms"),
             lifecycle_sent: m(MetricType::Counter, "kvgate_lifecycle_reports_sent"),
             lifecycle_failed: m(MetricType::Counter, "kvgate_lifecycle_reports_failed"),
-            pd_prefill_ok: m(MetricType::Counter, "kvgate_pd_prefill_ok"),
-            pd_fallback: m(MetricType::Counter, "kvgate_pd_fallback"),
-            pd_header: m(MetricType::Counter, "kvgate_pd_header"),
-            shed: m(MetricType::Counter, "kvgate_shed"),
             route_stream_opened: m(MetricType::Counter, "kvgate_route_stream_opened"),
         }
-    }
-
-    /// The stat of a flow's counter (`None`: one this host never counts).
-    fn of(&self, counter: Counter) -> Option<u32> {
-        Some(match counter {
-            Counter::Routed => self.routed,
-            Counter::FailOpen => self.fail_open,
-            Counter::FailClosed => self.fail_closed,
-            Counter::BadRequest => self.bad_request,
-            Counter::ScorerBadRequest => self.scorer_bad_request,
-            Counter::Shed => self.shed,
-            Counter::PdHeader => self.pd_header,
-            Counter::PdPrefillOk => self.pd_prefill_ok,
-            Counter::PdFallback => self.pd_fallback,
-            // This host sends prefill legs.
-            Counter::PdLocalPrefill => return None,
-        })
     }
 }
 
@@ -380,9 +348,7 @@ impl Proxy for Host<'_> {
     }
 
     fn count(&mut self, counter: Counter) {
-        if let Some(metric) = self.shared.metrics.of(counter) {
-            incr(metric, 1);
-        }
+        incr(self.shared.metrics.flow[counter as usize], 1);
     }
 
     fn report(&mut self, report: LifecycleReport) {

@@ -26,7 +26,7 @@ use kvgate_routing::index::IndexConfig;
 use kvgate_routing::load::LoadConfig;
 pub use kvgate_routing::router::Role;
 use kvgate_routing::router::{PdConfig, RouterConfig, Saturation};
-use kvgate_routing::validate::positive;
+use kvgate_routing::validate::{Invalid, check, positive};
 use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
 
@@ -479,155 +479,142 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        if let Err(e) = self.router_config().validate() {
-            return invalid(e.field, e.message);
-        }
+        self.check().map_err(|e| ConfigError::Invalid { field: e.field, message: e.message })
+    }
+
+    /// Every section checked by itself, then what ties them together.
+    fn check(&self) -> Result<(), Invalid> {
+        self.router_config().validate()?;
         let mut dns_names = HashSet::new();
         for (i, dns) in self.discovery.dns.iter().enumerate() {
-            let field = |f: &str| format!("discovery.dns[{i}].{f}");
-            if dns.name.trim().is_empty() {
-                return invalid(field("name"), "must be a DNS name");
-            }
-            if !dns_names.insert((dns.name.as_str(), dns.port)) {
-                return invalid(field("name"), format!("{}:{} is discovered twice", dns.name, dns.port));
-            }
-            if dns.port == 0 {
-                return invalid(field("port"), "must be a port number");
-            }
-            if !positive(dns.interval_seconds) {
-                return invalid(field("interval_seconds"), "must be a positive number of seconds");
-            }
-            if let Some(path) = &dns.metrics_path
-                && !path.starts_with('/')
-            {
-                return invalid(field("metrics_path"), format!("{path:?} must start with /"));
-            }
+            let field = format!("discovery.dns[{i}]");
+            dns.check().map_err(|e| e.under(&field))?;
+            let unique = dns_names.insert((dns.name.as_str(), dns.port));
+            check(unique, &format!("{field}.name"), &format!("{}:{} is discovered twice", dns.name, dns.port))?;
         }
         for (i, k) in self.discovery.kubernetes.iter().enumerate() {
-            let field = |f: &str| format!("discovery.kubernetes[{i}].{f}");
-            if k.namespace.trim().is_empty() {
-                return invalid(field("namespace"), "must name a namespace");
-            }
-            if k.label_selector.trim().is_empty() {
-                return invalid(field("label_selector"), "must select the model's pods (e.g. app=vllm)");
-            }
-            if k.port == 0 {
-                return invalid(field("port"), "must be a port number");
-            }
-            if let Some(url) = &k.api_server
-                && !(url.starts_with("https://") || url.starts_with("http://"))
-            {
-                return invalid(field("api_server"), format!("{url:?} must be an http(s) URL"));
-            }
-            if let Some(path) = &k.metrics_path
-                && !path.starts_with('/')
-            {
-                return invalid(field("metrics_path"), format!("{path:?} must start with /"));
-            }
+            k.check().map_err(|e| e.under(&format!("discovery.kubernetes[{i}]")))?;
         }
         if let Some(pool) = &self.discovery.inference_pool {
-            let field = |f: &str| format!("discovery.inference_pool.{f}");
-            if pool.namespace.trim().is_empty() {
-                return invalid(field("namespace"), "must name the pool's namespace");
-            }
-            if pool.name.trim().is_empty() {
-                return invalid(field("name"), "must name the InferencePool");
-            }
-            if let Some(url) = &pool.api_server
-                && !(url.starts_with("https://") || url.starts_with("http://"))
-            {
-                return invalid(field("api_server"), format!("{url:?} must be an http(s) URL"));
-            }
-            if let Some(path) = &pool.metrics_path
-                && !path.starts_with('/')
-            {
-                return invalid(field("metrics_path"), format!("{path:?} must start with /"));
-            }
+            pool.check().map_err(|e| e.under("discovery.inference_pool"))?;
         }
-        if self.pods.is_empty()
-            && self.discovery.dns.is_empty()
-            && self.discovery.kubernetes.is_empty()
-            && self.discovery.inference_pool.is_none()
-        {
-            return invalid("pods", "at least one pod is needed (or configure discovery)");
-        }
+        let discovered = !self.discovery.dns.is_empty()
+            || !self.discovery.kubernetes.is_empty()
+            || self.discovery.inference_pool.is_some();
+        check(discovered || !self.pods.is_empty(), "pods", "at least one pod is needed (or configure discovery)")?;
         let (mut names, mut addresses) = (HashSet::new(), HashSet::new());
         for (i, pod) in self.pods.iter().enumerate() {
             let field = |f: &str| format!("pods[{i}].{f}");
-            if pod.name.is_empty() || !pod.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
-                return invalid(field("name"), format!("{:?} must be non-empty [A-Za-z0-9._-]", pod.name));
-            }
-            if !names.insert(pod.name.as_str()) {
-                return invalid(field("name"), format!("duplicate pod name {:?}", pod.name));
-            }
-            if pod.address.parse::<SocketAddr>().is_err() {
-                return invalid(field("address"), format!("{:?} is not ip:port", pod.address));
-            }
-            if !addresses.insert(pod.address.as_str()) {
-                return invalid(field("address"), format!("duplicate address {}", pod.address));
-            }
-            for (name, endpoint) in [("kv_events", &pod.kv_events), ("kv_events_replay", &pod.kv_events_replay)] {
-                if let Some(e) = endpoint
-                    && !(e.starts_with("tcp://") || e.starts_with("ipc://"))
-                {
-                    return invalid(field(name), format!("{e:?} must start with tcp:// or ipc://"));
-                }
-            }
-            if pod.kv_events_replay.is_some() && pod.kv_events.is_none() {
-                return invalid(field("kv_events_replay"), "needs kv_events");
-            }
-            if let Some(url) = &pod.metrics
-                && !url.starts_with("http://")
-            {
-                return invalid(field("metrics"), format!("{url:?} must be an http:// URL"));
-            }
+            pod.check().map_err(|e| e.under(&format!("pods[{i}]")))?;
+            check(names.insert(pod.name.as_str()), &field("name"), &format!("duplicate pod name {:?}", pod.name))?;
+            let unique = addresses.insert(pod.address.as_str());
+            check(unique, &field("address"), &format!("duplicate address {}", pod.address))?;
         }
-        if self.admission.as_ref().is_some_and(|a| a.max_wait_ms == 0) {
-            return invalid("admission.max_wait_ms", "must be positive");
+        if let Some(a) = &self.admission {
+            check(a.max_wait_ms > 0, "admission.max_wait_ms", "must be positive")?;
         }
         if let Some(sync) = &self.sync {
-            if !sync.nats.split(',').all(|u| u.trim().starts_with("nats://") || u.trim().starts_with("tls://")) {
-                return invalid("sync.nats", format!("{:?} must be nats:// or tls:// URLs", sync.nats));
-            }
-            if !sync.subject_prefix.split('.').all(subject_token) {
-                return invalid("sync.subject_prefix", "must be NATS subject tokens joined by '.', without wildcards");
-            }
-            if !subject_token(&sync.replica()) {
-                return invalid("sync.replica_id", "must be one NATS subject token (no '.', '*', '>' or spaces)");
-            }
-            if sync.heartbeat_ms == 0 || sync.replica_timeout_ms < 2 * sync.heartbeat_ms {
-                return invalid("sync.replica_timeout_ms", "must be at least twice a positive heartbeat_ms");
-            }
+            sync.check().map_err(|e| e.under("sync"))?;
         }
-        if self.fallback_endpoints > 16 {
-            return invalid("fallback_endpoints", "at most 16 (a retry per endpoint)");
-        }
-        if self.listen_threads == Some(0) {
-            return invalid("listen_threads", "must be at least 1");
-        }
-        if self.admin.listen == Some(self.listen) {
-            return invalid("admin.listen", "must differ from listen");
-        }
+        check(self.fallback_endpoints <= 16, "fallback_endpoints", "at most 16 (a retry per endpoint)")?;
+        check(self.listen_threads != Some(0), "listen_threads", "must be at least 1")?;
+        check(self.admin.listen != Some(self.listen), "admin.listen", "must differ from listen")?;
         if let Some(epp) = &self.epp {
-            if epp.listen == self.listen || Some(epp.listen) == self.admin.listen {
-                return invalid("epp.listen", "must differ from listen and admin.listen");
-            }
-            if epp.body_limit_bytes == 0 {
-                return invalid("epp.body_limit_bytes", "must be positive");
-            }
+            let apart = epp.listen != self.listen && Some(epp.listen) != self.admin.listen;
+            check(apart, "epp.listen", "must differ from listen and admin.listen")?;
+            check(epp.body_limit_bytes > 0, "epp.body_limit_bytes", "must be positive")?;
             let h = &epp.prefiller_header;
-            if h.is_empty() || !h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-') {
-                return invalid("epp.prefiller_header", format!("{h:?} is not a lowercase header name"));
+            let header = !h.is_empty() && h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+            check(header, "epp.prefiller_header", &format!("{h:?} is not a lowercase header name"))?;
+        }
+        self.health.check().map_err(|e| e.under("health"))
+    }
+}
+
+impl PodConfig {
+    fn check(&self) -> Result<(), Invalid> {
+        let name = !self.name.is_empty() && self.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
+        check(name, "name", &format!("{:?} must be non-empty [A-Za-z0-9._-]", self.name))?;
+        let address = self.address.parse::<SocketAddr>().is_ok();
+        check(address, "address", &format!("{:?} is not ip:port", self.address))?;
+        for (field, endpoint) in [("kv_events", &self.kv_events), ("kv_events_replay", &self.kv_events_replay)] {
+            if let Some(e) = endpoint {
+                let zmq = e.starts_with("tcp://") || e.starts_with("ipc://");
+                check(zmq, field, &format!("{e:?} must start with tcp:// or ipc://"))?;
             }
         }
-        if !positive(self.health.retry_seconds) {
-            return invalid("health.retry_seconds", "must be positive");
+        check(self.kv_events_replay.is_none() || self.kv_events.is_some(), "kv_events_replay", "needs kv_events")?;
+        match &self.metrics {
+            Some(url) => check(url.starts_with("http://"), "metrics", &format!("{url:?} must be an http:// URL")),
+            None => Ok(()),
         }
-        if self.health.scrape_interval_ms == 0 || self.health.scrape_timeout_ms == 0 || self.health.unhealthy_after == 0
-        {
-            return invalid("health", "scrape_interval_ms, scrape_timeout_ms and unhealthy_after must be positive");
+    }
+}
+
+impl HealthSection {
+    fn check(&self) -> Result<(), Invalid> {
+        check(positive(self.retry_seconds), "retry_seconds", "must be positive")?;
+        let positives = self.scrape_interval_ms > 0 && self.scrape_timeout_ms > 0 && self.unhealthy_after > 0;
+        check(positives, "", "scrape_interval_ms, scrape_timeout_ms and unhealthy_after must be positive")
+    }
+}
+
+impl SyncSection {
+    fn check(&self) -> Result<(), Invalid> {
+        let urls = self.nats.split(',').all(|u| u.trim().starts_with("nats://") || u.trim().starts_with("tls://"));
+        check(urls, "nats", &format!("{:?} must be nats:// or tls:// URLs", self.nats))?;
+        let prefix = self.subject_prefix.split('.').all(subject_token);
+        check(prefix, "subject_prefix", "must be NATS subject tokens joined by '.', without wildcards")?;
+        let replica = subject_token(&self.replica());
+        check(replica, "replica_id", "must be one NATS subject token (no '.', '*', '>' or spaces)")?;
+        let timeout = self.heartbeat_ms > 0 && self.replica_timeout_ms >= 2 * self.heartbeat_ms;
+        check(timeout, "replica_timeout_ms", "must be at least twice a positive heartbeat_ms")
+    }
+}
+
+impl DnsDiscovery {
+    fn check(&self) -> Result<(), Invalid> {
+        check(!self.name.trim().is_empty(), "name", "must be a DNS name")?;
+        check(self.port > 0, "port", "must be a port number")?;
+        check(positive(self.interval_seconds), "interval_seconds", "must be a positive number of seconds")?;
+        check_metrics_path(&self.metrics_path)
+    }
+}
+
+impl KubernetesDiscovery {
+    fn check(&self) -> Result<(), Invalid> {
+        check(!self.namespace.trim().is_empty(), "namespace", "must name a namespace")?;
+        let selector = !self.label_selector.trim().is_empty();
+        check(selector, "label_selector", "must select the model's pods (e.g. app=vllm)")?;
+        check(self.port > 0, "port", "must be a port number")?;
+        check_api_server(&self.api_server)?;
+        check_metrics_path(&self.metrics_path)
+    }
+}
+
+impl InferencePoolDiscovery {
+    fn check(&self) -> Result<(), Invalid> {
+        check(!self.namespace.trim().is_empty(), "namespace", "must name the pool's namespace")?;
+        check(!self.name.trim().is_empty(), "name", "must name the InferencePool")?;
+        check_api_server(&self.api_server)?;
+        check_metrics_path(&self.metrics_path)
+    }
+}
+
+fn check_metrics_path(path: &Option<String>) -> Result<(), Invalid> {
+    match path {
+        Some(path) => check(path.starts_with('/'), "metrics_path", &format!("{path:?} must start with /")),
+        None => Ok(()),
+    }
+}
+
+fn check_api_server(url: &Option<String>) -> Result<(), Invalid> {
+    match url {
+        Some(url) => {
+            let http = url.starts_with("https://") || url.starts_with("http://");
+            check(http, "api_server", &format!("{url:?} must be an http(s) URL"))
         }
-        Ok(())
+        None => Ok(()),
     }
 }
 

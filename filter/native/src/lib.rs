@@ -54,50 +54,20 @@ struct Config {
     counters: Counters,
 }
 
-/// Envoy stats of the filter (`kvgate.<name>`: the bootstrap's metrics namespace).
-struct Counters {
-    routed: abi::Counter,
-    fail_open: abi::Counter,
-    fail_closed: abi::Counter,
-    bad_request: abi::Counter,
-    scorer_bad_request: abi::Counter,
-    shed: abi::Counter,
-    pd_header: abi::Counter,
-    pd_local_prefill: abi::Counter,
-}
+/// Envoy stats of the filter (`kvgate.<name>`: the bootstrap's metrics namespace): the
+/// request flow's counters, by [`Counter`] number.
+struct Counters([abi::Counter; Counter::ALL.len()]);
 
 impl Counters {
     /// # Safety
     /// As [`abi::define_counter`].
     unsafe fn define(config: *mut c_void) -> Option<Counters> {
-        // SAFETY: the caller's contract.
-        let counter = |name| unsafe { abi::define_counter(config, name) };
-        Some(Counters {
-            routed: counter("routed")?,
-            fail_open: counter("fail_open")?,
-            fail_closed: counter("fail_closed")?,
-            bad_request: counter("bad_request")?,
-            scorer_bad_request: counter("scorer_bad_request")?,
-            shed: counter("shed")?,
-            pd_header: counter("pd_header")?,
-            pd_local_prefill: counter("pd_local_prefill")?,
-        })
-    }
-
-    /// The stat of a flow's counter (`None`: one this host never counts).
-    fn of(&self, counter: Counter) -> Option<abi::Counter> {
-        Some(match counter {
-            Counter::Routed => self.routed,
-            Counter::FailOpen => self.fail_open,
-            Counter::FailClosed => self.fail_closed,
-            Counter::BadRequest => self.bad_request,
-            Counter::ScorerBadRequest => self.scorer_bad_request,
-            Counter::Shed => self.shed,
-            Counter::PdHeader => self.pd_header,
-            Counter::PdLocalPrefill => self.pd_local_prefill,
-            // This host sends no prefill legs.
-            Counter::PdPrefillOk | Counter::PdFallback => return None,
-        })
+        let mut counters = Vec::with_capacity(Counter::ALL.len());
+        for counter in Counter::ALL {
+            // SAFETY: the caller's contract.
+            counters.push(unsafe { abi::define_counter(config, counter.name()) }?);
+        }
+        counters.try_into().ok().map(Counters)
     }
 }
 
@@ -128,9 +98,7 @@ impl Proxy for Host<'_> {
     }
 
     fn count(&mut self, counter: Counter) {
-        if let Some(counter) = self.config.counters.of(counter) {
-            self.filter.increment(counter);
-        }
+        self.filter.increment(self.config.counters.0[counter as usize]);
     }
 
     fn report(&mut self, report: LifecycleReport) {

@@ -59,6 +59,38 @@ pub enum Counter {
     PdFallback,
 }
 
+impl Counter {
+    pub const ALL: [Counter; 10] = [
+        Counter::Routed,
+        Counter::FailOpen,
+        Counter::FailClosed,
+        Counter::BadRequest,
+        Counter::ScorerBadRequest,
+        Counter::Shed,
+        Counter::PdHeader,
+        Counter::PdLocalPrefill,
+        Counter::PdPrefillOk,
+        Counter::PdFallback,
+    ];
+
+    /// Its name in a host's stats (after the host's prefix).
+    pub fn name(self) -> &'static str {
+        const NAMES: [&str; 10] = [
+            "routed",
+            "fail_open",
+            "fail_closed",
+            "bad_request",
+            "scorer_bad_request",
+            "shed",
+            "pd_header",
+            "pd_local_prefill",
+            "pd_prefill_ok",
+            "pd_fallback",
+        ];
+        NAMES[self as usize]
+    }
+}
+
 /// What the host does once a hook has been handled.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Next {
@@ -747,6 +779,12 @@ mod tests {
         );
         assert!(decode_leg_body(original, br#"{"choices":[]}"#).is_err());
         assert!(decode_leg_body(original, b"<html>").is_err());
+    }
+
+    #[test]
+    fn counters_are_listed_in_order_with_their_names() {
+        assert!(Counter::ALL.iter().enumerate().all(|(i, c)| *c as usize == i));
+        assert_eq!((Counter::Routed.name(), Counter::PdFallback.name()), ("routed", "pd_fallback"));
     }
 
     #[test]

@@ -432,10 +432,6 @@ impl Router {
         &self.load
     }
 
-    pub fn is_precise(&self, pod: PodId) -> bool {
-        self.pods[pod.index()].precise
-    }
-
     pub fn is_healthy(&self, pod: PodId) -> bool {
         let state = &self.pods[pod.index()];
         state.present && state.healthy

@@ -26,6 +26,6 @@ pub fn positive(v: f64) -> bool {
 }
 
 /// `Err(Invalid)` for `field` unless `ok`.
-pub(crate) fn check(ok: bool, field: &str, message: &str) -> Result<(), Invalid> {
+pub fn check(ok: bool, field: &str, message: &str) -> Result<(), Invalid> {
     if ok { Ok(()) } else { Err(Invalid::new(field, message)) }
 }

@@ -370,6 +370,35 @@ pub struct ScorerProcess {
     /// The Endpoint Picker's gRPC port, when the configuration has one.
     pub epp_port: Option<u16>,
     pub config_path: PathBuf,
+    /// The binary it runs (restarts run it again).
+    binary: PathBuf,
+}
+
+/// The kvgate builds a test or a benchmark runs: this workspace's, or an earlier one's (its
+/// binaries gathered in one directory) to measure beside it.
+#[derive(Clone, Debug)]
+pub struct Build {
+    pub scorer: PathBuf,
+    pub wasm: PathBuf,
+    pub native: PathBuf,
+}
+
+impl Build {
+    /// This workspace's build (`make test` makes it).
+    pub fn current() -> Build {
+        Build { scorer: binary("kvgate-scorer"), wasm: filter_wasm(), native: filter_native() }
+    }
+
+    /// A build whose `kvgate-scorer`, `kvgate_filter.wasm` and `libkvgate_filter_native.so`
+    /// are in `dir`.
+    pub fn in_dir(dir: &std::path::Path) -> Build {
+        let file = |name: &str| required(dir.join(name), name);
+        Build {
+            scorer: file("kvgate-scorer"),
+            wasm: file("kvgate_filter.wasm"),
+            native: file("libkvgate_filter_native.so"),
+        }
+    }
 }
 
 /// Stands for a free port for the Endpoint Picker in a configuration given to
@@ -380,6 +409,11 @@ impl ScorerProcess {
     /// Starts the scorer with `config` (YAML without `listen`, which is added; [`EPP_PORT`]
     /// replaced by a free port) and waits for `/healthz` (and the picker's port).
     pub async fn start(config: &str) -> ScorerProcess {
+        Self::start_built(config, &Build::current()).await
+    }
+
+    /// Like [`ScorerProcess::start`], running `build`'s scorer.
+    pub async fn start_built(config: &str, build: &Build) -> ScorerProcess {
         let mut why = String::new();
         for _ in 0..START_ATTEMPTS {
             let port = free_port();
@@ -388,11 +422,12 @@ impl ScorerProcess {
             let config_path = std::env::temp_dir().join(format!("kvgate-scorer-{port}.yaml"));
             std::fs::write(&config_path, format!("listen: 127.0.0.1:{port}\n{config}")).expect("write scorer config");
             let mut scorer = ScorerProcess {
-                child: spawn_scorer(&config_path),
+                child: spawn_scorer(&build.scorer, &config_path),
                 url: format!("http://127.0.0.1:{port}"),
                 port,
                 epp_port,
                 config_path,
+                binary: build.scorer.clone(),
             };
             match scorer.wait_up().await {
                 Ok(()) => return scorer,
@@ -459,7 +494,7 @@ impl ScorerProcess {
     /// Starts the scorer again with the same configuration and port.
     pub async fn restart(&mut self) {
         self.kill();
-        self.child = spawn_scorer(&self.config_path);
+        self.child = spawn_scorer(&self.binary, &self.config_path);
         if let Err(e) = self.wait_up().await {
             panic!("kvgate-scorer did not come back: {e}");
         }
@@ -561,8 +596,8 @@ fn signal(pid: u32, which: &str) {
     assert!(status.success(), "kill {which} {pid} failed");
 }
 
-fn spawn_scorer(config_path: &std::path::Path) -> Child {
-    Command::new(binary("kvgate-scorer"))
+fn spawn_scorer(binary: &std::path::Path, config_path: &std::path::Path) -> Child {
+    Command::new(binary)
         .arg("--config")
         .arg(config_path)
         .stdout(Stdio::null())
@@ -622,12 +657,17 @@ impl EnvoyProcess {
         extra: &[&str],
         patch: impl Fn(String) -> String,
     ) -> EnvoyProcess {
-        Self::launch(scorer_config, extra, patch, 1).await
+        Self::launch(scorer_config, extra, patch, 1, &Build::current()).await
+    }
+
+    /// Like [`EnvoyProcess::start`], with `build`'s filter modules.
+    pub async fn start_built(scorer: &ScorerProcess, extra: &[&str], build: &Build) -> EnvoyProcess {
+        Self::launch(&scorer.config_path, extra, |bootstrap| bootstrap, 1, build).await
     }
 
     /// Like [`EnvoyProcess::start`], with `workers` Envoy workers instead of one.
     pub async fn start_with_workers(scorer: &ScorerProcess, extra: &[&str], workers: usize) -> EnvoyProcess {
-        Self::launch(&scorer.config_path, extra, |bootstrap| bootstrap, workers).await
+        Self::launch(&scorer.config_path, extra, |bootstrap| bootstrap, workers, &Build::current()).await
     }
 
     async fn launch(
@@ -635,6 +675,7 @@ impl EnvoyProcess {
         extra: &[&str],
         patch: impl Fn(String) -> String,
         workers: usize,
+        build: &Build,
     ) -> EnvoyProcess {
         let mut why = String::new();
         for _ in 0..START_ATTEMPTS {
@@ -644,11 +685,11 @@ impl EnvoyProcess {
                 .arg("--scorer-config")
                 .arg(scorer_config)
                 .arg("--wasm")
-                .arg(filter_wasm())
+                .arg(&build.wasm)
                 .args(
                     extra
                         .contains(&"native")
-                        .then(|| ["--native-module".into(), filter_native().into_os_string()])
+                        .then(|| ["--native-module".into(), build.native.clone().into_os_string()])
                         .into_iter()
                         .flatten(),
                 )

@@ -18,7 +18,7 @@
 
 use clap::Parser;
 use kvgate_e2e::{ms, percentile, send, send_each};
-use kvgate_test_harness::{EPP_PORT, EnvoyProcess, ScorerProcess, Sim, cpu_time, qwen3_tokenizer, text};
+use kvgate_test_harness::{Build, EPP_PORT, EnvoyProcess, ScorerProcess, Sim, cpu_time, qwen3_tokenizer, text};
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
@@ -38,12 +38,17 @@ struct Args {
     epp_body_mode: String,
     /// Only these paths (`direct`, `rr`, `wasm`, `native`, `epp`, `epp-tls`; all by default) — for
     /// profiling one path at a time (`make profile`).
-    #[arg(long, value_delimiter = ',', value_parser = ["direct", "rr", "wasm", "native", "native-tcp", "epp", "epp-tls"])]
+    #[arg(long, value_delimiter = ',', value_parser = ["direct", "rr", "wasm", "native", "native-tcp", "epp", "epp-tls", "wasm-base", "native-base", "epp-base"])]
     paths: Vec<String>,
     /// Samples the gateway's processes (Envoy and the scorer) with `perf record` into this
     /// file while the measured rounds run (one path with a scorer, one cell; `make profile`).
     #[arg(long)]
     perf: Option<std::path::PathBuf>,
+    /// An earlier build to measure beside this one, in the same rounds: a directory holding
+    /// its `kvgate-scorer`, `kvgate_filter.wasm` and `libkvgate_filter_native.so`. Adds the
+    /// paths `wasm-base`, `native-base` and `epp-base` (its scorer, its filters).
+    #[arg(long)]
+    baseline: Option<std::path::PathBuf>,
 }
 
 /// A prompt size: its label, its cell name, the words of its text, and its shape.
@@ -149,6 +154,27 @@ async fn main() -> anyhow::Result<()> {
     let epp_tls = EnvoyProcess::start(&scorer, &["--picker", "epp", "--epp-body-mode", &args.epp_body_mode]).await;
     let epp = EnvoyProcess::start(&plaintext, &["--picker", "epp", "--epp-body-mode", &args.epp_body_mode]).await;
     let baseline = EnvoyProcess::start(&scorer, &["--picker", "none"]).await;
+    // An earlier build beside this one: its scorers (one with the route socket path, one
+    // plaintext picker, as above) and its filters.
+    let earlier = match &args.baseline {
+        Some(dir) => {
+            let build = Build::in_dir(dir);
+            let unix = format!("route_socket_path: {}\n", route_socket.display());
+            let unix_base = format!("route_socket_path: {}-base\n", route_socket.display());
+            let scorer = ScorerProcess::start_built(&config.replace(&unix, &unix_base), &build).await;
+            let plaintext = ScorerProcess::start_built(
+                &config.replace(&unix, "").replace("'}\npods:", "', tls: {mode: plaintext}}\npods:"),
+                &build,
+            )
+            .await;
+            let wasm = EnvoyProcess::start_built(&scorer, &["--picker", "wasm"], &build).await;
+            let native = EnvoyProcess::start_built(&scorer, &["--picker", "native"], &build).await;
+            let args = ["--picker", "epp", "--epp-body-mode", args.epp_body_mode.as_str()];
+            let epp = EnvoyProcess::start_built(&plaintext, &args, &build).await;
+            Some((scorer, plaintext, wasm, native, epp))
+        }
+        None => None,
+    };
     let path = |key, name, url: &str, envoy: Option<&EnvoyProcess>, scorer: Option<&ScorerProcess>| Path {
         key,
         name,
@@ -167,6 +193,13 @@ async fn main() -> anyhow::Result<()> {
         path("epp-tls", "Envoy + kvgate (Endpoint Picker, TLS)", &epp_tls.url, Some(&epp_tls), Some(&scorer)),
     ]
     .into_iter()
+    .chain(earlier.iter().flat_map(|(scorer, plaintext, wasm, native, epp)| {
+        [
+            path("wasm-base", "Envoy + kvgate (wasm filter), baseline", &wasm.url, Some(wasm), Some(scorer)),
+            path("native-base", "Envoy + kvgate (native module), baseline", &native.url, Some(native), Some(scorer)),
+            path("epp-base", "Envoy + kvgate (Endpoint Picker, h2c), baseline", &epp.url, Some(epp), Some(plaintext)),
+        ]
+    }))
     .filter(|p| args.paths.is_empty() || args.paths.iter().any(|k| k == p.key))
     .collect();
     anyhow::ensure!(!paths.is_empty(), "no path matches --paths {:?}", args.paths);
@@ -261,6 +294,20 @@ async fn main() -> anyhow::Result<()> {
     }
     println!("\n{table}");
     println!("CPU time per request, by process (every thread; /proc schedstat):\n\n{cpu_table}");
+    println!("The scorers' state lock over the whole run (the filters' scorer; the Endpoint Picker's, h2c):\n");
+    println!("| scorer | decisions | waits for the lock | time waited |\n|---|---|---|---|");
+    for (name, s) in [("route stream and socket, TLS picker", &scorer), ("plaintext picker", &plaintext)] {
+        let decisions = s
+            .metrics_text()
+            .await
+            .lines()
+            .filter(|l| l.starts_with("kvgate_decisions_total{"))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>();
+        let (waits, waited) =
+            (s.metric("kvgate_state_lock_waits_total").await, s.metric("kvgate_state_lock_wait_seconds_sum").await);
+        println!("| {name} | {decisions:.0} | {waits:.0} | {:.1} ms |", waited * 1e3);
+    }
     Ok(())
 }
 
