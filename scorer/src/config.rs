@@ -25,10 +25,8 @@ fn invalid<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T,
 use kvgate_routing::index::IndexConfig;
 use kvgate_routing::load::LoadConfig;
 pub use kvgate_routing::router::Role;
-use kvgate_routing::router::{PdConfig, RouterConfig, Saturation};
+use kvgate_routing::router::{Admission, PdConfig, RouterConfig};
 use kvgate_routing::validate::{Invalid, check, positive};
-use std::collections::BTreeMap;
-use std::num::NonZeroUsize;
 
 /// One vLLM pod.
 #[derive(Clone, Debug, Deserialize)]
@@ -128,66 +126,6 @@ pub enum EppTls {
     Files { cert: PathBuf, key: PathBuf },
     /// Plain HTTP/2 (h2c).
     Plaintext,
-}
-
-/// Overload: when every eligible pod is saturated, requests wait in the scorer (by
-/// priority, first come first served within one) until a pod has room or their wait runs
-/// out (429 with `Retry-After`); sheddable ones (negative priority) are refused at once.
-#[derive(Clone, Debug, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AdmissionSection {
-    /// A pod is saturated at this many waiting requests it reports…
-    pub max_waiting: Option<f64>,
-    /// …or this KV-cache usage it reports (0–1)…
-    pub max_kv_usage: Option<f64>,
-    /// …or this many uncached prompt tokens kvgate has sent it and not seen start…
-    pub max_queued_prefill_tokens: Option<u64>,
-    /// …or this many requests kvgate has in flight there.
-    pub max_inflight_requests: Option<u32>,
-    /// Share (0–1) of `max_queued_prefill_tokens` and `max_inflight_requests` kept for
-    /// requests above the default priority: interactive traffic finds room while a burst
-    /// of ordinary requests waits.
-    pub headroom: f64,
-    /// Requests waiting at most (at least 1); a newcomer beyond it is refused, or takes the
-    /// place of a waiter of lower priority.
-    pub queue_limit: NonZeroUsize,
-    /// Longest wait for room (then 429); Envoy's timeouts toward the scorer are rendered
-    /// this much longer.
-    pub max_wait_ms: u64,
-    /// Priority of each objective named in `x-gateway-inference-objective` (the Gateway
-    /// API Inference Extension's InferenceObjective); negative = sheddable.
-    pub objectives: BTreeMap<String, i32>,
-    /// Priority of requests naming no known objective.
-    pub default_priority: i32,
-}
-
-impl Default for AdmissionSection {
-    fn default() -> Self {
-        Self {
-            max_waiting: None,
-            max_kv_usage: None,
-            max_queued_prefill_tokens: None,
-            max_inflight_requests: None,
-            headroom: 0.0,
-            queue_limit: NonZeroUsize::new(1024).expect("not zero"),
-            max_wait_ms: 5000,
-            objectives: BTreeMap::new(),
-            default_priority: 0,
-        }
-    }
-}
-
-impl AdmissionSection {
-    /// When a pod has no room.
-    pub fn saturation(&self) -> Saturation {
-        Saturation {
-            max_waiting: self.max_waiting,
-            max_kv_usage: self.max_kv_usage,
-            max_queued_prefill_tokens: self.max_queued_prefill_tokens,
-            max_inflight_requests: self.max_inflight_requests,
-            headroom: self.headroom,
-        }
-    }
 }
 
 /// Where pods come from besides the static `pods:` list.
@@ -347,7 +285,7 @@ pub struct Config {
     /// Serve the Endpoint Picker protocol (absent: only the HTTP API of the wasm filter).
     pub epp: Option<EppSection>,
     /// Queue requests while every pod is saturated (absent: route at once, always).
-    pub admission: Option<AdmissionSection>,
+    pub admission: Option<Admission>,
     /// Share in-flight bookings with the other gateway replicas over NATS (absent: this
     /// replica decides on its own requests in flight only).
     pub sync: Option<SyncSection>,
@@ -444,7 +382,7 @@ impl Config {
             policy: self.policy.clone(),
             pd: self.pd.clone(),
             seed: self.seed,
-            saturation: self.admission.as_ref().map(AdmissionSection::saturation),
+            admission: self.admission.clone(),
         }
     }
 
@@ -509,9 +447,6 @@ impl Config {
             check(names.insert(pod.name.as_str()), &field("name"), &format!("duplicate pod name {:?}", pod.name))?;
             let unique = addresses.insert(pod.address.as_str());
             check(unique, &field("address"), &format!("duplicate address {}", pod.address))?;
-        }
-        if let Some(a) = &self.admission {
-            check(a.max_wait_ms > 0, "admission.max_wait_ms", "must be positive")?;
         }
         if let Some(sync) = &self.sync {
             sync.check().map_err(|e| e.under("sync"))?;

@@ -79,7 +79,7 @@ fn fleet_router(encoder: &EventEncoder) -> Router {
         policy: PolicyConfig::default(),
         pd: PdConfig::default(),
         seed: 1,
-        saturation: None,
+        admission: None,
     });
     let pods: Vec<PodId> = (0..PODS).map(|_| router.add_pod(Role::Both, true)).collect();
     let mut salt = 0;

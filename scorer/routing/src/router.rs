@@ -22,6 +22,8 @@ use crate::policy::PolicyConfig;
 use crate::policy::{Candidate, Decision, Policy, ReportedLoad, RouteInput};
 use crate::validate::{Invalid, check};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::num::NonZeroUsize;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// Which side of prefill/decode disaggregation a pod serves.
@@ -71,13 +73,12 @@ pub struct RouterConfig {
     pub pd: PdConfig,
     /// Seed of the policies' random choices.
     pub seed: u64,
-    /// When pods have no room (absent: never saturated).
-    pub saturation: Option<Saturation>,
+    /// When pods have no room, and how requests wait for some (absent: never saturated).
+    pub admission: Option<Admission>,
 }
 
 impl RouterConfig {
-    /// Checks every part; fields are named as the scorer's YAML writes them (the saturation
-    /// limits under `admission`).
+    /// Checks every part; fields are named as the scorer's YAML writes them.
     pub fn validate(&self) -> Result<(), Invalid> {
         check(self.block_size > 0, "block_size", "must be positive")?;
         self.index.validate().map_err(|e| e.under("index"))?;
@@ -85,8 +86,8 @@ impl RouterConfig {
         self.policy.validate().map_err(|e| e.under("policy"))?;
         self.pd.prefill_policy.validate().map_err(|e| e.under("pd.prefill_policy"))?;
         self.pd.decode_policy.validate().map_err(|e| e.under("pd.decode_policy"))?;
-        if let Some(saturation) = &self.saturation {
-            saturation.validate().map_err(|e| e.under("admission"))?;
+        if let Some(admission) = &self.admission {
+            admission.validate().map_err(|e| e.under("admission"))?;
         }
         Ok(())
     }
@@ -155,40 +156,75 @@ pub enum Unroutable {
     /// No healthy pod can take the request's decode.
     #[error("no healthy pod can serve this request")]
     NoPod,
-    /// Every eligible pod is saturated (see [`Saturation`]): the request should wait.
+    /// Every eligible pod is saturated (see [`Admission`]): the request should wait.
     #[error("every pod is saturated")]
     Saturated,
 }
 
-/// When a pod has no room for another request: beyond any of these, it is not chosen, and a
-/// request finding every pod so waits in the scorer's admission queue.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Deserialize)]
+/// Overload (`admission`): when a pod has no room for another request — beyond any of these
+/// limits it is not chosen (the router judges it) — and how a request finding every pod so
+/// waits for room in the scorer's admission queue (by priority, first come first served within
+/// one, until its wait runs out: 429 with `Retry-After`; sheddable ones are refused at once).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct Saturation {
-    /// Waiting requests the pod reports (`vllm:num_requests_waiting`).
+pub struct Admission {
+    /// A pod is saturated at this many waiting requests it reports
+    /// (`vllm:num_requests_waiting`)…
     pub max_waiting: Option<f64>,
-    /// KV-cache usage the pod reports (0–1).
+    /// …or this KV-cache usage it reports (0–1)…
     pub max_kv_usage: Option<f64>,
-    /// Uncached prompt tokens kvgate has sent there and not seen start (its own bookings:
-    /// no scrape lag).
+    /// …or this many uncached prompt tokens kvgate has sent it and not seen start (its own
+    /// bookings: no scrape lag)…
     pub max_queued_prefill_tokens: Option<u64>,
-    /// Requests kvgate has in flight there (its own bookings): the concurrency beyond
-    /// which a pod's steps, and so everyone's time to first token, grow.
+    /// …or this many requests kvgate has in flight there (its own bookings): the concurrency
+    /// beyond which a pod's steps, and so everyone's time to first token, grow.
     pub max_inflight_requests: Option<u32>,
     /// Share (0–1) of the two limits above that only requests of higher than default
-    /// priority may use: room kept for them while the rest wait.
+    /// priority may use: interactive traffic finds room while a burst of ordinary requests
+    /// waits.
     pub headroom: f64,
+    /// Requests waiting at most (at least 1); a newcomer beyond it is refused, or takes the
+    /// place of a waiter of lower priority.
+    pub queue_limit: NonZeroUsize,
+    /// Longest wait for room (then 429); Envoy's timeouts toward the scorer are rendered
+    /// this much longer.
+    pub max_wait_ms: u64,
+    /// Priority of each objective named in `x-gateway-inference-objective` (the Gateway
+    /// API Inference Extension's InferenceObjective); negative = sheddable.
+    pub objectives: BTreeMap<String, i32>,
+    /// Priority of requests naming no known objective.
+    pub default_priority: i32,
 }
 
-impl Saturation {
-    /// Checks the limits; one at least must be set (else nothing is ever saturated).
+impl Default for Admission {
+    fn default() -> Self {
+        Self {
+            max_waiting: None,
+            max_kv_usage: None,
+            max_queued_prefill_tokens: None,
+            max_inflight_requests: None,
+            headroom: 0.0,
+            queue_limit: NonZeroUsize::new(1024).expect("not zero"),
+            max_wait_ms: 5000,
+            objectives: BTreeMap::new(),
+            default_priority: 0,
+        }
+    }
+}
+
+impl Admission {
+    /// Checks the limits (one at least must be set: else nothing is ever saturated) and the
+    /// wait.
     pub fn validate(&self) -> Result<(), Invalid> {
         check((0.0..1.0).contains(&self.headroom), "headroom", "must be in [0, 1)")?;
-        let unset = Saturation { headroom: 0.0, ..*self } == Saturation::default();
+        let limits = [self.max_waiting, self.max_kv_usage].iter().any(Option::is_some)
+            || self.max_queued_prefill_tokens.is_some()
+            || self.max_inflight_requests.is_some();
         let why = "set when a pod is saturated: max_waiting, max_kv_usage, max_queued_prefill_tokens or max_inflight_requests";
-        check(!unset, "", why)?;
+        check(limits, "", why)?;
         check(self.max_kv_usage.is_none_or(|u| u > 0.0 && u <= 1.0), "max_kv_usage", "must be in (0, 1]")?;
-        check(self.max_waiting.is_none_or(|w| w.is_finite() && w >= 0.0), "max_waiting", "must be a number >= 0")
+        check(self.max_waiting.is_none_or(|w| w.is_finite() && w >= 0.0), "max_waiting", "must be a number >= 0")?;
+        check(self.max_wait_ms > 0, "max_wait_ms", "must be positive")
     }
 
     /// Whether `c` has no room — for a request that must leave the headroom free, when
@@ -221,7 +257,7 @@ pub struct Router {
     pd_threshold_tokens: u32,
     /// See [`crate::load::LoadConfig::reconcile_after_seconds`].
     reconcile_after_seconds: f64,
-    saturation: Option<Saturation>,
+    admission: Option<Admission>,
     pods: Vec<PodState>,
     index: KvIndex,
     approx: ApproxIndex,
@@ -261,7 +297,7 @@ impl Router {
             block_size: config.block_size as u32,
             pd_threshold_tokens: config.pd.threshold_tokens,
             reconcile_after_seconds: config.load.reconcile_after_seconds,
-            saturation: config.saturation,
+            admission: config.admission.clone(),
             pods: Vec::new(),
             index: KvIndex::new(config.block_size, config.index.clone()),
             approx: ApproxIndex::new(config.index.approximate_ttl_seconds, config.index.max_blocks_per_pod),
@@ -463,9 +499,9 @@ impl Router {
         let prefillers = self.eligible(|r| r == Role::Prefill, None);
         let input = RouteInput { prompt_tokens: request.prompt_tokens, block_size: self.block_size };
         let mut direct = self.candidates(&decoders, request, now, None);
-        if let Some(saturation) = self.saturation {
+        if let Some(admission) = &self.admission {
             // Only pods with room; none: the request waits (the scorer's admission queue).
-            direct.retain(|c| !saturation.saturated(c, request.leave_headroom));
+            direct.retain(|c| !admission.saturated(c, request.leave_headroom));
             if direct.is_empty() {
                 return Err(Unroutable::Saturated);
             }
@@ -749,7 +785,7 @@ mod tests {
                 ..PdConfig::default()
             },
             seed: 7,
-            saturation: None,
+            admission: None,
         }
     }
 
@@ -960,7 +996,7 @@ mod tests {
     #[test]
     fn saturated_pods_are_skipped_and_a_saturated_fleet_makes_the_request_wait() {
         let mut r = Router::new(&RouterConfig {
-            saturation: Some(Saturation { max_queued_prefill_tokens: Some(1000), ..Saturation::default() }),
+            admission: Some(Admission { max_queued_prefill_tokens: Some(1000), ..Admission::default() }),
             ..test_config(1024)
         });
         let pods = [r.add_pod(Role::Both, false), r.add_pod(Role::Both, false)];
@@ -1048,7 +1084,7 @@ mod tests {
     #[test]
     fn headroom_is_kept_for_higher_priorities() {
         let mut r = Router::new(&RouterConfig {
-            saturation: Some(Saturation { max_inflight_requests: Some(4), headroom: 0.5, ..Saturation::default() }),
+            admission: Some(Admission { max_inflight_requests: Some(4), headroom: 0.5, ..Admission::default() }),
             ..test_config(1024)
         });
         r.add_pod(Role::Both, false);
