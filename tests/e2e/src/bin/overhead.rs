@@ -294,9 +294,13 @@ async fn main() -> anyhow::Result<()> {
     }
     println!("\n{table}");
     println!("CPU time per request, by process (every thread; /proc schedstat):\n\n{cpu_table}");
-    println!("The scorers' state lock over the whole run (the filters' scorer; the Endpoint Picker's, h2c):\n");
+    println!("The scorers' state lock over the whole run (absent from builds without the metric):\n");
     println!("| scorer | decisions | waits for the lock | time waited |\n|---|---|---|---|");
-    for (name, s) in [("route stream and socket, TLS picker", &scorer), ("plaintext picker", &plaintext)] {
+    let mut scorers = vec![("filters' (route stream, route socket)", &scorer), ("Endpoint Picker's (h2c)", &plaintext)];
+    if let Some((scorer, plaintext, ..)) = &earlier {
+        scorers.extend([("baseline: filters'", scorer), ("baseline: Endpoint Picker's", plaintext)]);
+    }
+    for (name, s) in scorers {
         let decisions = s
             .metrics_text()
             .await
