@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-pub use crate::scorer::{Pick, Pod, RouteError as PickError};
+pub use crate::scorer::{Pick, PickError, Pod};
 
 /// One request to pick a pod for, as a transport hands it over.
 pub struct PickRequest<'a> {

@@ -167,11 +167,6 @@ impl RequestFlow {
         &self.api_path
     }
 
-    /// Whether the request waits for the scorer's answer.
-    pub fn is_deciding(&self) -> bool {
-        self.phase == Phase::Deciding
-    }
-
     /// The request's headers: its method and path; `request_id` reads its `x-request-id`
     /// (asked of routed requests only), and `new_id` makes one, set on the request, when it has
     /// none. A client-supplied destination is removed from every request: nobody but the
@@ -561,7 +556,7 @@ mod tests {
         };
         assert_eq!((call.request_id.as_str(), call.api_path.as_str()), ("gen", "/v1/completions"));
         assert_eq!(call.objective.as_deref(), Some("gold"));
-        assert!(flow.is_deciding());
+        assert_eq!(flow.phase, Phase::Deciding);
         flow
     }
 

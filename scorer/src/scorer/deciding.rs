@@ -14,7 +14,7 @@ use std::time::Instant;
 
 /// Why no pod was picked (see [`crate::picking`] for what each means to a client).
 #[derive(Debug, thiserror::Error)]
-pub enum RouteError {
+pub enum PickError {
     #[error("{0}")]
     BadRequest(String),
     /// The body is over the transport's limit (bytes).
@@ -33,9 +33,9 @@ pub enum RouteError {
     Stopping,
 }
 
-impl From<PromptError> for RouteError {
+impl From<PromptError> for PickError {
     fn from(e: PromptError) -> Self {
-        RouteError::BadRequest(e.0)
+        PickError::BadRequest(e.0)
     }
 }
 
@@ -110,7 +110,7 @@ impl Scorer {
     /// tokenize it, and hashed into its block chain. CPU-bound (tokenization), no shared
     /// state touched: both entry paths (the filter's route call, the Endpoint Picker) call it
     /// before [`Scorer::decide`].
-    pub fn prepare(&self, api: Api, body: &[u8]) -> Result<Prepared, RouteError> {
+    pub fn prepare(&self, api: Api, body: &[u8]) -> Result<Prepared, PickError> {
         let t0 = Instant::now();
         let info = prompt::extract(&self.tokenizer, api, body, &self.config.lora_adapters)?;
         self.metrics.tokenize_seconds.with_label_values(&[api.label()]).observe(t0.elapsed().as_secs_f64());
@@ -124,7 +124,7 @@ impl Scorer {
     /// [`PREPARE_ASIDE_BYTES`] or more is prepared on the blocking pool, so that its
     /// tokenization (milliseconds for a new document of tens of thousands of tokens) does
     /// not hold up the other calls served on the same thread.
-    pub async fn prepare_owned(self: &Arc<Self>, api: Api, body: bytes::Bytes) -> Result<Prepared, RouteError> {
+    pub async fn prepare_owned(self: &Arc<Self>, api: Api, body: bytes::Bytes) -> Result<Prepared, PickError> {
         if body.len() < PREPARE_ASIDE_BYTES {
             return self.prepare(api, &body);
         }
@@ -132,13 +132,13 @@ impl Scorer {
         match tokio::task::spawn_blocking(move || scorer.prepare(api, &body)).await {
             Ok(prepared) => prepared,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(_) => Err(RouteError::Stopping), // the runtime is shutting down
+            Err(_) => Err(PickError::Stopping), // the runtime is shutting down
         }
     }
 
     /// Chooses the pod for one prepared request — or, when disaggregation pays off, a prefill
     /// pod and a decode pod — under the shared lock, books it, and counts it.
-    pub fn decide(&self, request_id: &str, prepared: &Prepared, limits: &Limits<'_>) -> Result<Pick, RouteError> {
+    pub fn decide(&self, request_id: &str, prepared: &Prepared, limits: &Limits<'_>) -> Result<Pick, PickError> {
         let t1 = Instant::now();
         let request = RouteRequest {
             subset: limits.subset,
@@ -149,8 +149,8 @@ impl Scorer {
         let now = self.now();
         let mut core = self.lock();
         let routed = core.router.route(&request, now).map_err(|e| match e {
-            Unroutable::NoPod => RouteError::NoPod,
-            Unroutable::Saturated => RouteError::Saturated,
+            Unroutable::NoPod => PickError::NoPod,
+            Unroutable::Saturated => PickError::Saturated,
         })?;
         self.bookings_changed();
         let pod = |id: PodId| core.info(id);
@@ -220,7 +220,7 @@ impl Scorer {
         prepared: &Prepared,
         limits: &Limits<'_>,
         objective: Option<&str>,
-    ) -> Result<Pick, RouteError> {
+    ) -> Result<Pick, PickError> {
         let (Some(queue), Some(admission)) = (&self.queue, &self.config.admission) else {
             return self.decide(request_id, prepared, limits);
         };
@@ -231,7 +231,7 @@ impl Scorer {
         let retry_after_seconds = admission.max_wait_ms.div_ceil(1000).max(1);
         let shed = |reason: &'static str| {
             self.metrics.admission_refused.with_label_values(&[reason]).inc();
-            Err(RouteError::Shed { retry_after_seconds, reason: shed_message(reason) })
+            Err(PickError::Shed { retry_after_seconds, reason: shed_message(reason) })
         };
         let limits = &Limits { leave_headroom: priority <= admission.default_priority, ..*limits };
         let ticket = queue.ticket(priority);
@@ -242,7 +242,7 @@ impl Scorer {
         loop {
             if try_now {
                 match self.decide(request_id, prepared, limits) {
-                    Err(RouteError::Saturated) => {}
+                    Err(PickError::Saturated) => {}
                     decided => {
                         if held.is_some() {
                             self.metrics.admission_wait_seconds.observe(arrived.elapsed().as_secs_f64());

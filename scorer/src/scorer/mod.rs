@@ -18,7 +18,7 @@ mod deciding;
 mod pod_health;
 mod view;
 
-pub use deciding::{Limits, PREPARE_ASIDE_BYTES, Pick, Prepared, RouteError};
+pub use deciding::{Limits, PREPARE_ASIDE_BYTES, Pick, PickError, Prepared};
 pub use pod_health::{DownReason, Scrape};
 pub use view::{PodView, ReportedView};
 
@@ -298,7 +298,7 @@ mod tests {
         }
         let bad = format!("{{\"prompt\": \"{}", "abcd".repeat(PREPARE_ASIDE_BYTES / 4));
         let e = s.prepare_owned(Api::Completions, bad.into()).await.unwrap_err();
-        assert!(matches!(e, RouteError::BadRequest(ref m) if m.contains("not valid JSON")), "{e}");
+        assert!(matches!(e, PickError::BadRequest(ref m) if m.contains("not valid JSON")), "{e}");
     }
 
     #[test]

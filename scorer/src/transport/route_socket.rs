@@ -23,12 +23,13 @@ const READ_BYTES: usize = 64 << 10;
 pub async fn serve(picker: Picker, socket: impl AsyncRead + AsyncWrite + Send + 'static) {
     let (mut reader, mut writer) = tokio::io::split(socket);
     let mut preface = [0u8; ROUTE_SOCKET_PREFACE.len()];
-    if reader.read_exact(&mut preface).await.is_err() || preface != ROUTE_SOCKET_PREFACE {
-        if preface.starts_with(ROUTE_SOCKET_PREFACE_START) {
+    match reader.read_exact(&mut preface).await {
+        Ok(_) if preface == ROUTE_SOCKET_PREFACE => {}
+        Ok(_) if preface.starts_with(ROUTE_SOCKET_PREFACE_START) => {
             let version = String::from_utf8_lossy(&preface[ROUTE_SOCKET_PREFACE_START.len()..]);
-            route_calls::refused_version(&format!("route socket of protocol {}", version.trim_end()));
+            return route_calls::refused_version(&format!("route socket of protocol {}", version.trim_end()));
         }
-        return;
+        _ => return,
     }
     picker.metrics().route_streams.inc();
     let (answers, mut ready) = mpsc::channel::<RouteAnswer>(ANSWERS_QUEUED);
