@@ -7,6 +7,9 @@ export KVGATE_ROOT := $(CURDIR)
 export KVGATE_VENV ?= $(CURDIR)/.kvgate/venv
 export KVGATE_TOKENIZER ?= $(CURDIR)/.kvgate/tokenizers/qwen3/tokenizer.json
 export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
+# Where cargo builds (CARGO_TARGET_DIR, when set), and its release binaries.
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
+BIN := $(TARGET_DIR)/release
 
 .PHONY: profile setup build test lint audit licenses native bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos demo-replicas
 
@@ -32,7 +35,7 @@ lint:
 wasm:
 	$(CARGO) build -p kvgate-filter --target wasm32-wasip1 --release
 
-# The filter as an Envoy dynamic module (target/release/libkvgate_filter_native.so).
+# The filter as an Envoy dynamic module ($(BIN)/libkvgate_filter_native.so).
 native:
 	$(CARGO) build -p kvgate-filter-native --release
 
@@ -49,19 +52,19 @@ test: setup lint audit wasm native
 # realistic mixed workload through it and through plain round robin, and a report.
 demo: setup wasm
 	$(CARGO) build --workspace --release --bins
-	./target/release/kvgate-demo
+	$(BIN)/kvgate-demo
 
 # The P/D variant: 2 prefill + 2 decode pods; conditional vs always vs never disaggregating.
 demo-pd: setup wasm
 	$(CARGO) build --workspace --release --bins
-	./target/release/kvgate-demo --pd
+	$(BIN)/kvgate-demo --pd
 
 # Gateway replicas: one Envoy + scorer, three Envoys on one scorer, three replicas sharing
 # their bookings over NATS, three on their own; the mixed workload and a burst through each,
 # the client spread over them.
 demo-replicas: setup wasm
 	$(CARGO) build --workspace --release --bins
-	./target/release/kvgate-demo --replicas 3
+	$(BIN)/kvgate-demo --replicas 3
 
 # The same stack left running on the documented defaults (see tests/tools/stack.sh).
 up: setup wasm
@@ -74,7 +77,7 @@ down:
 # Added latency of the kvgate path versus the same Envoy round-robin without the filter.
 bench-overhead: setup wasm native
 	$(CARGO) build --workspace --release --bins
-	./target/release/kvgate-overhead
+	$(BIN)/kvgate-overhead
 
 # Where a request's CPU goes: per process, Envoy by binary, the scorer by stage, flamegraphs;
 # results in target/profile/.
@@ -98,13 +101,13 @@ fuzz:
 # A bounded soak (SOAK_SECONDS, default 120) at a fixed rate: memory, descriptors, bookings.
 soak: setup wasm
 	$(CARGO) build --workspace --release --bins
-	./target/release/kvgate-soak --seconds $${SOAK_SECONDS:-120}
+	$(BIN)/kvgate-soak --seconds $${SOAK_SECONDS:-120}
 
 # Faults one after the other under a steady streaming load, through the real stack on both
 # entry paths; one line per phase; fails when a fault cost a client error it should not.
 chaos: setup wasm
 	$(CARGO) build --workspace --release --bins
-	./target/release/kvgate-chaos $(CHAOS_ARGS)
+	$(BIN)/kvgate-chaos $(CHAOS_ARGS)
 
 # Routing quality in virtual time: every workload x every policy (and SGLang's cache_aware
 # rule) on simulated engines; results in target/bench/cluster/.

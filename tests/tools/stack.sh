@@ -6,7 +6,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 run="$root/.kvgate/run"
-bin="$root/target/release"
+bin="${CARGO_TARGET_DIR:-$root/target}/release"
 cd "$root"
 
 start() { # name, command...

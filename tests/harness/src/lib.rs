@@ -46,16 +46,22 @@ pub fn qwen3_tokenizer() -> PathBuf {
     required(path, "the Qwen3 tokenizer")
 }
 
-/// A binary of this workspace, built for the running test's profile (`cargo test` builds
-/// only the tested package's binaries, so `make test` builds all of them first).
-pub fn binary(name: &str) -> PathBuf {
+/// The target directory's folder of the running test's profile (`target/<profile>`, wherever
+/// `CARGO_TARGET_DIR` puts it).
+fn profile_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("test executable path");
     // target/<profile>/deps/<test> (tests) or target/<profile>/<bin> (tools) → target/<profile>
     let mut dir = exe.parent().expect("executable directory");
     if dir.ends_with("deps") {
         dir = dir.parent().expect("target profile directory");
     }
-    let path = dir.join(name);
+    dir.to_path_buf()
+}
+
+/// A binary of this workspace, built for the running test's profile (`cargo test` builds
+/// only the tested package's binaries, so `make test` builds all of them first).
+pub fn binary(name: &str) -> PathBuf {
+    let path = profile_dir().join(name);
     assert!(
         path.exists(),
         "{} not built: run `cargo build --bins` with this profile (`make test` does)",
@@ -619,14 +625,17 @@ pub fn envoy_binary() -> PathBuf {
     required(root().join(".kvgate/bin/envoy"), "Envoy")
 }
 
-/// The filter module built for `wasm32-wasip1` (`make test` builds it).
+/// The filter module built for `wasm32-wasip1` (`make test` builds it), in the target
+/// directory the tests run from.
 pub fn filter_wasm() -> PathBuf {
-    required(root().join("target/wasm32-wasip1/release/kvgate_filter.wasm"), "the kvgate filter .wasm")
+    let target = profile_dir().parent().expect("target directory").to_path_buf();
+    required(target.join("wasm32-wasip1/release/kvgate_filter.wasm"), "the kvgate filter .wasm")
 }
 
-/// The filter's native module (an Envoy dynamic module; `make test` builds it).
+/// The filter's native module (an Envoy dynamic module; `make test` builds it, release).
 pub fn filter_native() -> PathBuf {
-    required(root().join("target/release/libkvgate_filter_native.so"), "the kvgate filter's native module")
+    let target = profile_dir().parent().expect("target directory").to_path_buf();
+    required(target.join("release/libkvgate_filter_native.so"), "the kvgate filter's native module")
 }
 
 /// A running Envoy with the kvgate filter in front of a scorer's pods; killed on drop.
