@@ -11,7 +11,7 @@ export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 BIN := $(TARGET_DIR)/release
 
-.PHONY: profile setup build test lint audit licenses native bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos demo-replicas
+.PHONY: docs profile setup build test lint audit licenses native bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos demo-replicas
 
 setup:
 	@bash tests/tools/setup.sh
@@ -30,6 +30,10 @@ lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p kvgate-filter --target wasm32-wasip1 -- -D warnings
+
+# The generated reference pages (docs/configuration.md, docs/metrics.md), from the code.
+docs:
+	KVGATE_WRITE_DOCS=1 $(CARGO) test -p kvgate-scorer --test reference_docs
 
 # The Envoy filter module.
 wasm:

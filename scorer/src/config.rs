@@ -29,7 +29,7 @@ use kvgate_routing::router::{Admission, PdConfig, RouterConfig};
 use kvgate_routing::validate::{Invalid, check, positive};
 
 /// One vLLM pod.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PodConfig {
     /// Unique name, used in logs, metrics and `/v1/pods`.
@@ -52,10 +52,12 @@ fn default_role() -> Role {
 }
 
 /// Scraping of pods' `/metrics`.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct HealthSection {
+    /// How often each pod's `/metrics` is scraped.
     pub scrape_interval_ms: u64,
+    /// A scrape not answered within this long has failed.
     pub scrape_timeout_ms: u64,
     /// Consecutive failed scrapes (timeouts, error statuses) after which a pod stops being
     /// chosen; a refused connection takes it out at once.
@@ -73,7 +75,7 @@ impl Default for HealthSection {
 
 /// Who can see what: the debug endpoints reveal per-pod state, so they can be turned off or
 /// moved to their own address (with `/metrics`).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdminSection {
     /// Serve `/v1/pods`, `/metrics`, `/healthz` and `/readyz` here instead of on `listen`.
@@ -90,7 +92,7 @@ impl Default for AdminSection {
 
 /// The Endpoint Picker: the Gateway API Inference Extension's protocol (Envoy ext_proc over
 /// gRPC), so any InferencePool gateway can use kvgate as its picker.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct EppSection {
     /// gRPC address of `envoy.service.ext_proc.v3.ExternalProcessor` and gRPC health.
@@ -116,20 +118,25 @@ impl Default for EppSection {
 /// How the Endpoint Picker's gRPC listener is secured. Gateways dial pickers over TLS
 /// without verifying them by default (Istio with a DestinationRule, llm-d's Envoy), so a
 /// self-signed certificate made at start-up is the drop-in default.
-#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
 #[serde(tag = "mode", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum EppTls {
     /// A certificate for `kvgate-epp` generated at start-up.
     #[default]
     SelfSigned,
     /// PEM certificate chain and private key (e.g. a mounted Secret).
-    Files { cert: PathBuf, key: PathBuf },
+    Files {
+        /// The PEM certificate chain.
+        cert: PathBuf,
+        /// The PEM private key.
+        key: PathBuf,
+    },
     /// Plain HTTP/2 (h2c).
     Plaintext,
 }
 
 /// Where pods come from besides the static `pods:` list.
-#[derive(Clone, Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DiscoverySection {
     /// One entry per name, e.g. a prefill and a decode Service with their roles.
@@ -145,9 +152,10 @@ pub struct DiscoverySection {
 /// Pods of a Gateway API Inference Extension `InferencePool` (v1), as the pool says: its
 /// `selector` picks the pods in its namespace, every `podIP:targetPort` is an endpoint; the
 /// pool and the pods are watched. Needs get/list/watch on pods and inferencepools there.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct InferencePoolDiscovery {
+    /// The pool's namespace (its pods are in it).
     pub namespace: String,
     /// The pool's name.
     pub name: String,
@@ -169,9 +177,10 @@ pub struct InferencePoolDiscovery {
 /// Pods from the Kubernetes API: those matching `label_selector` in `namespace` that are
 /// Running, Ready and have an IP, watched (list + watch, relisting when the watch expires).
 /// Needs get/list/watch on pods in that namespace.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct KubernetesDiscovery {
+    /// The namespace of the pods.
     pub namespace: String,
     /// e.g. `app.kubernetes.io/name=vllm` (an InferencePool's selector, written as a label
     /// selector).
@@ -182,6 +191,7 @@ pub struct KubernetesDiscovery {
     pub kv_events_port: Option<u16>,
     /// Replay port (annotation `kvgate.io/kv-events-replay-port` overrides it).
     pub kv_events_replay_port: Option<u16>,
+    /// Path of the metrics page on `port`; `null` turns scraping off.
     #[serde(default = "default_metrics_path")]
     pub metrics_path: Option<String>,
     /// The label carrying a pod's role (`prefill`, `decode`, `both`; absent = both).
@@ -197,7 +207,7 @@ fn default_role_label() -> String {
 
 /// Pods as the A/AAAA records of one name — a Kubernetes headless Service (what an Envoy
 /// `STRICT_DNS` cluster resolves too), re-resolved periodically.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DnsDiscovery {
     /// e.g. `vllm.inference.svc.cluster.local`.
@@ -213,6 +223,7 @@ pub struct DnsDiscovery {
     pub metrics_path: Option<String>,
     #[serde(default = "default_role")]
     pub role: Role,
+    /// How often the name is resolved again.
     #[serde(default = "default_dns_interval")]
     pub interval_seconds: f64,
 }
@@ -226,7 +237,7 @@ fn default_dns_interval() -> f64 {
 }
 
 /// The whole file.
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// HTTP address of the scorer's API (loopback by default: only the local Envoy calls it).
@@ -298,7 +309,7 @@ pub struct Config {
 /// completions, moved bookings) on NATS and applies the others' as its own, so every
 /// replica decides on the whole fleet's requests in flight. A decision never waits for the
 /// bus; without it each replica routes on its own bookings (counted in metrics).
-#[derive(Clone, Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SyncSection {
     /// NATS server URL, e.g. `nats://nats.kvgate:4222` (several, comma-separated, for a

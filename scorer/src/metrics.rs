@@ -8,6 +8,7 @@ use prometheus::{
 
 pub struct Metrics {
     registry: Registry,
+    docs: Vec<MetricDoc>,
     pub decisions: IntCounterVec,
     pub decisions_by_path: IntCounterVec,
     pub decision_seconds: Histogram,
@@ -71,34 +72,52 @@ pub struct SyncMetrics {
     pub connected: IntGauge,
 }
 
-/// Registers each metric as it is made.
-struct Registrar(Registry);
+/// One metric as `docs/metrics.md` lists it.
+#[derive(Clone, Debug)]
+pub struct MetricDoc {
+    /// Its name without the `kvgate_` prefix.
+    pub name: String,
+    pub kind: &'static str,
+    pub labels: Vec<String>,
+    pub help: String,
+}
+
+/// Registers each metric as it is made, and describes it.
+struct Registrar(Registry, std::cell::RefCell<Vec<MetricDoc>>);
 
 impl Registrar {
-    fn add<M: prometheus::core::Collector + Clone + 'static>(&self, made: prometheus::Result<M>) -> M {
+    fn add<M: prometheus::core::Collector + Clone + 'static>(
+        &self,
+        kind: &'static str,
+        made: prometheus::Result<M>,
+    ) -> M {
         let metric = made.expect("valid metric");
         self.0.register(Box::new(metric.clone())).expect("unique metric");
+        for d in metric.desc() {
+            let (name, help, labels) = (d.fq_name.clone(), d.help.clone(), d.variable_labels.clone());
+            self.1.borrow_mut().push(MetricDoc { name, kind, labels, help });
+        }
         metric
     }
 
     fn counter(&self, name: &str, help: &str) -> IntCounter {
-        self.add(IntCounter::new(name, help))
+        self.add("counter", IntCounter::new(name, help))
     }
 
     fn counters(&self, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
-        self.add(IntCounterVec::new(Opts::new(name, help), labels))
+        self.add("counter", IntCounterVec::new(Opts::new(name, help), labels))
     }
 
     fn int_gauge(&self, name: &str, help: &str) -> IntGauge {
-        self.add(IntGauge::new(name, help))
+        self.add("gauge", IntGauge::new(name, help))
     }
 
     fn gauges(&self, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
-        self.add(GaugeVec::new(Opts::new(name, help), labels))
+        self.add("gauge", GaugeVec::new(Opts::new(name, help), labels))
     }
 
     fn histogram(&self, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
-        self.add(Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)))
+        self.add("histogram", Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets)))
     }
 }
 
@@ -115,7 +134,7 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Self {
-        let r = Registrar(Registry::new_custom(Some("kvgate".into()), None).expect("valid prefix"));
+        let r = Registrar(Registry::new_custom(Some("kvgate".into()), None).expect("valid prefix"), Default::default());
         Self {
             decisions: r.counters("decisions_total", "Routing decisions.", &["policy", "pod"]),
             decisions_by_path: r.counters(
@@ -128,7 +147,7 @@ impl Metrics {
                 "Time to choose a pod, tokenization excluded.",
                 buckets(),
             ),
-            tokenize_seconds: r.add(HistogramVec::new(
+            tokenize_seconds: r.add("histogram", HistogramVec::new(
                 HistogramOpts::new("tokenize_seconds", "Time to tokenize a request (chat template included).")
                     .buckets(buckets()),
                 &["api"],
@@ -202,6 +221,7 @@ impl Metrics {
                 &["pod", "reason"],
             ),
             admission_waiting: r.add(
+                "gauge",
                 prometheus::Gauge::new("admission_waiting", "Requests waiting for a pod with room (admission queue)."),
             ),
             admission_wait_seconds: r.histogram(
@@ -242,7 +262,7 @@ impl Metrics {
                 &["pod"],
             ),
             pod_healthy: r.gauges("pod_healthy", "1 if the pod can be chosen.", &["pod"]),
-            prefix_hit_ratio: r.add(CounterVec::new(
+            prefix_hit_ratio: r.add("counter", CounterVec::new(
                 Opts::new("prefix_hit_ratio_sum", "Σ cached/prompt tokens over decisions (÷ decisions = mean ratio)."),
                 &["policy"],
             )),
@@ -275,8 +295,14 @@ impl Metrics {
                 ),
                 connected: r.int_gauge("sync_connected", "1 while connected to NATS (with sync)."),
             },
+            docs: r.1.into_inner(),
             registry: r.0,
         }
+    }
+
+    /// Every metric, in the order they are made.
+    pub fn docs(&self) -> &[MetricDoc] {
+        &self.docs
     }
 
     /// The text exposition format.

@@ -11,8 +11,8 @@
 
 use crate::abi::{self, Filter, LogLevel, body_status, headers_status};
 use crate::link::{Link, LinkConfig};
-use crate::{Config, Counters, NativeSettings, Request};
-use kvgate_route_api::lifecycle;
+use crate::{Config, Counters, Request};
+use kvgate_route_api::lifecycle::{self, NativeSettings};
 use std::ffi::{c_char, c_void};
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;

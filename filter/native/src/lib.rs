@@ -11,10 +11,9 @@ mod hooks;
 mod link;
 
 use abi::{Body, Filter, HeaderMap, LogLevel, body_status, headers_status};
-use kvgate_route_api::lifecycle::{self, BodyNext, Counter, HostConfig, Next, Proxy, ProxyConfig, RequestFlow};
+use kvgate_route_api::lifecycle::{self, BodyNext, Counter, Next, Proxy, ProxyConfig, RequestFlow};
 use kvgate_route_api::{HEADER_OBJECTIVE, HEADER_REQUEST_ID, LifecycleReport};
 use link::{Link, Outcome, Slot};
-use serde::{Deserialize, Serialize};
 use std::ffi::c_void;
 use std::fmt::Arguments;
 use std::sync::Arc;
@@ -23,27 +22,6 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 pub(crate) fn warn(message: &str) {
     abi::log(LogLevel::Warn, message);
-}
-
-/// The module's own settings, beside the shared ones ([`ProxyConfig`]) in its configuration.
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-struct NativeSettings {
-    /// Where the module opens its route sockets: the scorer's `unix:<path>` (its
-    /// `route_socket_path`) or its API's `ip:port` (or `host:port`).
-    scorer_address: String,
-}
-
-impl HostConfig for NativeSettings {
-    const HOST: &'static str = "the native module";
-    const FIELDS: &'static [&'static str] = &["scorer_address"];
-
-    fn validate(&self) -> Result<(), String> {
-        if self.scorer_address.is_empty() {
-            return Err("the native module needs scorer_address (the scorer's unix:<path> or ip:port)".into());
-        }
-        Ok(())
-    }
 }
 
 /// One filter configuration: its settings, its link to the scorer, its counters.

@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 /// How a disaggregated request reaches its prefill pod.
-#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum PdMode {
     /// The proxy sends the prefill leg itself and hands its `kv_transfer_params` to the
@@ -20,7 +20,7 @@ pub enum PdMode {
 }
 
 /// What to do when the scorer is down, slow (timeout) or cannot decide.
-#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum FailureMode {
     /// Let Envoy's fallback load balancing pick a pod: requests keep flowing, without
@@ -31,14 +31,14 @@ pub enum FailureMode {
 }
 
 /// The settings every proxy host shares.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct ProxyConfig {
     /// Route-call timeout; beyond it the failure mode applies.
     pub scorer_timeout_ms: u64,
     pub failure_mode: FailureMode,
     /// Request paths routed by the scorer (exact match, query string ignored), among
-    /// [`Api::PATHS`]; other traffic passes untouched.
+    /// `/v1/completions` and `/v1/chat/completions`; other traffic passes untouched.
     pub paths: Vec<String>,
     /// Header naming the chosen pod for Envoy's `override_host` load-balancing policy.
     pub destination_header: String,
@@ -150,6 +150,72 @@ pub fn parse<H: HostConfig>(bytes: &[u8]) -> Result<(ProxyConfig, H), String> {
     Ok((shared, own))
 }
 
+/// The wasm filter's own settings: it reaches the scorer and the pods through Envoy clusters.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct WasmSettings {
+    /// Envoy cluster of the scorer sidecar (HTTP/2: the route stream is gRPC).
+    pub scorer_cluster: String,
+    /// `:authority` of lifecycle batches sent to the scorer by HTTP, while the route stream is
+    /// closed (route calls and, while it is open, lifecycle reports go on the stream).
+    pub scorer_authority: String,
+    /// Timeout of a lifecycle batch sent by HTTP.
+    pub lifecycle_timeout_ms: u64,
+    /// Envoy cluster of the pods (prefill legs go there, steered by the destination header).
+    pub pods_cluster: String,
+    /// Timeout of a prefill leg; beyond it the decode pod prefills locally.
+    pub prefill_timeout_ms: u64,
+}
+
+impl Default for WasmSettings {
+    fn default() -> Self {
+        Self {
+            scorer_cluster: "kvgate_scorer".into(),
+            scorer_authority: "kvgate-scorer".into(),
+            lifecycle_timeout_ms: 1000,
+            pods_cluster: "kvgate_pods".into(),
+            prefill_timeout_ms: 60_000,
+        }
+    }
+}
+
+impl HostConfig for WasmSettings {
+    const HOST: &'static str = "the wasm filter";
+    const FIELDS: &'static [&'static str] =
+        &["scorer_cluster", "scorer_authority", "lifecycle_timeout_ms", "pods_cluster", "prefill_timeout_ms"];
+
+    fn validate(&self) -> Result<(), String> {
+        if self.scorer_cluster.is_empty() || self.pods_cluster.is_empty() {
+            return Err("scorer_cluster and pods_cluster must not be empty".into());
+        }
+        if self.lifecycle_timeout_ms == 0 || self.prefill_timeout_ms == 0 {
+            return Err("lifecycle_timeout_ms and prefill_timeout_ms must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// The native module's own settings: it keeps its own route sockets to the scorer.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NativeSettings {
+    /// Where the module opens its route sockets: the scorer's `unix:<path>` (its
+    /// `route_socket_path`) or its API's `ip:port` (or `host:port`).
+    pub scorer_address: String,
+}
+
+impl HostConfig for NativeSettings {
+    const HOST: &'static str = "the native module";
+    const FIELDS: &'static [&'static str] = &["scorer_address"];
+
+    fn validate(&self) -> Result<(), String> {
+        if self.scorer_address.is_empty() {
+            return Err("the native module needs scorer_address (the scorer's unix:<path> or ip:port)".into());
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -173,6 +239,8 @@ mod tests {
         let names = |value: Value| value.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
         assert_eq!(names(serde_json::to_value(ProxyConfig::default()).unwrap()), ProxyConfig::FIELDS);
         assert_eq!(names(serde_json::to_value(Own::default()).unwrap()), Own::FIELDS);
+        assert_eq!(names(serde_json::to_value(WasmSettings::default()).unwrap()), WasmSettings::FIELDS);
+        assert_eq!(names(serde_json::to_value(NativeSettings::default()).unwrap()), NativeSettings::FIELDS);
     }
 
     #[test]

@@ -34,7 +34,8 @@ pub trait Proxy {
 }
 
 /// What a proxy counts (each host exports them as its own stats).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[schemars(rename_all = "snake_case")]
 pub enum Counter {
     /// Sent to the pod the scorer chose.
     Routed,

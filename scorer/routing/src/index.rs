@@ -32,7 +32,7 @@ use serde::Deserialize;
 use std::collections::VecDeque;
 
 /// The KV indexes (`index`).
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct IndexConfig {
     /// Most blocks indexed per pod (precise and approximate index each); the oldest stored
@@ -69,7 +69,7 @@ impl IndexConfig {
 
 /// The tiers a pod's KV connector offloads blocks to (vLLM's `OffloadingConnector`, LMCache):
 /// a block there is loaded back instead of recomputed (`index.offload`).
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct OffloadConfig {
     /// Most blocks indexed per pod in each offload tier; 0: offloaded blocks are not indexed

@@ -26,7 +26,7 @@ use serde::Deserialize;
 use std::sync::Arc;
 
 /// In-flight bookkeeping (`load`).
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct LoadConfig {
     /// Expected completion tokens of a request without `max_tokens`.

@@ -27,7 +27,7 @@ use std::num::NonZeroUsize;
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 /// Which side of prefill/decode disaggregation a pod serves.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     #[default]
@@ -44,7 +44,7 @@ impl Role {
 }
 
 /// Prefill/decode disaggregation (`pd`).
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct PdConfig {
     /// Disaggregate when the best decode-capable pod would have to prefill at least this many
@@ -165,7 +165,7 @@ pub enum Unroutable {
 /// limits it is not chosen (the router judges it) — and how a request finding every pod so
 /// waits for room in the scorer's admission queue (by priority, first come first served within
 /// one, until its wait runs out: 429 with `Retry-After`; sheddable ones are refused at once).
-#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct Admission {
     /// A pod is saturated at this many waiting requests it reports

@@ -38,7 +38,7 @@ use crate::validate::{Invalid, check};
 use serde::Deserialize;
 
 /// How pod speeds are learned.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct SpeedConfig {
     /// Learn and apply pod speeds; false = every pod counts as the fleet's average.

@@ -54,7 +54,7 @@ use rand::rngs::StdRng;
 use serde::Deserialize;
 
 /// How prefill work is estimated.
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, serde::Serialize, PartialEq, Eq, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum PrefillEstimate {
     /// Linear tokens plus the attention trapezoid.
@@ -65,10 +65,13 @@ pub enum PrefillEstimate {
 }
 
 /// Weights of the `kv` policy.
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, serde::Serialize, PartialEq, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct KvPolicyConfig {
+    /// Weight of prefill work: the uncached prompt tokens queued on the pod plus this
+    /// request's (in linear-equivalent tokens, per block), scaled by the pod's slowness.
     pub prefill_weight: f64,
+    /// Weight of the KV blocks held by the pod's requests in flight (decode load).
     pub decode_weight: f64,
     /// Weight of the blocks decode steps read (per sequence: shared prefixes count once per
     /// sequence reading them), which sets decode step time.
@@ -84,6 +87,8 @@ pub struct KvPolicyConfig {
     /// metrics (no charge while that is unknown). A request whose blocks do not fit waits
     /// for others to finish. 0 = off.
     pub overflow_weight: f64,
+    /// How prefill work is estimated: `trapezoid` (tokens plus the attention work of a long
+    /// context) or `linear` (tokens).
     pub prefill_estimate: PrefillEstimate,
     /// Context length at which attention work equals linear work (trapezoid estimate).
     pub attention_horizon_tokens: f64,
@@ -94,6 +99,7 @@ pub struct KvPolicyConfig {
     /// `balance_rel_threshold`, is not charged the miss, so load wins over stickiness.
     /// `None` = off.
     pub balance_abs_threshold: Option<u32>,
+    /// The factor of the pile-up guard (see `balance_abs_threshold`).
     pub balance_rel_threshold: f64,
     /// Drop pods reporting at least this many waiting requests.
     pub max_waiting: Option<f64>,

@@ -89,7 +89,7 @@ pub trait Policy: Send {
 }
 
 /// Policy configuration, as written in the scorer's YAML (`policy: {name: kv, ...}`).
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, serde::Serialize, PartialEq, schemars::JsonSchema)]
 #[serde(tag = "name", rename_all = "kebab-case", deny_unknown_fields)]
 pub enum PolicyConfig {
     Kv(KvPolicyConfig),
