@@ -7,7 +7,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 /// How a disaggregated request reaches its prefill pod.
-#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum PdMode {
     /// The proxy sends the prefill leg itself and hands its `kv_transfer_params` to the
@@ -20,7 +21,8 @@ pub enum PdMode {
 }
 
 /// What to do when the scorer is down, slow (timeout) or cannot decide.
-#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum FailureMode {
     /// Let Envoy's fallback load balancing pick a pod: requests keep flowing, without
@@ -31,7 +33,8 @@ pub enum FailureMode {
 }
 
 /// The settings every proxy host shares.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, schemars::JsonSchema)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, deny_unknown_fields)]
 pub struct ProxyConfig {
     /// Route-call timeout; beyond it the failure mode applies.
@@ -151,7 +154,8 @@ pub fn parse<H: HostConfig>(bytes: &[u8]) -> Result<(ProxyConfig, H), String> {
 }
 
 /// The wasm filter's own settings: it reaches the scorer and the pods through Envoy clusters.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, schemars::JsonSchema)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, deny_unknown_fields)]
 pub struct WasmSettings {
     /// Envoy cluster of the scorer sidecar (HTTP/2: the route stream is gRPC).
@@ -196,7 +200,8 @@ impl HostConfig for WasmSettings {
 }
 
 /// The native module's own settings: it keeps its own route sockets to the scorer.
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq, schemars::JsonSchema)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(deny_unknown_fields)]
 pub struct NativeSettings {
     /// Where the module opens its route sockets: the scorer's `unix:<path>` (its

@@ -34,8 +34,9 @@ pub trait Proxy {
 }
 
 /// What a proxy counts (each host exports them as its own stats).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, schemars::JsonSchema)]
-#[schemars(rename_all = "snake_case")]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
+#[cfg_attr(feature = "schema", schemars(rename_all = "snake_case"))]
 pub enum Counter {
     /// Sent to the pod the scorer chose.
     Routed,
