@@ -1,5 +1,6 @@
-//! The scorer's YAML configuration. Every field is documented in the README; unknown fields
-//! and invalid values stop start-up with a message naming the field.
+//! The scorer's YAML configuration. Every field is documented in docs/configuration.md,
+//! generated from these types (`make docs`); unknown fields and invalid values stop start-up
+//! with a message naming the field.
 
 use kvgate_routing::policy::PolicyConfig;
 use serde::Deserialize;

@@ -22,7 +22,7 @@ pub enum Picker {
     None,
 }
 
-/// How the rendered bootstrap's ext_proc filter talks to the picker (see the README).
+/// How the rendered bootstrap's ext_proc filter talks to the picker (see docs/scorer.md, The Endpoint Picker).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum EppBodyMode {
     /// The body streamed to the picker without waiting, the pick with the headers' answer

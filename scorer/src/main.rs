@@ -1,5 +1,5 @@
 //! `kvgate-scorer`: the sidecar that tells the Envoy filter which pod should serve each
-//! request. See the README for the configuration and the HTTP API.
+//! request. See docs/scorer.md and docs/configuration.md.
 
 use anyhow::Context;
 use clap::Parser;

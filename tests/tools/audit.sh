@@ -31,7 +31,7 @@ if compgen -G "$db_dir/*" > /dev/null; then
     step "advisories (database in $db_dir)"
     cargo deny --log-level error check --disable-fetch advisories
 else
-    step "advisories: NOT CHECKED — no RustSec database in $db_dir (it cannot be fetched here; see README, Supply chain)"
+    step "advisories: NOT CHECKED — no RustSec database in $db_dir (it cannot be fetched here; see docs/operations.md, Supply chain)"
 fi
 
 licenses() {

@@ -1,5 +1,5 @@
 """Combines make profile's per-cell tables (target/profile/{path}-{cell}.md) into two tables
-for the README: Envoy's CPU by thread and binary, and the scorer's CPU by stage, one column
+for docs/benchmarks.md: Envoy's CPU by thread and binary, and the scorer's CPU by stage, one column
 per path and cell. Usage: python3 profile_summary.py target/profile > summary.md"""
 import pathlib
 import sys

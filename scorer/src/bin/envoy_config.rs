@@ -41,7 +41,7 @@ struct Args {
     scorer_timeout_ms: u64,
     /// How ext_proc sends bodies to the picker: `streamed` (one round trip per request;
     /// Envoy keeps the body, so a dead or frozen picker costs no request), `buffered`, or
-    /// `full-duplex` (Istio's and llm-d's). See the README.
+    /// `full-duplex` (Istio's and llm-d's). See docs/scorer.md.
     #[arg(long, default_value = "streamed", value_parser = ["streamed", "buffered", "full-duplex"])]
     epp_body_mode: String,
     /// Retries onto the next pods of the pick's list when a pod refuses the connection or

@@ -29,7 +29,7 @@
 //! would need beyond the pod's KV capacity (`num_gpu_blocks` from its metrics): an engine
 //! admits a request only when its blocks fit, so past capacity it waits for requests in
 //! flight to finish, or preempts them. Defaults come from the cluster simulator
-//! (`make bench-cluster`): see the README's benchmark section for what each term buys.
+//! (`make bench-cluster`): see docs/benchmarks.md for what each term buys.
 //!
 //! Prefill is measured in *linear-equivalent tokens*: with the trapezoid estimate, uncached
 //! tokens `n` after `c` cached cost `n + work / attention_horizon_tokens`, where

@@ -8,7 +8,7 @@
 //! `x-gateway-destination-endpoint` and the dynamic metadata `envoy.lb` (identical), then
 //! hands the body back unchanged. It then reads the response the gateway relays — the
 //! endpoint that served, the status, the first body bytes, the final usage — instead of the
-//! filter's lifecycle reports. See [`exchange`] for one stream, and the README for the
+//! filter's lifecycle reports. See [`exchange`] for one stream, and docs/scorer.md for the
 //! gateway-side settings.
 //!
 //! Health (`grpc.health.v1.Health`, on the same port): `liveness` is serving while the process
