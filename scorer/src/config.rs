@@ -76,19 +76,14 @@ impl Default for HealthSection {
 
 /// Who can see what: the debug endpoints reveal per-pod state, so they can be turned off or
 /// moved to their own address (with `/metrics`).
-#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
+#[derive(Clone, Debug, Default, Deserialize, schemars::JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct AdminSection {
     /// Serve `/v1/pods`, `/metrics`, `/healthz` and `/readyz` here instead of on `listen`.
     pub listen: Option<SocketAddr>,
-    /// `GET /v1/pods` and `?explain=1` on route calls; false turns both off.
+    /// `GET /v1/pods` and `?explain=1` on route calls: every pod's address, load and cache,
+    /// and every candidate's cost. Off unless asked for (the local stack turns it on).
     pub debug_endpoints: bool,
-}
-
-impl Default for AdminSection {
-    fn default() -> Self {
-        Self { listen: None, debug_endpoints: true }
-    }
 }
 
 /// The Endpoint Picker: the Gateway API Inference Extension's protocol (Envoy ext_proc over
@@ -334,6 +329,36 @@ pub struct SyncSection {
     /// `/readyz` answers ready (a replica that joins decides on the fleet's state).
     #[serde(default = "default_join_wait_ms")]
     pub join_wait_ms: u64,
+    /// NATS token authentication: a file holding the token (a mounted Secret), read at
+    /// start. Any client that can reach an unauthenticated NATS can inject bookings.
+    #[serde(default)]
+    pub token_file: Option<PathBuf>,
+    /// NATS user authentication: the user, whose password is in `password_file`.
+    #[serde(default)]
+    pub user: Option<String>,
+    /// The file holding `user`'s password (a mounted Secret), read at start.
+    #[serde(default)]
+    pub password_file: Option<PathBuf>,
+    /// TLS to NATS: the connection is refused unless the server speaks TLS with a
+    /// certificate this replica trusts.
+    #[serde(default)]
+    pub tls: Option<SyncTls>,
+}
+
+/// TLS to NATS (`sync.tls`).
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SyncTls {
+    /// PEM file of the CA that signed the NATS server's certificate (absent: the system's
+    /// roots).
+    #[serde(default)]
+    pub ca_file: Option<PathBuf>,
+    /// PEM client certificate, for a server that verifies its clients (with `key_file`).
+    #[serde(default)]
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key of `cert_file`.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
 }
 
 fn default_subject_prefix() -> String {
@@ -410,12 +435,13 @@ impl Config {
         {
             return invalid("tokenizer", format!("{} is not a file", tokenizer.display()));
         }
+        let mut files: Vec<(&str, &Path)> = Vec::new();
         if let Some(EppSection { tls: EppTls::Files { cert, key }, .. }) = &config.epp {
-            for (field, path) in [("epp.tls.cert", cert), ("epp.tls.key", key)] {
-                if !path.is_file() {
-                    return invalid(field, format!("{} is not a file", path.display()));
-                }
-            }
+            files.extend([("epp.tls.cert", cert.as_path()), ("epp.tls.key", key.as_path())]);
+        }
+        files.extend(config.sync.iter().flat_map(SyncSection::files));
+        if let Some((field, path)) = files.iter().find(|(_, path)| !path.is_file()) {
+            return invalid(*field, format!("{} is not a file", path.display()));
         }
         Ok(config)
     }
@@ -515,7 +541,30 @@ impl SyncSection {
         let replica = subject_token(&self.replica());
         check(replica, "replica_id", "must be one NATS subject token (no '.', '*', '>' or spaces)")?;
         let timeout = self.heartbeat_ms > 0 && self.replica_timeout_ms >= 2 * self.heartbeat_ms;
-        check(timeout, "replica_timeout_ms", "must be at least twice a positive heartbeat_ms")
+        check(timeout, "replica_timeout_ms", "must be at least twice a positive heartbeat_ms")?;
+        check(self.token_file.is_none() || self.user.is_none(), "token_file", "use either token_file or user")?;
+        check(self.user.is_none() || self.password_file.is_some(), "password_file", "user needs its password_file")?;
+        check(self.password_file.is_none() || self.user.is_some(), "user", "password_file needs its user")?;
+        if let Some(tls) = &self.tls {
+            let pair = tls.cert_file.is_some() == tls.key_file.is_some();
+            check(pair, "tls.key_file", "cert_file and key_file go together")?;
+        }
+        Ok(())
+    }
+
+    /// The files this section names, by field: they must exist at start.
+    fn files(&self) -> Vec<(&'static str, &Path)> {
+        let tls = self.tls.as_ref();
+        [
+            ("sync.token_file", self.token_file.as_deref()),
+            ("sync.password_file", self.password_file.as_deref()),
+            ("sync.tls.ca_file", tls.and_then(|t| t.ca_file.as_deref())),
+            ("sync.tls.cert_file", tls.and_then(|t| t.cert_file.as_deref())),
+            ("sync.tls.key_file", tls.and_then(|t| t.key_file.as_deref())),
+        ]
+        .into_iter()
+        .filter_map(|(field, path)| Some((field, path?)))
+        .collect()
     }
 }
 
@@ -572,6 +621,22 @@ mod tests {
     const MINIMAL: &str = "pods:\n  - name: pod-a\n    address: 127.0.0.1:8001\n";
 
     #[test]
+    fn nats_credentials_are_one_kind_and_whole() {
+        let sync = |fields: &str| Config::parse(&format!("sync: {{nats: 'nats://n:4222', {fields}}}\n{MINIMAL}"));
+        assert!(sync("token_file: /t").is_ok());
+        assert!(sync("user: kvgate, password_file: /p, tls: {ca_file: /ca, cert_file: /c, key_file: /k}").is_ok());
+        for (fields, field) in [
+            ("token_file: /t, user: kvgate, password_file: /p", "sync.token_file"),
+            ("user: kvgate", "sync.password_file"),
+            ("password_file: /p", "sync.user"),
+            ("token_file: /t, tls: {cert_file: /c}", "sync.tls.key_file"),
+        ] {
+            let e = sync(fields).unwrap_err().to_string();
+            assert!(e.contains(field), "{fields}: {e}");
+        }
+    }
+
+    #[test]
     fn defaults_are_sane() {
         let c = Config::parse(MINIMAL).unwrap();
         assert_eq!(c.listen.to_string(), "127.0.0.1:7070");
@@ -580,6 +645,7 @@ mod tests {
         assert_eq!(c.pods[0].role, Role::Both);
         assert!(c.pods[0].kv_events.is_none());
         assert!(c.epp.is_none(), "no Endpoint Picker unless asked");
+        assert!(!c.admin.debug_endpoints, "per-pod state and costs are not served unless asked");
         let epp = Config::parse(&format!("epp: {{}}\n{MINIMAL}")).unwrap().epp.unwrap();
         assert_eq!(
             (epp.listen.to_string(), epp.tls, c.fallback_endpoints),

@@ -86,7 +86,8 @@ async fn main() -> anyhow::Result<()> {
         tokio::spawn(discovery::dns::run(scorer.clone(), dns));
     }
     if let Some(sync) = scorer.config.sync.clone() {
-        tokio::spawn(kvgate_scorer::sync::run(scorer.clone(), sync));
+        let credentials = kvgate_scorer::sync::NatsCredentials::read(&sync)?;
+        tokio::spawn(kvgate_scorer::sync::run(scorer.clone(), sync, credentials));
     }
     let expiring = scorer.clone();
     tokio::spawn(async move {

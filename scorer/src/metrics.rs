@@ -70,6 +70,9 @@ pub struct SyncMetrics {
     pub replicas_lost: IntCounter,
     /// 1 while connected to NATS.
     pub connected: IntGauge,
+    /// What NATS or its client reported wrong: `authorization` (the server refused this
+    /// replica's credentials), `server`, `client` (TLS among them).
+    pub errors: IntCounterVec,
 }
 
 /// One metric as `docs/metrics.md` lists it.
@@ -294,6 +297,11 @@ impl Metrics {
                     "Replicas dropped after replica_timeout_ms of silence (their bookings dropped).",
                 ),
                 connected: r.int_gauge("sync_connected", "1 while connected to NATS (with sync)."),
+                errors: r.counters(
+                    "sync_errors_total",
+                    "Errors NATS reported: authorization (credentials refused), server, client (TLS among them).",
+                    &["kind"],
+                ),
             },
             docs: r.1.into_inner(),
             registry: r.0,

@@ -21,6 +21,7 @@
 use crate::config::SyncSection;
 use crate::scorer::{Pod, Scorer};
 use ahash::AHashMap;
+use anyhow::Context;
 use async_nats::connection::State;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -221,9 +222,52 @@ impl Subjects {
     }
 }
 
+/// The secrets `sync` names, read at start so that a missing or empty one stops start-up
+/// instead of leaving the replica unsynced.
+pub struct NatsCredentials {
+    token: Option<String>,
+    user: Option<(String, String)>,
+}
+
+impl NatsCredentials {
+    pub fn read(config: &SyncSection) -> anyhow::Result<NatsCredentials> {
+        let secret = |field: &str, path: &std::path::Path| -> anyhow::Result<String> {
+            let text = std::fs::read_to_string(path).with_context(|| format!("sync.{field}: {}", path.display()))?;
+            let text = text.trim().to_string();
+            anyhow::ensure!(!text.is_empty(), "sync.{field}: {} is empty", path.display());
+            Ok(text)
+        };
+        let token = config.token_file.as_deref().map(|p| secret("token_file", p)).transpose()?;
+        let user = match (&config.user, &config.password_file) {
+            (Some(user), Some(path)) => Some((user.clone(), secret("password_file", path)?)),
+            _ => None,
+        };
+        Ok(NatsCredentials { token, user })
+    }
+
+    fn apply(self, mut options: async_nats::ConnectOptions, config: &SyncSection) -> async_nats::ConnectOptions {
+        if let Some(token) = self.token {
+            options = options.token(token);
+        }
+        if let Some((user, password)) = self.user {
+            options = options.user_and_password(user, password);
+        }
+        if let Some(tls) = &config.tls {
+            options = options.require_tls(true);
+            if let Some(ca) = &tls.ca_file {
+                options = options.add_root_certificates(ca.clone());
+            }
+            if let (Some(cert), Some(key)) = (&tls.cert_file, &tls.key_file) {
+                options = options.add_client_certificate(cert.clone(), key.clone());
+            }
+        }
+        options
+    }
+}
+
 /// Connects to NATS and runs the publisher and the receiver for good (the client
 /// reconnects by itself). Call with `scorer.sync_state()` present.
-pub async fn run(scorer: Arc<Scorer>, config: SyncSection) {
+pub async fn run(scorer: Arc<Scorer>, config: SyncSection, credentials: NatsCredentials) {
     let me = config.replica();
     let subjects = Arc::new(Subjects::new(&config.subject_prefix, &me));
     let (events_tx, events) = mpsc::unbounded_channel();
@@ -240,6 +284,7 @@ pub async fn run(scorer: Arc<Scorer>, config: SyncSection) {
                 let _ = tx.send(event);
             }
         });
+    let options = credentials.apply(options, &config);
     let urls: Vec<&str> = config.nats.split(',').map(str::trim).collect();
     let client = match options.connect(urls.as_slice()).await {
         Ok(client) => client,
@@ -415,6 +460,7 @@ async fn receive(
     let timeout = Duration::from_millis(config.replica_timeout_ms);
     let join_wait = Duration::from_millis(config.join_wait_ms);
     let mut peers: AHashMap<String, Peer> = AHashMap::new();
+    let mut last_error: Option<String> = None;
     let mut next_origin = 1u32;
     let mut sweep = tokio::time::interval(heartbeat / 2);
     let ask = |replica: &str| {
@@ -490,6 +536,7 @@ async fn receive(
                 match event {
                     async_nats::Event::Connected => {
                         metrics.connected.set(1);
+                        last_error = None;
                         tracing::info!("sync: connected to NATS");
                         // What we missed while away: every known replica's state again.
                         for (name, peer) in &mut peers {
@@ -502,6 +549,8 @@ async fn receive(
                         metrics.connected.set(0);
                         tracing::warn!("sync: disconnected from NATS; routing on what this replica knows");
                     }
+                    async_nats::Event::ServerError(e) => report_error(metrics, &mut last_error, "server", e.to_string()),
+                    async_nats::Event::ClientError(e) => report_error(metrics, &mut last_error, "client", e.to_string()),
                     other => tracing::debug!("sync: NATS {other}"),
                 }
             }
@@ -551,6 +600,23 @@ fn apply(scorer: &Scorer, origin: Origin, updates: Vec<Update>) {
     let unknown = scorer.apply_shared(origin, &decoded);
     metrics.updates.with_label_values(&["applied"]).inc_by((decoded.len() - unknown) as u64);
     metrics.updates.with_label_values(&["unknown_booking"]).inc_by(unknown as u64);
+}
+
+/// Counts an error NATS reported and logs it — at error level the first time in a row (a
+/// refused credential repeats at every reconnect attempt), then at debug level.
+fn report_error(metrics: &crate::metrics::SyncMetrics, last: &mut Option<String>, source: &str, error: String) {
+    let refused = error.contains("authorization violation") || error.contains("authentication");
+    metrics.errors.with_label_values(&[if refused { "authorization" } else { source }]).inc();
+    if last.as_deref() == Some(error.as_str()) {
+        tracing::debug!("sync: NATS {source} error again: {error}");
+    } else if refused {
+        tracing::error!(
+            "sync: NATS refused this replica's credentials ({error}): check sync.token_file or sync.user; not sharing bookings until it accepts them"
+        );
+    } else {
+        tracing::warn!("sync: NATS {source} error: {error}");
+    }
+    *last = Some(error);
 }
 
 #[cfg(test)]

