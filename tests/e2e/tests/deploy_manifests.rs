@@ -1,10 +1,13 @@
 //! Everything under `deploy/` is checked by the tools that would reject it in production:
-//! Kubernetes manifests against the Kubernetes schemas (`kubernetes-validate --strict`), the
-//! scorer's ConfigMap by the scorer's own parser, the Envoy bootstrap by rendering it again
-//! from that configuration and by the real `envoy --mode validate`, the Istio EnvoyFilter's
-//! patches assembled into a bootstrap that Envoy validates, the Dockerfiles by hadolint.
-//! Each tool is also shown to reject a broken input. (No Docker engine or cluster exists
-//! here: nothing is built or applied.)
+//! each overlay rendered alone by kustomize (`kubectl kustomize`) and every resource against
+//! the Kubernetes schemas (`kubernetes-validate --strict`), the scorer's ConfigMaps by the
+//! scorer's own parser, the shipped NATS configuration by a real `nats-server`, the Envoy
+//! bootstrap by rendering it again from that configuration and by the real `envoy --mode
+//! validate`, the Istio EnvoyFilter's patches assembled into a bootstrap that Envoy
+//! validates, the Dockerfiles by hadolint. What a security review asks of the shipped
+//! configuration (debug endpoints off, admin interfaces unexposed, NATS authenticated,
+//! NetworkPolicies that admit only the right pods) is asserted on the rendered resources.
+//! (No Docker engine or cluster exists here: nothing is built or applied.)
 
 use kvgate_scorer::config::{Config, Role};
 use kvgate_test_harness::{binary, envoy_validate, filter_native, filter_wasm, root, venv_bin};
@@ -52,7 +55,7 @@ fn hadolint(files: &[PathBuf]) -> Result<String, String> {
 
 const MANIFESTS: [&str; 11] = [
     "base/namespace.yaml",
-    "base/nats.yaml",
+    "sidecar/nats.yaml",
     "base/rbac.yaml",
     "base/vllm.yaml",
     "base/vllm-pd.yaml",
@@ -89,6 +92,9 @@ fn kubernetes_manifests_pass_the_kubernetes_schemas() {
         "poddisruptionbudget/kvgate-epp",
         "deployment/nats",
         "service/nats",
+        "configmap/nats",
+        "networkpolicy/nats",
+        "networkpolicy/kvgate-epp",
     ];
     for kind in core {
         assert!(report.contains(&format!("passed for resource {kind}")), "{kind} not validated:\n{report}");
@@ -107,10 +113,14 @@ fn kubernetes_manifests_pass_the_kubernetes_schemas() {
     assert_eq!(unchecked.len(), 8, "{report}");
 
     // Every file a kustomization names exists.
-    for dir in ["base", "envoy", "istio", "gateway-api"] {
+    for dir in ["base", "sidecar", "envoy", "istio", "gateway-api"] {
         let k = documents(&format!("{dir}/kustomization.yaml"));
         let names = k[0]["resources"].as_array().into_iter().flatten().chain(
-            k[0]["configMapGenerator"].as_array().into_iter().flatten().flat_map(|g| g["files"].as_array().unwrap()),
+            k[0]["configMapGenerator"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .flat_map(|g| g["files"].as_array().into_iter().flatten()),
         );
         for name in names {
             let path = deploy(dir).join(name.as_str().unwrap());
@@ -128,16 +138,16 @@ fn kubernetes_manifests_pass_the_kubernetes_schemas() {
 
 #[test]
 fn the_scorer_configmap_parses_and_the_envoy_bootstrap_matches_it_and_validates() {
-    let config = Config::parse(&read("base/scorer.yaml")).expect("the scorer's parser accepts it");
+    let config = Config::parse(&read("sidecar/scorer.yaml")).expect("the scorer's parser accepts it");
     assert_eq!(config.listen.to_string(), "127.0.0.1:7070", "the sidecar listens on loopback only");
     let dns = &config.discovery.dns[0];
     assert_eq!((dns.name.as_str(), dns.port, dns.role), ("vllm.inference.svc.cluster.local", 8000, Role::Both));
     assert_eq!(config.admin.listen.map(|a| a.port()), Some(9090), "probes and metrics on the admin port");
-    // The gateway's replicas share their bookings over the NATS Service of base/nats.yaml.
+    // The gateway's replicas share their bookings over the NATS Service of sidecar/nats.yaml.
     let gateway = documents("envoy/gateway.yaml");
     assert!(find(&gateway, "Deployment", "kvgate-gateway")["spec"]["replicas"].as_u64().unwrap() >= 2);
     let sync = config.sync.as_ref().expect("sync is configured");
-    let nats = documents("base/nats.yaml");
+    let nats = documents("sidecar/nats.yaml");
     let nats_port = find(&nats, "Service", "nats")["spec"]["ports"][0]["port"].as_u64().unwrap();
     assert_eq!(sync.nats, format!("nats://nats.inference.svc.cluster.local:{nats_port}"));
     assert_eq!(sync.replica_id, None, "each replica is named by its pod ($HOSTNAME)");
@@ -153,7 +163,7 @@ fn the_scorer_configmap_parses_and_the_envoy_bootstrap_matches_it_and_validates(
     let rendered = std::env::temp_dir().join(format!("kvgate-deploy-envoy-{}.yaml", std::process::id()));
     let status = Command::new(binary("kvgate-envoy-config"))
         .arg("--scorer-config")
-        .arg(deploy("base/scorer.yaml"))
+        .arg(deploy("sidecar/scorer.yaml"))
         .args(["--picker", "native", "--native-module", "/var/lib/kvgate/filter/libkvgate_filter_native.so"])
         .args(["--listen", "0.0.0.0:8080", "--admin", "127.0.0.1:9901"])
         .arg("--out")
@@ -371,4 +381,234 @@ fn dockerfiles_pass_hadolint() {
     let result = hadolint(std::slice::from_ref(&broken));
     std::fs::remove_file(&broken).unwrap();
     assert!(result.is_err(), "hadolint flags a sloppy Dockerfile: {result:?}");
+}
+
+/// The overlays a user applies, each on its own.
+const OVERLAYS: [&str; 3] = ["envoy", "istio", "gateway-api"];
+
+/// `kubectl kustomize deploy/<overlay>`: every resource the overlay applies.
+fn render(overlay: &str) -> (String, Vec<Value>) {
+    let mut cmd = Command::new(venv_bin("kubectl"));
+    cmd.arg("kustomize").arg(deploy(overlay));
+    let yaml = run(cmd).unwrap_or_else(|e| panic!("kubectl kustomize deploy/{overlay}:\n{e}"));
+    let docs = serde_saphyr::from_multiple::<Value>(&yaml).unwrap_or_else(|e| panic!("deploy/{overlay}: {e}"));
+    (yaml, docs)
+}
+
+/// Every pod template of the rendered resources, with the name of what holds it.
+fn pod_specs(docs: &[Value]) -> Vec<(String, &Value)> {
+    docs.iter()
+        .filter(|d| d["kind"] == "Deployment")
+        .map(|d| (d["metadata"]["name"].as_str().unwrap().to_string(), &d["spec"]["template"]))
+        .collect()
+}
+
+/// Every image a pod template names: containers, init containers, image volumes.
+fn images(template: &Value) -> Vec<String> {
+    let spec = &template["spec"];
+    let containers =
+        ["initContainers", "containers"].into_iter().flat_map(|k| spec[k].as_array().into_iter().flatten());
+    let volumes = spec["volumes"].as_array().into_iter().flatten().filter_map(|v| v["image"]["reference"].as_str());
+    containers.filter_map(|c| c["image"].as_str()).chain(volumes).map(str::to_string).collect()
+}
+
+#[test]
+fn every_overlay_renders_alone_validates_and_brings_only_what_it_uses() {
+    for overlay in OVERLAYS {
+        let (yaml, docs) = render(overlay);
+        let file = std::env::temp_dir().join(format!("kvgate-render-{overlay}-{}.yaml", std::process::id()));
+        std::fs::write(&file, &yaml).unwrap();
+        let report = kubernetes_validate(std::slice::from_ref(&file));
+        std::fs::remove_file(&file).unwrap();
+        let report = report.unwrap_or_else(|e| panic!("deploy/{overlay} rendered:\n{e}"));
+        assert!(report.contains("passed for resource deployment/vllm"), "{overlay}: {report}");
+
+        let has = |kind: &str, name: &str| docs.iter().any(|d| d["kind"] == kind && d["metadata"]["name"] == name);
+        let sidecars = overlay != "gateway-api";
+        assert_eq!(has("Deployment", "nats"), sidecars, "{overlay}: NATS only where scorer sidecars sync");
+        assert_eq!(has("ConfigMap", "kvgate-scorer"), sidecars, "{overlay}: the sidecars' configuration");
+        assert!(has("ConfigMap", "kvgate-model") && has("Deployment", "vllm"), "{overlay}: the pods and their model");
+
+        // One name per kvgate image, from the overlay's `images:`; every image pinned to a tag.
+        let kustomization = documents(&format!("{overlay}/kustomization.yaml")).remove(0);
+        let wanted: Vec<String> = kustomization["images"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| format!("{}:{}", i["newName"].as_str().unwrap(), i["newTag"].as_str().unwrap()))
+            .collect();
+        let mut used = std::collections::BTreeSet::new();
+        for (name, template) in pod_specs(&docs) {
+            for image in images(template) {
+                if image == "auto" {
+                    continue; // Istio's injection fills it in
+                }
+                assert!(
+                    image.rsplit_once(':').is_some_and(|(_, tag)| !tag.is_empty() && tag != "latest"),
+                    "{overlay}/{name}: {image} is not pinned"
+                );
+                if image.contains("kvgate") {
+                    assert!(
+                        wanted.contains(&image),
+                        "{overlay}/{name}: {image} is not one of the overlay's images {wanted:?}"
+                    );
+                    used.insert(image);
+                }
+            }
+        }
+        assert_eq!(used.len(), wanted.len(), "{overlay}: every image named in kustomization.yaml is used");
+
+        // Nothing is installed when a pod starts.
+        for (name, template) in pod_specs(&docs) {
+            let commands = serde_json::to_string(&template["spec"]).unwrap();
+            for installer in ["pip install", "apt-get", "apk add", "npm install"] {
+                assert!(!commands.contains(installer), "{overlay}/{name} runs {installer} at start");
+            }
+        }
+    }
+}
+
+/// The scorer configurations an overlay ships (ConfigMaps holding `scorer.yaml`).
+fn scorer_configs(docs: &[Value]) -> Vec<(String, Config)> {
+    docs.iter()
+        .filter(|d| d["kind"] == "ConfigMap" && d["data"]["scorer.yaml"].is_string())
+        .map(|d| {
+            let name = d["metadata"]["name"].as_str().unwrap().to_string();
+            let config = Config::parse(d["data"]["scorer.yaml"].as_str().unwrap())
+                .unwrap_or_else(|e| panic!("ConfigMap {name}: {e}"));
+            (name, config)
+        })
+        .collect()
+}
+
+#[test]
+fn the_shipped_configs_keep_debug_endpoints_off_admin_unexposed_and_nats_authenticated() {
+    for overlay in OVERLAYS {
+        let (_, docs) = render(overlay);
+        let configs = scorer_configs(&docs);
+        assert!(!configs.is_empty(), "{overlay} ships a scorer configuration");
+        for (name, config) in &configs {
+            assert!(!config.admin.debug_endpoints, "{overlay}/{name}: debug endpoints on");
+            assert!(config.listen.ip().is_loopback(), "{overlay}/{name}: the route API beyond loopback");
+            if let Some(sync) = &config.sync {
+                let token = sync.token_file.as_ref().expect("sync authenticates to NATS");
+                // The gateway mounts the Secret the NATS server takes its token from, where
+                // the configuration reads it.
+                let (_, gateway) = pod_specs(&docs).into_iter().find(|(n, _)| n == "kvgate-gateway").unwrap();
+                let volumes = gateway["spec"]["volumes"].as_array().unwrap();
+                let secret =
+                    volumes.iter().find(|v| v["secret"]["secretName"] == "kvgate-nats").expect("token mounted");
+                let mounts = gateway["spec"]["containers"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|c| c["name"] == "scorer")
+                    .unwrap()["volumeMounts"]
+                    .as_array()
+                    .unwrap();
+                let mount = mounts.iter().find(|m| m["name"] == secret["name"]).unwrap();
+                let path = format!(
+                    "{}/{}",
+                    mount["mountPath"].as_str().unwrap(),
+                    secret["secret"]["items"][0]["path"].as_str().unwrap()
+                );
+                assert_eq!(PathBuf::from(path), *token, "{overlay}: the token file is the mounted Secret");
+                let (_, nats) = pod_specs(&docs).into_iter().find(|(n, _)| n == "nats").unwrap();
+                let env = &nats["spec"]["containers"][0]["env"][0];
+                assert_eq!(env["valueFrom"]["secretKeyRef"]["name"], "kvgate-nats");
+                let conf = docs.iter().find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "nats").unwrap();
+                let var = format!("token: ${}", env["name"].as_str().unwrap());
+                assert!(conf["data"]["nats.conf"].as_str().unwrap().contains(&var), "NATS requires the token");
+            }
+        }
+        // Envoy's admin interface stays on loopback.
+        for envoy in docs.iter().filter(|d| d["kind"] == "ConfigMap" && d["data"]["envoy.yaml"].is_string()) {
+            let bootstrap: Value = serde_saphyr::from_str(envoy["data"]["envoy.yaml"].as_str().unwrap()).unwrap();
+            assert_eq!(
+                bootstrap["admin"]["address"]["socket_address"]["address"], "127.0.0.1",
+                "{overlay}: Envoy's admin"
+            );
+        }
+        // Where a NetworkPolicy guards a port, it admits only pods that exist in the overlay.
+        let labels_of = |name: &str| {
+            pod_specs(&docs).into_iter().find(|(n, _)| n == name).map(|(_, t)| t["metadata"]["labels"].clone())
+        };
+        for policy in docs.iter().filter(|d| d["kind"] == "NetworkPolicy") {
+            let target = policy["spec"]["podSelector"]["matchLabels"].as_object().unwrap();
+            assert!(
+                pod_specs(&docs).iter().any(|(_, t)| target.iter().all(|(k, v)| &t["metadata"]["labels"][k] == v)),
+                "{overlay}: {} selects no pod",
+                policy["metadata"]["name"]
+            );
+            for rule in policy["spec"]["ingress"].as_array().unwrap() {
+                let Some(from) = rule["from"].as_array() else { continue };
+                if policy["metadata"]["name"] == "nats" {
+                    let gateway = labels_of("kvgate-gateway").unwrap();
+                    let admitted = from[0]["podSelector"]["matchLabels"].as_object().unwrap();
+                    assert!(
+                        admitted.iter().all(|(k, v)| &gateway[k] == v),
+                        "{overlay}: the gateway's scorers reach NATS"
+                    );
+                }
+            }
+        }
+    }
+    // Which policies guard what: NATS's client port only from the gateways; the picker's gRPC
+    // only from the gateway that owns the pool.
+    let (_, istio) = render("istio");
+    let nats = istio.iter().find(|d| d["kind"] == "NetworkPolicy" && d["metadata"]["name"] == "nats").unwrap();
+    let client = &nats["spec"]["ingress"][0];
+    assert_eq!((client["ports"][0]["port"].as_u64(), client["from"].as_array().map(Vec::len)), (Some(4222), Some(1)));
+    assert!(nats["spec"]["ingress"].as_array().unwrap().iter().skip(1).all(|r| r["ports"][0]["port"] != 4222));
+    let (_, picker) = render("gateway-api");
+    let epp = picker.iter().find(|d| d["kind"] == "NetworkPolicy" && d["metadata"]["name"] == "kvgate-epp").unwrap();
+    let grpc = &epp["spec"]["ingress"][0];
+    assert_eq!(grpc["ports"][0]["port"].as_u64(), Some(9002));
+    let gateway = find(&picker, "Gateway", "inference");
+    assert_eq!(
+        grpc["from"][0]["podSelector"]["matchLabels"]["gateway.networking.k8s.io/gateway-name"],
+        gateway["metadata"]["name"]
+    );
+    assert!(epp["spec"]["ingress"].as_array().unwrap().iter().skip(1).all(|r| r["ports"][0]["port"] != 9002));
+    // The plain-Envoy gateway is reachable from outside the cluster, as the README says.
+    let (_, envoy) = render("envoy");
+    assert_eq!(find(&envoy, "Service", "kvgate-gateway")["spec"]["type"], "LoadBalancer");
+}
+
+/// One NATS client handshake on a raw socket: the server's answer to CONNECT + PING.
+fn nats_handshake(port: u16, token: Option<&str>) -> String {
+    use std::io::{BufRead, BufReader, Write};
+    let stream = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+    let mut reader = BufReader::new(stream.try_clone().unwrap());
+    let mut info = String::new();
+    reader.read_line(&mut info).unwrap();
+    assert!(info.starts_with("INFO "), "{info}");
+    let auth = token.map(|t| format!(",\"auth_token\":\"{t}\"")).unwrap_or_default();
+    write!(&stream, "CONNECT {{\"verbose\":false,\"pedantic\":false{auth}}}\r\nPING\r\n").unwrap();
+    let mut answer = String::new();
+    reader.read_line(&mut answer).unwrap();
+    answer.trim().to_string()
+}
+
+#[tokio::test]
+async fn the_shipped_nats_config_refuses_clients_without_the_token() {
+    let (_, docs) = render("envoy");
+    let conf = docs.iter().find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "nats").unwrap();
+    let path = std::env::temp_dir().join(format!("kvgate-nats-{}.conf", std::process::id()));
+    std::fs::write(&path, conf["data"]["nats.conf"].as_str().unwrap()).unwrap();
+    let monitor = kvgate_test_harness::free_port().to_string();
+    let args = ["-c", path.to_str().unwrap(), "-m", monitor.as_str()];
+    let nats = kvgate_test_harness::NatsServer::start_with(&args, &[("NATS_TOKEN", "from-the-secret")]).await;
+    let port = nats.port;
+    let answers = tokio::task::spawn_blocking(move || {
+        [None, Some("guessed"), Some("from-the-secret")].map(|token| nats_handshake(port, token))
+    })
+    .await
+    .unwrap();
+    drop(nats);
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!(answers[0], "-ERR 'Authorization Violation'", "no token");
+    assert_eq!(answers[1], "-ERR 'Authorization Violation'", "a wrong token");
+    assert_eq!(answers[2], "PONG", "the Secret's token");
 }
