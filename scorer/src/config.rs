@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 /// A configuration problem, named by its field path.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {path}")]
     Read { path: PathBuf, source: std::io::Error },
     #[error("{path}: {message}")]
     Parse { path: PathBuf, message: String },
@@ -756,6 +756,15 @@ pods:
             (
                 "pd: {prefill_policy: {name: kv, temperature: -1}}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
                 "pd.prefill_policy.temperature",
+            ),
+            ("policy: {name: kv, miss_weight: -1}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "policy.miss_weight"),
+            (
+                "policy: {name: kv, balance_rel_threshold: 0.5}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
+                "policy.balance_rel_threshold",
+            ),
+            (
+                "policy: {name: kv, max_kv_usage: 2}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
+                "policy.max_kv_usage",
             ),
             (
                 "index: {max_blocks_per_pod: 0}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",

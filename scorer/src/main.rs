@@ -25,17 +25,41 @@ struct Args {
     /// Validate the configuration (and load the tokenizer), then exit.
     #[arg(long)]
     check: bool,
+    /// Log lines as text, or as JSON objects, one per line (`timestamp`, `level`, `message`,
+    /// `target` and the event's fields), for log pipelines. Levels: `RUST_LOG`.
+    #[arg(long, env = "KVGATE_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
+async fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "kvgate_scorer=info".into()),
         )
-        .with_writer(std::io::stderr)
-        .init();
-    let args = Args::parse();
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => logs.init(),
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
+    match run(args).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // In the log's own format: a pipeline reading JSON sees why the scorer stopped.
+            tracing::error!("{e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> anyhow::Result<()> {
     let config =
         Config::load(&args.config).with_context(|| format!("invalid configuration {}", args.config.display()))?;
     let tokenizer = match &config.tokenizer {

@@ -132,10 +132,22 @@ impl KvPolicyConfig {
         for (name, v) in [
             ("prefill_weight", self.prefill_weight),
             ("decode_weight", self.decode_weight),
+            ("decode_read_weight", self.decode_read_weight),
             ("prefix_weight", self.prefix_weight),
+            ("miss_weight", self.miss_weight),
+            ("overflow_weight", self.overflow_weight),
             ("temperature", self.temperature),
         ] {
             check(v.is_finite() && v >= 0.0, name, &format!("{v} must be a finite number >= 0"))?;
+        }
+        let factor = self.balance_rel_threshold;
+        check(
+            factor.is_finite() && factor >= 1.0,
+            "balance_rel_threshold",
+            &format!("{factor} must be a factor >= 1"),
+        )?;
+        if let Some(usage) = self.max_kv_usage {
+            check((0.0..=1.0).contains(&usage), "max_kv_usage", &format!("{usage} must be a fraction (0-1)"))?;
         }
         check(positive(self.attention_horizon_tokens), "attention_horizon_tokens", "must be positive")
     }
