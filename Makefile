@@ -11,7 +11,7 @@ export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 BIN := $(TARGET_DIR)/release
 
-.PHONY: docs profile setup build test lint audit licenses native bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos demo-replicas
+.PHONY: docs profile setup build test lint audit licenses native bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos demo-replicas measure-fresh
 
 setup:
 	@bash tests/tools/setup.sh
@@ -142,3 +142,8 @@ bench-replicas:
 
 # Every benchmark part.
 bench: bench-goodput bench-cluster bench-live
+
+# What `make demo` and `make test` take and download on a fresh machine: a fresh clone with
+# empty caches, timed (tests/tools/fresh_machine.sh; run it on an idle machine).
+measure-fresh:
+	tests/tools/fresh_machine.sh
