@@ -521,6 +521,20 @@ fn the_shipped_configs_keep_debug_endpoints_off_admin_unexposed_and_nats_authent
                 assert!(conf["data"]["nats.conf"].as_str().unwrap().contains(&var), "NATS requires the token");
             }
         }
+        // kvgate's pods run unprivileged (the vLLM pods need their GPUs; Istio fills in its proxy).
+        for (name, template) in pod_specs(&docs).into_iter().filter(|(n, _)| !n.starts_with("vllm")) {
+            let spec = &template["spec"];
+            assert_eq!(spec["securityContext"]["runAsNonRoot"], true, "{overlay}/{name}: runs as root");
+            let containers =
+                ["initContainers", "containers"].into_iter().flat_map(|k| spec[k].as_array().into_iter().flatten());
+            for c in containers.filter(|c| c["image"] != "auto") {
+                let sc = &c["securityContext"];
+                let locked = sc["allowPrivilegeEscalation"] == false
+                    && sc["readOnlyRootFilesystem"] == true
+                    && sc["capabilities"]["drop"] == json!(["ALL"]);
+                assert!(locked, "{overlay}/{name}/{}: not locked down: {sc}", c["name"]);
+            }
+        }
         // Envoy's admin interface stays on loopback.
         for envoy in docs.iter().filter(|d| d["kind"] == "ConfigMap" && d["data"]["envoy.yaml"].is_string()) {
             let bootstrap: Value = serde_saphyr::from_str(envoy["data"]["envoy.yaml"].as_str().unwrap()).unwrap();
