@@ -40,9 +40,8 @@ async fn metrics(State(scorer): State<Arc<Scorer>>) -> Response {
 }
 
 async fn readyz(State(scorer): State<Arc<Scorer>>) -> Response {
-    if scorer.ready() {
-        StatusCode::OK.into_response()
-    } else {
-        error(ErrorBody::refused(Refused::NoPod, "no healthy pod"))
+    match scorer.readiness() {
+        Ok(()) => StatusCode::OK.into_response(),
+        Err(why) => error(ErrorBody::refused(Refused::NoPod, why.to_string())),
     }
 }

@@ -66,11 +66,22 @@ pub struct HealthSection {
     /// A pod without `/metrics` that was taken out (its pick refused the connection) is
     /// tried again after this long.
     pub retry_seconds: f64,
+    /// At start, how long `/readyz` (and the picker's gRPC health) waits at most for every
+    /// healthy pod's index to be rebuilt from its replay buffer (`kv_events_replay`), so a
+    /// new replica does not route on an empty index; pods still not caught up then are
+    /// logged.
+    pub catch_up_wait_ms: u64,
 }
 
 impl Default for HealthSection {
     fn default() -> Self {
-        Self { scrape_interval_ms: 1000, scrape_timeout_ms: 500, unhealthy_after: 3, retry_seconds: 2.0 }
+        Self {
+            scrape_interval_ms: 1000,
+            scrape_timeout_ms: 500,
+            unhealthy_after: 3,
+            retry_seconds: 2.0,
+            catch_up_wait_ms: 10_000,
+        }
     }
 }
 
@@ -84,6 +95,45 @@ pub struct AdminSection {
     /// `GET /v1/pods` and `?explain=1` on route calls: every pod's address, load and cache,
     /// and every candidate's cost. Off unless asked for (the local stack turns it on).
     pub debug_endpoints: bool,
+}
+
+/// What the scorer does on SIGTERM (a rolling update's step, a scale-down): it stops being
+/// ready at once (`/readyz` answers 503, gRPC health NOT_SERVING) so that gateways and
+/// Kubernetes move new requests to other replicas, keeps answering everything for
+/// `drain_seconds` while they notice, then closes its listeners and lets what is still open
+/// (a full-duplex picker exchange lasts as long as its response) finish for up to
+/// `finish_seconds`. Set the pod's `terminationGracePeriodSeconds` above the sum (plus any
+/// `preStop` sleep).
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShutdownSection {
+    /// Seconds between SIGTERM and closing the listeners, answering as usual but not ready.
+    pub drain_seconds: f64,
+    /// Longest wait, after the listeners close, for the picker's open exchanges to end
+    /// (the filters' HTTP connections and route streams get 5 s).
+    pub finish_seconds: f64,
+}
+
+impl Default for ShutdownSection {
+    fn default() -> Self {
+        Self { drain_seconds: 5.0, finish_seconds: 60.0 }
+    }
+}
+
+impl ShutdownSection {
+    fn check(&self) -> Result<(), Invalid> {
+        let seconds = |s: f64| s.is_finite() && s >= 0.0;
+        check(seconds(self.drain_seconds), "drain_seconds", "must be 0 or more seconds")?;
+        check(seconds(self.finish_seconds), "finish_seconds", "must be 0 or more seconds")
+    }
+
+    pub fn drain(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.drain_seconds)
+    }
+
+    pub fn finish(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.finish_seconds)
+    }
 }
 
 /// The Endpoint Picker: the Gateway API Inference Extension's protocol (Envoy ext_proc over
@@ -289,6 +339,8 @@ pub struct Config {
     pub admin: AdminSection,
     #[serde(default)]
     pub discovery: DiscoverySection,
+    #[serde(default)]
+    pub shutdown: ShutdownSection,
     /// Serve the Endpoint Picker protocol (absent: only the HTTP API of the wasm filter).
     pub epp: Option<EppSection>,
     /// Queue requests while every pod is saturated (absent: route at once, always).
@@ -500,6 +552,7 @@ impl Config {
             let header = !h.is_empty() && h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
             check(header, "epp.prefiller_header", &format!("{h:?} is not a lowercase header name"))?;
         }
+        self.shutdown.check().map_err(|e| e.under("shutdown"))?;
         self.health.check().map_err(|e| e.under("health"))
     }
 }

@@ -122,21 +122,42 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     });
 
+    // SIGTERM: not ready at once, everything answered for `shutdown.drain_seconds` while
+    // gateways move away, then the listeners close.
+    let (stopping, stop) = tokio::sync::watch::channel(false);
+    let draining = scorer.clone();
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let drain = draining.config.shutdown.drain();
+        draining.start_draining();
+        tracing::info!("stopping: not ready; answering for {} s more, then closing", drain.as_secs_f64());
+        tokio::time::sleep(drain).await;
+        let _ = stopping.send(true);
+    });
+    let stopped = move || {
+        let mut stop = stop.clone();
+        async move {
+            let _ = stop.wait_for(|stopped| *stopped).await;
+        }
+    };
+
+    let mut epp_thread = None;
     if let Some(epp) = scorer.config.epp.clone() {
         // Its own thread and single-threaded runtime: a gateway multiplexes every request on
         // one HTTP/2 connection, whose frames and streams are then handled on one thread
         // without handing each message to another (measured: less CPU per request).
         let picker = Picker::new(scorer.clone());
-        std::thread::Builder::new().name("kvgate-epp".into()).spawn(move || {
+        let (stopped, finish) = (stopped(), scorer.config.shutdown.finish());
+        epp_thread = Some(std::thread::Builder::new().name("kvgate-epp".into()).spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
             let served = runtime
                 .map_err(anyhow::Error::from)
-                .and_then(|rt| rt.block_on(kvgate_scorer::transport::epp::serve(picker, epp, std::future::pending())));
+                .and_then(|rt| rt.block_on(kvgate_scorer::transport::epp::serve(picker, epp, stopped, finish)));
             if let Err(e) = served {
                 tracing::error!("endpoint picker failed: {e:#}");
                 std::process::exit(1);
             }
-        })?;
+        })?);
     }
     if let Some(admin) = admin_listen {
         let listener =
@@ -163,9 +184,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
         kvgate_scorer::serve::api_router(scorer.clone()),
         Picker::new(scorer.clone()),
         threads,
-        shutdown_signal(),
+        stopped(),
     )
     .await?;
+    if let Some(epp) = epp_thread {
+        // The picker's open exchanges finish (up to `shutdown.finish_seconds`).
+        let _ = tokio::task::spawn_blocking(move || epp.join()).await;
+    }
     if let Some(path) = &scorer.config.route_socket_path {
         let _ = std::fs::remove_file(path);
     }

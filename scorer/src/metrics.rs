@@ -35,6 +35,7 @@ pub struct Metrics {
     pub bookings_reconciled: IntCounter,
     pub bookings_moved: IntCounter,
     pub epp_errors: IntCounterVec,
+    pub epp_exchanges_open: IntGauge,
     pub pods_down: IntCounterVec,
     pub admission_waiting: prometheus::Gauge,
     pub admission_wait_seconds: Histogram,
@@ -217,6 +218,10 @@ impl Metrics {
                 "epp_errors_total",
                 "Endpoint Picker streams failed: protocol (a gateway setting kvgate cannot serve).",
                 &["kind"],
+            ),
+            epp_exchanges_open: r.int_gauge(
+                "epp_exchanges_open",
+                "Endpoint Picker exchanges (one per request a gateway relays) open now.",
             ),
             pods_down: r.counters(
                 "pods_down_total",

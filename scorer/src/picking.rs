@@ -124,9 +124,14 @@ impl Picker {
         self.scorer.admission_queuing()
     }
 
-    /// Whether some healthy pod can take requests (a picker's readiness).
-    pub fn ready(&self) -> bool {
-        self.scorer.ready()
+    /// Whether the scorer is ready to route (a picker's readiness), or why not.
+    pub fn readiness(&self) -> Result<(), crate::scorer::NotReady> {
+        self.scorer.readiness()
+    }
+
+    /// Wakes when readiness changed for a reason other than the fleet (draining).
+    pub async fn readiness_changed(&self) {
+        self.scorer.readiness_changed.notified().await
     }
 
     pub fn metrics(&self) -> &Metrics {

@@ -10,9 +10,11 @@
 //! A sequence restarting at 0 means the engine restarted: its index is cleared too, as when
 //! the publisher disconnects and the subscription resumes (see [`run`]).
 //!
-//! Joining: a subscription whose first batch is past 0 (the scorer restarted, or the engine
-//! published before the subscription was up) catches up from the replay buffer first
-//! ([`catch_up`]); so does the stream of an engine the scorer found changed.
+//! Joining: once subscribed, a pod with a replay endpoint has its index rebuilt from the
+//! replay buffer at once (the scorer is not ready at start until it has: see
+//! `Scorer::readiness`); a subscription whose first batch is still past what that replay held
+//! catches up from the replay buffer first ([`catch_up`]); so does the stream of an engine
+//! the scorer found changed.
 //!
 //! No queue sits between the socket and the index: the SUB socket reads only as fast as
 //! batches are applied, so a flood backs up into the publisher's bounded queue, which drops
@@ -79,7 +81,14 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
             engine_changes = scorer.engine_changes(pod);
         } else {
             tracing::info!(pod = %name, %endpoint, "kv events: subscribed");
+            // What the engine holds already (it ran before this scorer started) is in its
+            // replay buffer: known before the scorer says it is ready, not only once the
+            // engine publishes again.
+            if let Some(replay) = replay.as_deref() {
+                rebuild(&scorer, pod, replay, &mut tracker).await;
+            }
         }
+        scorer.caught_up(pod);
         backoff = Duration::from_millis(100);
         let mut engine_check = tokio::time::interval(ENGINE_CHECK);
         engine_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

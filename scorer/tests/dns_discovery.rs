@@ -101,5 +101,5 @@ async fn pods_that_disappear_are_forgotten_and_come_back_with_their_id() {
 
     // An empty answer empties the fleet (no ready pods behind the Service).
     pods.update(&scorer, &BTreeSet::new());
-    assert!(pods.present().is_empty() && !scorer.ready());
+    assert!(pods.present().is_empty() && scorer.readiness().is_err());
 }

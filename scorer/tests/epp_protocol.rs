@@ -446,3 +446,110 @@ async fn an_observing_stream_reports_for_the_booking_the_routing_stream_made() {
     assert!(matches!(closed, Ok(None)), "{closed:?}");
     assert_eq!(inflight(&scorer).await, 0, "done");
 }
+
+#[tokio::test]
+async fn sigterm_stops_readiness_at_once_answers_while_draining_and_lets_open_exchanges_finish() {
+    let pods: Vec<String> = (0..2).map(|_| format!("127.0.0.1:{}", free_port())).collect();
+    let config = format!(
+        "epp: {{listen: '127.0.0.1:{EPP_PORT}', tls: {{mode: plaintext}}}}\nshutdown: {{drain_seconds: 1.5, finish_seconds: 20}}\npods:\n{}",
+        pods.iter().enumerate().map(|(i, a)| format!("  - {{name: p{i}, address: '{a}'}}\n")).collect::<String>()
+    );
+    let mut scorer = ScorerProcess::start(&config).await;
+    let mut health = HealthClient::new(channel(&scorer).await);
+    let mut status = async |service: &str| {
+        let request = HealthCheckRequest { service: service.into() };
+        ServingStatus::try_from(health.check(request).await.unwrap().into_inner().status).unwrap()
+    };
+    let readyz = async |scorer: &ScorerProcess| {
+        let r = reqwest::get(format!("{}/readyz", scorer.url)).await.unwrap();
+        (r.status().as_u16(), r.text().await.unwrap())
+    };
+    assert_eq!(status("envoy.service.ext_proc.v3.ExternalProcessor").await, ServingStatus::Serving);
+    assert_eq!(readyz(&scorer).await.0, 200);
+
+    // An exchange under way when SIGTERM comes: picked, its response not yet relayed.
+    let mut open = Stream::open(&scorer).await;
+    open.send(post("/v1/completions"), None, None).await;
+    open.send(body(&completion("a long generation"), true), None, None).await;
+    assert!(set_header(&open.next().await, "x-gateway-destination-endpoint").is_some());
+    let _ = open.next().await; // the body back
+
+    scorer.terminate();
+    let signalled = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(
+        status("envoy.service.ext_proc.v3.ExternalProcessor").await,
+        ServingStatus::NotServing,
+        "not serving at once"
+    );
+    assert_eq!(status("readiness").await, ServingStatus::NotServing);
+    assert_eq!(status("liveness").await, ServingStatus::Serving, "alive while draining");
+    let (code, why) = readyz(&scorer).await;
+    assert!(code == 503 && why.contains("draining"), "{code} {why}");
+
+    // Draining: a gateway that has not noticed yet is still answered, on a new connection too.
+    let mut late = Stream::open(&scorer).await;
+    late.send(post("/v1/completions"), None, None).await;
+    late.send(body(&completion("sent while draining"), true), None, None).await;
+    assert!(set_header(&late.next().await, "x-gateway-destination-endpoint").is_some(), "answered while draining");
+    let _ = late.next().await;
+    drop(late);
+
+    // After the drain the listener is closed; the open exchange still goes on.
+    tokio::time::sleep(Duration::from_millis(1500).saturating_sub(signalled.elapsed()) + Duration::from_millis(700))
+        .await;
+    let port = scorer.epp_port.unwrap();
+    assert!(tokio::net::TcpStream::connect(("127.0.0.1", port)).await.is_err(), "no new connection after the drain");
+    assert!(scorer.wait_exit(Duration::from_millis(300)).await.is_none(), "the open exchange holds the exit");
+    let ok = headers(&[(":status", "200")], false);
+    let Message::RequestHeaders(ok) = ok else { unreachable!() };
+    open.send(Message::ResponseHeaders(ok), None, None).await;
+    assert!(matches!(open.next().await.response, Some(Answer::ResponseHeaders(_))), "answered after the drain");
+    let end = b"{\"choices\":[],\"usage\":{\"completion_tokens\":2}}".to_vec();
+    open.send(Message::ResponseBody(HttpBody { body: end, end_of_stream: true, ..Default::default() }), None, None)
+        .await;
+    let relayed = match open.next().await.response {
+        Some(Answer::ResponseBody(b)) => match b.response.unwrap().body_mutation.unwrap().mutation.unwrap() {
+            body_mutation::Mutation::StreamedResponse(r) => r.end_of_stream && r.body.ends_with(b"}}"),
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    };
+    assert!(relayed, "the response's end relayed");
+    drop(open);
+    let exited = scorer.wait_exit(Duration::from_secs(5)).await.expect("exits once the open exchange ended");
+    assert!(exited.success(), "{exited}");
+}
+
+#[tokio::test]
+async fn readiness_waits_for_each_pods_index_to_catch_up_from_its_replay_buffer() {
+    use kvgate_test_harness::Sim;
+    let tokenizer = kvgate_test_harness::qwen3_tokenizer();
+    let tok = tokenizer.to_str().unwrap();
+    let pod = Sim::start("warm", &["--tokenizer", tok]).await;
+    // The engine ran before this scorer: blocks stored, then nothing published for a while.
+    let prompt = kvgate_test_harness::text("an engine that was busy before the picker started", 200);
+    let served = pod.post("/v1/completions", &serde_json::json!({"prompt": prompt, "max_tokens": 2})).await;
+    assert!(served.status().is_success());
+    let engine_blocks = pod.metric("kvgate_sim:cached_blocks").await;
+    assert!(engine_blocks > 0.0);
+    let config = format!(
+        "tokenizer: {tok}\nepp: {{listen: '127.0.0.1:{EPP_PORT}', tls: {{mode: plaintext}}}}\npods:\n  - {{name: warm, address: '127.0.0.1:{}', kv_events: '{}', kv_events_replay: '{}'}}\n",
+        pod.port, pod.events, pod.replay
+    );
+    let scorer = ScorerProcess::start(&config).await;
+    // Ready (polled as a probe would) only with the blocks of the replay buffer indexed.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let ready = reqwest::get(format!("{}/readyz", scorer.url)).await.unwrap().status() == 200;
+        let indexed = scorer.pod("warm").await["cached_blocks"].as_f64().unwrap();
+        if ready {
+            assert_eq!(indexed, engine_blocks, "ready with the engine's cache known, no new event needed");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never ready");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let metrics = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("kvgate_kv_replays_total{outcome=\"caught_up\",pod=\"warm\"} 1"), "{metrics}");
+}

@@ -114,7 +114,8 @@ async fn first_batch_at(pod: &mut FakePod, scorer: &ScorerProcess, seq: u64) {
     let deadline = Instant::now() + Duration::from_secs(15);
     let payload = Bytes::from(store_block(seq as usize));
     pod.buffer.lock().unwrap().push((seq, payload.clone()));
-    while scorer.pod("fake").await["events_received"] == 0 {
+    let before = scorer.pod("fake").await["events_received"].as_u64().unwrap();
+    while scorer.pod("fake").await["events_received"].as_u64().unwrap() == before {
         assert!(Instant::now() < deadline, "the scorer never received batch {seq}");
         pod.raw(vec![Bytes::new(), Bytes::copy_from_slice(&seq.to_be_bytes()), payload.clone()]).await;
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -163,6 +164,9 @@ async fn a_scorer_joining_a_running_engine_catches_up_from_its_replay_buffer() {
         pod.batch(i, store_block(i as usize), true).await;
     }
     let scorer = scorer_for(&pod, true).await;
+    // Known as soon as it subscribed, before the engine publishes again (an idle engine may
+    // not for long): readiness waits for this.
+    scorer.wait_pod("fake", Duration::from_secs(5), |p| p["cached_blocks"] == 3).await;
     first_batch_at(&mut pod, &scorer, 3).await;
     let state = scorer.wait_pod("fake", Duration::from_secs(5), |p| p["cached_blocks"] == 4).await;
     assert_eq!(state["event_gaps"], 0, "joining is not a gap");

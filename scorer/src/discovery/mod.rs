@@ -65,6 +65,9 @@ pub fn spawn_pod_tasks(scorer: &Arc<Scorer>, pod: PodId, endpoints: &PodEndpoint
     if scorer.pod(pod).precise
         && let Some(endpoint) = &endpoints.kv_events
     {
+        if endpoints.kv_events_replay.is_some() {
+            scorer.catching_up(pod);
+        }
         tasks.push(tokio::spawn(subscriber::run(
             scorer.clone(),
             pod,

@@ -30,7 +30,7 @@ use kvgate_routing::pod_set::{PodId, PodMap, PodSet};
 use kvgate_routing::router::Router;
 use kvgate_tokenize::Tokenizer;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
 use std::time::Instant;
 
@@ -73,6 +73,8 @@ struct PodHealth {
     /// Times the index was cleared because the engine changed (a return from down, a new
     /// start time): the subscriber then catches up from the new engine's replay buffer.
     engine_changes: u64,
+    /// Its subscriber has not yet rebuilt its index from its replay buffer (start-up).
+    catching_up: bool,
 }
 
 /// One pod as the runtime knows it, beside its routing state (the router's, under the same
@@ -125,6 +127,27 @@ pub struct Scorer {
     sync: SyncState,
     /// The configured pods' ids, in configuration order.
     static_pods: Vec<PodId>,
+    /// Start-up is over: every pod's index caught up (or `health.catch_up_wait_ms` passed).
+    started_up: AtomicBool,
+    /// SIGTERM came: not ready any more, whatever else holds.
+    draining: AtomicBool,
+    /// Readiness changed by something other than the fleet (draining): the picker's health
+    /// reporter looks at once.
+    pub readiness_changed: tokio::sync::Notify,
+}
+
+/// Why the scorer is not ready: `/readyz` answers 503 with it, the picker's gRPC health says
+/// NOT_SERVING.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NotReady {
+    #[error("draining: stopping after SIGTERM")]
+    Draining,
+    #[error("joining: waiting for the other replicas' bookings")]
+    Joining,
+    #[error("catching up: {0} pod(s) not yet rebuilt from their replay buffers")]
+    CatchingUp(usize),
+    #[error("no healthy pod")]
+    NoPod,
 }
 
 impl Scorer {
@@ -146,6 +169,9 @@ impl Scorer {
             queue: config.admission.as_ref().map(|a| Queue::new(a.queue_limit)),
             sync: SyncState::default(),
             static_pods: Vec::new(),
+            started_up: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            readiness_changed: tokio::sync::Notify::new(),
             config,
         };
         scorer.static_pods = (scorer.config.pods.iter())
@@ -246,10 +272,55 @@ impl Scorer {
         self.lock().by_address.clone()
     }
 
-    /// True when some pod can take requests.
-    pub fn ready(&self) -> bool {
-        let joined = self.config.sync.is_none() || self.sync.joined.load(Ordering::Relaxed);
-        joined && self.lock().router.ready()
+    /// Ready to route: not draining, the other replicas' bookings in (with `sync`), at start
+    /// every healthy pod's index caught up from its replay buffer, and some pod able to take
+    /// requests.
+    pub fn readiness(&self) -> Result<(), NotReady> {
+        if self.draining.load(Ordering::Relaxed) {
+            return Err(NotReady::Draining);
+        }
+        if self.config.sync.is_some() && !self.sync.joined.load(Ordering::Relaxed) {
+            return Err(NotReady::Joining);
+        }
+        let core = self.lock();
+        if !self.started_up.load(Ordering::Relaxed) {
+            let catching_up: Vec<&str> = (core.pods.iter())
+                .filter(|(id, e)| e.health.catching_up && core.router.is_healthy(*id))
+                .map(|(_, e)| e.info.name.as_str())
+                .collect();
+            let waited = self.started.elapsed().as_millis() >= u128::from(self.config.health.catch_up_wait_ms);
+            if catching_up.is_empty() || waited {
+                if !catching_up.is_empty() {
+                    tracing::warn!(
+                        pods = ?catching_up,
+                        "ready without these pods' indexes rebuilt from their replay buffers \
+                         (health.catch_up_wait_ms passed): they are indexed from the events that follow"
+                    );
+                }
+                self.started_up.store(true, Ordering::Relaxed);
+            } else {
+                return Err(NotReady::CatchingUp(catching_up.len()));
+            }
+        }
+        if core.router.ready() { Ok(()) } else { Err(NotReady::NoPod) }
+    }
+
+    /// SIGTERM: not ready from now on (see the `shutdown` section).
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+        self.readiness_changed.notify_one();
+    }
+
+    /// The pod's subscriber will rebuild its index from its replay buffer: until it has,
+    /// the scorer is not ready at start.
+    pub fn catching_up(&self, pod: PodId) {
+        self.lock().health(pod).catching_up = true;
+    }
+
+    /// The pod's index was rebuilt from its replay buffer (or the replay failed: then it is
+    /// indexed from the events that follow).
+    pub fn caught_up(&self, pod: PodId) {
+        self.lock().health(pod).catching_up = false;
     }
 }
 

@@ -488,7 +488,18 @@ impl ScorerProcess {
     /// Asks the scorer to stop (SIGTERM) and waits up to `limit` for it to exit: its exit
     /// status, or `None` if it is still running.
     pub async fn stop(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        self.terminate();
+        self.wait_exit(limit).await
+    }
+
+    /// Sends SIGTERM (a rolling update's step) without waiting.
+    pub fn terminate(&self) {
         signal(self.child.id(), "-TERM");
+    }
+
+    /// Waits up to `limit` for the process to exit: its exit status, or `None` if it is
+    /// still running.
+    pub async fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
         let deadline = Instant::now() + limit;
         loop {
             if let Some(status) = self.child.try_wait().expect("try_wait") {

@@ -172,6 +172,7 @@ pub struct Exchange {
 
 impl Exchange {
     pub fn new(picker: Picker, settings: Arc<EppSection>, shared: Arc<Shared>, stream: u64) -> Self {
+        picker.metrics().epp_exchanges_open.inc();
         Self {
             picker,
             settings,
@@ -493,6 +494,7 @@ impl Drop for Exchange {
     /// The stream is over: a request still booked never finished (client gone, upstream
     /// reset, gateway gave up) and frees its booking.
     fn drop(&mut self) {
+        self.picker.metrics().epp_exchanges_open.dec();
         let Some(booking) = self.booking.take() else { return };
         if !booking.joined && !self.saw_response && self.modes.response == BodyMode::None {
             // This stream was never to see the response (response_body_mode NONE): the booking

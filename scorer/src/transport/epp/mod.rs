@@ -87,11 +87,13 @@ fn identity(tls: &EppTls) -> anyhow::Result<Option<Identity>> {
     }
 }
 
-/// Serves the Endpoint Picker until `shutdown` resolves.
+/// Serves the Endpoint Picker until `shutdown` resolves, then lets open exchanges finish for
+/// up to `finish` (a full-duplex exchange lasts as long as its response).
 pub async fn serve(
     picker: Picker,
     settings: EppSection,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    finish: Duration,
 ) -> anyhow::Result<()> {
     let listen = settings.listen;
     let identity = identity(&settings.tls)?;
@@ -99,12 +101,16 @@ pub async fn serve(
     reporter.set_service_status("liveness", ServingStatus::Serving).await;
     let watched = picker.clone();
     tokio::spawn(async move {
-        // Readiness follows the fleet: ready while some healthy pod can take requests.
+        // Readiness follows the fleet (looked at every 250 ms) and the scorer's own state
+        // (draining: at once).
         let mut last = None;
         let mut tick = tokio::time::interval(Duration::from_millis(250));
         loop {
-            tick.tick().await;
-            let ready = watched.ready();
+            tokio::select! {
+                _ = tick.tick() => {}
+                () = watched.readiness_changed() => {}
+            }
+            let ready = watched.readiness().is_ok();
             if last != Some(ready) {
                 let status = if ready { ServingStatus::Serving } else { ServingStatus::NotServing };
                 for service in ["readiness", SERVICE, ""] {
@@ -116,6 +122,7 @@ pub async fn serve(
     });
     // A buffered body arrives as one message: allow the body limit plus the message's framing.
     let max_message = settings.body_limit_bytes + (64 << 10);
+    let open = picker.metrics().epp_exchanges_open.clone();
     let ext_proc = ExtProc { picker, settings: Arc::new(settings), shared: Arc::default() };
     let service = ExternalProcessorServer::new(ext_proc).max_decoding_message_size(max_message);
     // Bodies come in a few large messages: windows wide enough that a 220 kB prompt needs no
@@ -131,10 +138,24 @@ pub async fn serve(
     let incoming =
         TcpIncoming::bind(listen).with_context(|| format!("cannot listen on {listen}"))?.with_nodelay(Some(true));
     tracing::info!(%listen, tls = secured, "endpoint picker (ext_proc) ready");
-    server
-        .add_service(health)
-        .add_service(service)
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
-        .context("endpoint picker server")
+    let (closing, closed) = tokio::sync::oneshot::channel();
+    let shutdown = async move {
+        shutdown.await;
+        let _ = closing.send(());
+    };
+    let served = server.add_service(health).add_service(service).serve_with_incoming_shutdown(incoming, shutdown);
+    tokio::select! {
+        served = served => served.context("endpoint picker server"),
+        () = async {
+            if closed.await.is_ok() {
+                tokio::time::sleep(finish).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        } => {
+            let open = open.get();
+            tracing::warn!(open, "endpoint picker: exchanges still open {} s after closing; cut", finish.as_secs_f64());
+            Ok(())
+        }
+    }
 }
