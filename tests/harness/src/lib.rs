@@ -392,7 +392,9 @@ pub struct Build {
 impl Build {
     /// This workspace's build (`make test` makes it).
     pub fn current() -> Build {
-        Build { scorer: binary("kvgate-scorer"), wasm: filter_wasm(), native: filter_native() }
+        // The native module is looked for when a test asks for it: `make demo` builds the
+        // wasm filter only.
+        Build { scorer: binary("kvgate-scorer"), wasm: filter_wasm(), native: native_module_path() }
     }
 
     /// A build whose `kvgate-scorer`, `kvgate_filter.wasm` and `libkvgate_filter_native.so`
@@ -649,8 +651,11 @@ pub fn filter_wasm() -> PathBuf {
 
 /// The filter's native module (an Envoy dynamic module; `make test` builds it, release).
 pub fn filter_native() -> PathBuf {
-    let target = profile_dir().parent().expect("target directory").to_path_buf();
-    required(target.join("release/libkvgate_filter_native.so"), "the kvgate filter's native module")
+    required(native_module_path(), "the kvgate filter's native module")
+}
+
+fn native_module_path() -> PathBuf {
+    profile_dir().parent().expect("target directory").join("release/libkvgate_filter_native.so")
 }
 
 /// A running Envoy with the kvgate filter in front of a scorer's pods; killed on drop.
@@ -694,6 +699,22 @@ impl EnvoyProcess {
         Self::launch(&scorer.config_path, extra, |bootstrap| bootstrap, workers, &Build::current()).await
     }
 
+    /// Starts Envoy on a bootstrap of the caller's (e.g. another gateway's shape), made for
+    /// its (listener, admin) ports.
+    pub async fn start_bootstrap(bootstrap: impl Fn(u16, u16) -> String) -> EnvoyProcess {
+        let mut why = String::new();
+        for _ in 0..START_ATTEMPTS {
+            let (port, admin) = (free_port(), free_port());
+            let config_path = std::env::temp_dir().join(format!("kvgate-envoy-{port}.yaml"));
+            std::fs::write(&config_path, bootstrap(port, admin)).expect("write the bootstrap");
+            match Self::run(config_path, port, admin, 1).await {
+                Ok(envoy) => return envoy,
+                Err(e) => why = e,
+            }
+        }
+        panic!("envoy did not become ready: {why}");
+    }
+
     async fn launch(
         scorer_config: &std::path::Path,
         extra: &[&str],
@@ -713,7 +734,10 @@ impl EnvoyProcess {
                 .args(
                     extra
                         .contains(&"native")
-                        .then(|| ["--native-module".into(), build.native.clone().into_os_string()])
+                        .then(|| {
+                            let module = required(build.native.clone(), "the kvgate filter's native module");
+                            ["--native-module".into(), module.into_os_string()]
+                        })
                         .into_iter()
                         .flatten(),
                 )
@@ -726,27 +750,33 @@ impl EnvoyProcess {
             assert!(status.success(), "kvgate-envoy-config failed");
             let bootstrap = std::fs::read_to_string(&config_path).expect("rendered bootstrap");
             std::fs::write(&config_path, patch(bootstrap)).expect("patched bootstrap");
-            let child = Command::new(envoy_binary())
-                .arg("-c")
-                .arg(&config_path)
-                .args(["--concurrency", &workers.to_string(), "--use-dynamic-base-id", "-l", "warning"])
-                .stdout(Stdio::null())
-                .stderr(child_stderr())
-                .spawn()
-                .expect("spawn envoy");
-            let mut envoy = EnvoyProcess {
-                child,
-                url: format!("http://127.0.0.1:{port}"),
-                admin: format!("http://127.0.0.1:{admin}"),
-                config_path,
-            };
-            let ready = format!("{}/ready", envoy.admin);
-            match wait_child_ready(&mut envoy.child, &ready, Duration::from_secs(30)).await {
-                Ok(()) => return envoy,
-                Err(e) => why = e, // dropped: killed, bootstrap removed
+            match Self::run(config_path, port, admin, workers).await {
+                Ok(envoy) => return envoy,
+                Err(e) => why = e,
             }
         }
         panic!("envoy did not become ready: {why}");
+    }
+
+    /// Runs Envoy on the bootstrap at `config_path` until it is ready (else the reason,
+    /// having killed it and removed the bootstrap).
+    async fn run(config_path: PathBuf, port: u16, admin: u16, workers: usize) -> Result<EnvoyProcess, String> {
+        let child = Command::new(envoy_binary())
+            .arg("-c")
+            .arg(&config_path)
+            .args(["--concurrency", &workers.to_string(), "--use-dynamic-base-id", "-l", "warning"])
+            .stdout(Stdio::null())
+            .stderr(child_stderr())
+            .spawn()
+            .expect("spawn envoy");
+        let mut envoy = EnvoyProcess {
+            child,
+            url: format!("http://127.0.0.1:{port}"),
+            admin: format!("http://127.0.0.1:{admin}"),
+            config_path,
+        };
+        let ready = format!("{}/ready", envoy.admin);
+        wait_child_ready(&mut envoy.child, &ready, Duration::from_secs(30)).await.map(|()| envoy)
     }
 
     pub fn pid(&self) -> u32 {
