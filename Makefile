@@ -11,7 +11,7 @@ export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 BIN := $(TARGET_DIR)/release
 
-.PHONY: docs profile setup build test lint audit licenses native bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos demo-replicas measure-fresh
+.PHONY: docs profile setup build test lint audit licenses native bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos picker-failover demo-replicas measure-fresh
 
 setup:
 	@bash tests/tools/setup.sh
@@ -112,6 +112,13 @@ soak: setup wasm
 chaos: setup wasm
 	$(CARGO) build --workspace --release --bins
 	$(BIN)/kvgate-chaos $(CHAOS_ARGS)
+
+# Two pickers sharing their bookings over NATS behind a real Envoy in Istio's shape and in
+# llm-d's, under load: a rolling restart, then a kill -9; requests failed by when they
+# started (FAILOVER_ARGS, e.g. --with-gateway-defaults); report in target/picker-failover/.
+picker-failover: setup
+	$(CARGO) build --workspace --release --bins
+	$(BIN)/kvgate-picker-failover $(FAILOVER_ARGS)
 
 # Routing quality in virtual time: every workload x every policy (and SGLang's cache_aware
 # rule) on simulated engines; results in target/bench/cluster/.

@@ -1,6 +1,8 @@
 //! Shared pieces of kvgate's end-to-end tools (`kvgate-demo`, `kvgate-overhead`): sending
 //! OpenAI requests through a gateway and measuring them from the client's side.
 
+pub mod failover;
+
 use futures::StreamExt;
 use serde_json::Value;
 use std::time::{Duration, Instant};

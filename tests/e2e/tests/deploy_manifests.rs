@@ -55,7 +55,7 @@ fn hadolint(files: &[PathBuf]) -> Result<String, String> {
 
 const MANIFESTS: [&str; 11] = [
     "base/namespace.yaml",
-    "sidecar/nats.yaml",
+    "nats/nats.yaml",
     "base/rbac.yaml",
     "base/vllm.yaml",
     "base/vllm-pd.yaml",
@@ -113,7 +113,7 @@ fn kubernetes_manifests_pass_the_kubernetes_schemas() {
     assert_eq!(unchecked.len(), 8, "{report}");
 
     // Every file a kustomization names exists.
-    for dir in ["base", "sidecar", "envoy", "istio", "gateway-api"] {
+    for dir in ["base", "nats", "sidecar", "envoy", "istio", "gateway-api"] {
         let k = documents(&format!("{dir}/kustomization.yaml"));
         let names = k[0]["resources"].as_array().into_iter().flatten().chain(
             k[0]["configMapGenerator"]
@@ -143,11 +143,11 @@ fn the_scorer_configmap_parses_and_the_envoy_bootstrap_matches_it_and_validates(
     let dns = &config.discovery.dns[0];
     assert_eq!((dns.name.as_str(), dns.port, dns.role), ("vllm.inference.svc.cluster.local", 8000, Role::Both));
     assert_eq!(config.admin.listen.map(|a| a.port()), Some(9090), "probes and metrics on the admin port");
-    // The gateway's replicas share their bookings over the NATS Service of sidecar/nats.yaml.
+    // The gateway's replicas share their bookings over the NATS Service of nats/nats.yaml.
     let gateway = documents("envoy/gateway.yaml");
     assert!(find(&gateway, "Deployment", "kvgate-gateway")["spec"]["replicas"].as_u64().unwrap() >= 2);
     let sync = config.sync.as_ref().expect("sync is configured");
-    let nats = documents("sidecar/nats.yaml");
+    let nats = documents("nats/nats.yaml");
     let nats_port = find(&nats, "Service", "nats")["spec"]["ports"][0]["port"].as_u64().unwrap();
     assert_eq!(sync.nats, format!("nats://nats.inference.svc.cluster.local:{nats_port}"));
     assert_eq!(sync.replica_id, None, "each replica is named by its pod ($HOSTNAME)");
@@ -328,7 +328,9 @@ fn the_inference_pool_names_kvgates_picker_and_the_pieces_agree() {
     let container = &deployment["spec"]["template"]["spec"]["containers"][0];
     let named = container["ports"].as_array().unwrap().iter().find(|p| p["name"] == grpc["targetPort"]).unwrap();
     assert_eq!(named["containerPort"].as_u64(), Some(u64::from(epp.listen.port())));
-    assert_eq!(service["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"]);
+    let labels = &deployment["spec"]["template"]["metadata"]["labels"];
+    let selector = service["spec"]["selector"].as_object().unwrap();
+    assert!(selector.iter().all(|(k, v)| &labels[k] == v), "the Service selects the picker's pods");
     let rules = &find(&epp_docs, "Role", "kvgate-epp")["rules"];
     for (group, resource) in [("", "pods"), ("inference.networking.k8s.io", "inferencepools")] {
         assert!(
@@ -425,7 +427,7 @@ fn every_overlay_renders_alone_validates_and_brings_only_what_it_uses() {
 
         let has = |kind: &str, name: &str| docs.iter().any(|d| d["kind"] == kind && d["metadata"]["name"] == name);
         let sidecars = overlay != "gateway-api";
-        assert_eq!(has("Deployment", "nats"), sidecars, "{overlay}: NATS only where scorer sidecars sync");
+        assert!(has("Deployment", "nats"), "{overlay}: the replicas (gateways or pickers) sync over NATS");
         assert_eq!(has("ConfigMap", "kvgate-scorer"), sidecars, "{overlay}: the sidecars' configuration");
         assert!(has("ConfigMap", "kvgate-model") && has("Deployment", "vllm"), "{overlay}: the pods and their model");
 
@@ -492,17 +494,23 @@ fn the_shipped_configs_keep_debug_endpoints_off_admin_unexposed_and_nats_authent
             assert!(config.listen.ip().is_loopback(), "{overlay}/{name}: the route API beyond loopback");
             if let Some(sync) = &config.sync {
                 let token = sync.token_file.as_ref().expect("sync authenticates to NATS");
-                // The gateway mounts the Secret the NATS server takes its token from, where
-                // the configuration reads it.
-                let (_, gateway) = pod_specs(&docs).into_iter().find(|(n, _)| n == "kvgate-gateway").unwrap();
-                let volumes = gateway["spec"]["volumes"].as_array().unwrap();
+                // The pods of this configuration (the gateway's sidecars, the pickers) mount
+                // the Secret the NATS server takes its token from, where the configuration
+                // reads it.
+                let (_, pods) = pod_specs(&docs)
+                    .into_iter()
+                    .find(|(_, t)| {
+                        t["spec"]["volumes"].as_array().unwrap().iter().any(|v| v["configMap"]["name"] == name.as_str())
+                    })
+                    .unwrap_or_else(|| panic!("{overlay}: no pod mounts {name}"));
+                let volumes = pods["spec"]["volumes"].as_array().unwrap();
                 let secret =
                     volumes.iter().find(|v| v["secret"]["secretName"] == "kvgate-nats").expect("token mounted");
-                let mounts = gateway["spec"]["containers"]
+                let mounts = pods["spec"]["containers"]
                     .as_array()
                     .unwrap()
                     .iter()
-                    .find(|c| c["name"] == "scorer")
+                    .find(|c| c["name"] == "scorer" || c["name"] == "epp")
                     .unwrap()["volumeMounts"]
                     .as_array()
                     .unwrap();
@@ -557,12 +565,10 @@ fn the_shipped_configs_keep_debug_endpoints_off_admin_unexposed_and_nats_authent
             for rule in policy["spec"]["ingress"].as_array().unwrap() {
                 let Some(from) = rule["from"].as_array() else { continue };
                 if policy["metadata"]["name"] == "nats" {
-                    let gateway = labels_of("kvgate-gateway").unwrap();
+                    let replicas = if overlay == "gateway-api" { "kvgate-epp" } else { "kvgate-gateway" };
+                    let labels = labels_of(replicas).unwrap();
                     let admitted = from[0]["podSelector"]["matchLabels"].as_object().unwrap();
-                    assert!(
-                        admitted.iter().all(|(k, v)| &gateway[k] == v),
-                        "{overlay}: the gateway's scorers reach NATS"
-                    );
+                    assert!(admitted.iter().all(|(k, v)| &labels[k] == v), "{overlay}: {replicas} reach NATS");
                 }
             }
         }
@@ -625,4 +631,52 @@ async fn the_shipped_nats_config_refuses_clients_without_the_token() {
     assert_eq!(answers[0], "-ERR 'Authorization Violation'", "no token");
     assert_eq!(answers[1], "-ERR 'Authorization Violation'", "a wrong token");
     assert_eq!(answers[2], "PONG", "the Secret's token");
+}
+
+#[test]
+fn the_picker_runs_synced_replicas_that_drain_and_the_gateway_ejects_a_dead_one() {
+    let (_, docs) = render("gateway-api");
+    let epp = find(&docs, "Deployment", "kvgate-epp");
+    assert!(epp["spec"]["replicas"].as_u64().unwrap() >= 2, "more than one picker");
+    assert_eq!(epp["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"], 0, "a rollout keeps every replica");
+    let labels = &epp["spec"]["template"]["metadata"]["labels"];
+    let pdb = find(&docs, "PodDisruptionBudget", "kvgate-epp");
+    assert!(pdb["spec"]["minAvailable"].as_u64().unwrap() >= 1, "a drain leaves a picker");
+    let selected = pdb["spec"]["selector"]["matchLabels"].as_object().unwrap();
+    assert!(selected.iter().all(|(k, v)| &labels[k] == v), "the budget covers the pickers");
+
+    // The replicas share their bookings and drain on SIGTERM within the grace period.
+    let (_, config) = scorer_configs(&docs).into_iter().find(|(n, _)| n == "kvgate-epp").unwrap();
+    let sync = config.sync.as_ref().expect("the pickers sync");
+    assert!(sync.token_file.is_some() && sync.replica_id.is_none(), "authenticated, named by the pod");
+    let spec = &epp["spec"]["template"]["spec"];
+    let container = &spec["containers"][0];
+    let pre_stop = container["lifecycle"]["preStop"]["sleep"]["seconds"].as_f64().expect("a preStop sleep");
+    let needed = pre_stop + config.shutdown.drain_seconds + config.shutdown.finish_seconds;
+    let grace = spec["terminationGracePeriodSeconds"].as_f64().unwrap();
+    assert!(config.shutdown.drain_seconds >= 2.0, "the drain outlasts a gateway's notice");
+    assert!(grace > needed, "terminationGracePeriodSeconds {grace} covers preStop + drain + finish ({needed})");
+    // Readiness is the scorer's own (not ready while draining, joining or catching up).
+    let admin = config.admin.listen.unwrap().port();
+    let ports = container["ports"].as_array().unwrap();
+    let probe = &container["readinessProbe"]["httpGet"];
+    assert_eq!(probe["path"], "/readyz");
+    assert!(ports.iter().any(|p| p["name"] == probe["port"] && p["containerPort"].as_u64() == Some(admin.into())));
+
+    // The gateway dials the pickers' Service with ejection settings for it.
+    let service = find(&docs, "Service", "kvgate-epp");
+    let host = format!("{}.{}.svc.cluster.local", service["metadata"]["name"].as_str().unwrap(), "inference");
+    let pool = find(&docs, "InferencePool", "vllm");
+    assert_eq!(pool["spec"]["endpointPickerRef"]["name"], service["metadata"]["name"]);
+    let rule = docs
+        .iter()
+        .find(|d| d["kind"] == "DestinationRule" && d["spec"]["host"] == host.as_str())
+        .expect("a DestinationRule for the picker Service");
+    let policy = &rule["spec"]["trafficPolicy"];
+    assert_eq!(policy["tls"]["mode"], "SIMPLE");
+    let outlier = &policy["outlierDetection"];
+    assert_eq!(outlier["consecutiveGatewayErrors"], 1, "one failed exchange ejects a replica");
+    assert_eq!(outlier["maxEjectionPercent"], 100, "either of two replicas may be ejected");
+    assert!(outlier["interval"].as_str().unwrap().ends_with("ms"), "ejections looked at within a second");
+    assert!(policy["connectionPool"]["tcp"]["connectTimeout"].is_string());
 }
