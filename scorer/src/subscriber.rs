@@ -47,7 +47,7 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
     let name = scorer.pod(pod).name.clone();
     let mut backoff = Duration::from_millis(100);
     let mut tracker = SequenceTracker::default();
-    let mut engine_changes = scorer.engine_changes(pod);
+    let mut engine_changes;
     let mut resumed = false;
     loop {
         let mut socket = SubSocket::new();
@@ -72,23 +72,18 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
             tracing::info!(pod = %name, %endpoint, "kv events: subscribed again; index rebuilt from this stream");
             scorer.resync(pod);
             tracker = SequenceTracker::default();
-            // What the engine published while no one listened (a restarted engine's first
-            // batches) is in its replay buffer: rebuild from it now, not only when the next
-            // batch arrives — an engine left idle may publish none for a long time.
-            if let Some(replay) = replay.as_deref() {
-                rebuild(&scorer, pod, replay, &mut tracker).await;
-            }
-            engine_changes = scorer.engine_changes(pod);
         } else {
             tracing::info!(pod = %name, %endpoint, "kv events: subscribed");
-            // What the engine holds already (it ran before this scorer started) is in its
-            // replay buffer: known before the scorer says it is ready, not only once the
-            // engine publishes again.
-            if let Some(replay) = replay.as_deref() {
-                rebuild(&scorer, pod, replay, &mut tracker).await;
-            }
+        }
+        // What the engine holds already (it ran before this scorer listened, or published
+        // while no one listened: a restarted engine's first batches) is in its replay buffer:
+        // rebuild from it now, not when the next batch arrives — an engine left idle may
+        // publish none for long, and at start the scorer is not ready until it has.
+        if let Some(replay) = replay.as_deref() {
+            rebuild(&scorer, pod, replay, &mut tracker).await;
         }
         scorer.caught_up(pod);
+        engine_changes = scorer.engine_changes(pod);
         backoff = Duration::from_millis(100);
         let mut engine_check = tokio::time::interval(ENGINE_CHECK);
         engine_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

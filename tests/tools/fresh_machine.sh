@@ -13,7 +13,7 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 work="${1:-${TMPDIR:-/tmp}/kvgate-fresh}"
 step() { printf '\033[1m[fresh]\033[0m %s\n' "$*"; }
 
-received() { awk 'NR > 2 && $1 != "lo:" { sum += $2 } END { print sum }' /proc/net/dev; }
+received() { awk 'NR > 2 && $1 != "lo:" { sum += $2 } END { printf "%.0f\n", sum }' /proc/net/dev; }
 mib() { awk -v b="$1" 'BEGIN { printf "%.0f MiB", b / 1048576 }'; }
 
 rm -rf "$work"

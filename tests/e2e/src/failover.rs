@@ -1,10 +1,10 @@
 //! Picker replicas under load, through the gateways that dial them (`kvgate-picker-failover`,
-//! `make picker-failover`, and tests/e2e/tests/picker_failover.rs): simulated pods, kvgate
+//! `make picker-failover`, and tests/e2e/tests/picker_replicas.rs): simulated pods, kvgate
 //! pickers sharing their bookings over NATS (token-authenticated), and a real Envoy in the
 //! shape Istio gives a Gateway in front of an InferencePool or in llm-d's standalone shape
 //! (tests/fixtures/gateways/), its picker cluster set as kvgate's DestinationRule sets it
-//! (deploy/gateway-api/gateway.yaml); closed-loop clients; then a rolling restart and a
-//! `kill -9`, each request judged as its client saw it.
+//! (deploy/gateway-api/gateway.yaml); closed-loop clients; then a rolling restart, a
+//! `kill -9` and NATS going away, each request judged as its client saw it.
 
 use kvgate_test_harness::{EPP_PORT, EnvoyProcess, NatsServer, ScorerProcess, Sim, qwen3_tokenizer, root, text};
 use serde_json::{Value, json};
@@ -55,7 +55,7 @@ fn shipped_picker_settings() -> Vec<(&'static str, String)> {
         Value::String(s) => s.clone(),
         other => other.to_string(),
     };
-    // Istio writes durations as Envoy does ("500ms", "10s").
+    // The DestinationRule's durations ("500ms", "10s") as Envoy's seconds.
     let seconds = |v: &Value| {
         let s = field(v);
         let secs = match s.strip_suffix("ms") {
@@ -91,8 +91,7 @@ pub enum Settings {
     /// As kvgate ships them: outlier detection and connection settings from the
     /// DestinationRule, and a health check standing in for Kubernetes' endpoint removal.
     Shipped,
-    /// The gateway's defaults: no ejection, no health check (what `deploy/gateway-api` gave
-    /// before), for comparison.
+    /// The gateway's defaults: no ejection, no health check, for comparison.
     GatewayDefaults,
 }
 
@@ -122,8 +121,6 @@ pub const DRAIN_SECONDS: f64 = 1.5;
 
 /// Pods, NATS, the picker replicas and the gateway.
 pub struct Fleet {
-    pub shape: Shape,
-    pub settings: Settings,
     pub pods: Vec<Sim>,
     pub nats: NatsServer,
     pub pickers: Vec<ScorerProcess>,
@@ -187,7 +184,7 @@ impl Fleet {
             bootstrap(shape, settings, listen, admin, &picker_ports, &pod_ports)
         })
         .await;
-        let fleet = Fleet { shape, settings, pods: sims, nats, pickers, envoy, token_path };
+        let fleet = Fleet { pods: sims, nats, pickers, envoy, token_path };
         fleet.wait_healthy(replicas as u64, Duration::from_secs(20)).await;
         fleet
     }
@@ -244,8 +241,9 @@ impl Fleet {
 pub struct PickerHost {
     /// Neither failing its health check nor ejected.
     pub healthy: bool,
-    /// Exchanges (ext_proc streams) open on it now, and ever.
+    /// Exchanges (ext_proc streams) open on it now.
     pub active: u64,
+    /// Exchanges sent to it so far.
     pub total: u64,
 }
 
@@ -334,12 +332,14 @@ impl Load {
 pub struct Event {
     pub name: String,
     pub at: Instant,
-    /// The end of its window: requests started in [at, until) are its.
+    /// The end of its window: the requests in flight at `at` or started before `until` are
+    /// its.
     pub until: Instant,
     /// Exchanges open on the killed replica: active on it before the kill, or sent to it
     /// until the gateway saw it die.
     pub open_on_victim: Option<u64>,
-    /// When the gateway had every replica back (rolling restart) or the dead one out (kill).
+    /// When the gateway had every replica back (rolling restart), the dead one out (kill),
+    /// or the replicas heard each other again (NATS).
     pub settled: Option<Duration>,
 }
 
@@ -348,7 +348,7 @@ pub struct Event {
 pub async fn rolling_restart(fleet: &mut Fleet) -> Event {
     let at = Instant::now();
     let n = fleet.pickers.len() as u64;
-    let since = |t: Instant| t.duration_since(at).as_secs_f64();
+    let since = |t: Instant| seconds_after(t, at);
     for i in 0..fleet.pickers.len() {
         let signalled = Instant::now();
         fleet.pickers[i].terminate();
@@ -462,14 +462,10 @@ pub fn cost(records: &[Record], event: &Event) -> Cost {
         if !c.kinds.contains(&kind) {
             c.kinds.push(kind);
         }
-        let offset = |t: Instant| match t.checked_duration_since(event.at) {
-            Some(d) => format!("+{:.2}", d.as_secs_f64()),
-            None => format!("-{:.2}", (event.at - t).as_secs_f64()),
-        };
         c.failures.push(format!(
-            "{} s to {} s: {}",
-            offset(r.start),
-            offset(r.end),
+            "{:+.2} s to {:+.2} s: {}",
+            seconds_after(r.start, event.at),
+            seconds_after(r.end, event.at),
             r.failure.as_deref().unwrap_or("")
         ));
     }
@@ -484,10 +480,16 @@ pub fn failed_outside(records: &[Record], events: &[&Event]) -> Vec<String> {
         .iter()
         .filter(|r| !r.ok && events.iter().all(|e| r.end < e.at || r.start >= e.until))
         .map(|r| {
-            let offset = first.map_or(0.0, |f| {
-                r.start.checked_duration_since(f).map_or_else(|| -(f - r.start).as_secs_f64(), |d| d.as_secs_f64())
-            });
+            let offset = first.map_or(0.0, |f| seconds_after(r.start, f));
             format!("{offset:+.2} s: {}", r.failure.as_deref().unwrap_or(""))
         })
         .collect()
+}
+
+/// Seconds from `from` to `t`, negative when `t` came first.
+fn seconds_after(t: Instant, from: Instant) -> f64 {
+    match t.checked_duration_since(from) {
+        Some(d) => d.as_secs_f64(),
+        None => -(from - t).as_secs_f64(),
+    }
 }

@@ -1,8 +1,10 @@
-//! Two synced picker replicas behind a real Envoy in Istio's shape (full duplex, fail-open,
-//! kvgate's picker settings), under closed-loop load: a rolling restart of each replica
-//! fails no request; a `kill -9` fails at most the exchanges open on the killed replica and
-//! none that started a second after it; NATS going away fails nothing, and the replicas
-//! share their bookings again when it is back. `make picker-failover` runs both shapes longer.
+//! Two picker replicas sharing their bookings over NATS behind a real Envoy in Istio's shape
+//! (full duplex, fail-open, kvgate's picker settings), which spreads the exchanges over both:
+//! they route as one picker would (affinity, spread, one view of what is in flight); under
+//! closed-loop load a rolling restart of each replica in turn fails no request, a `kill -9`
+//! fails at most the exchanges open on the killed replica and none that started a second
+//! after it, NATS going away fails nothing and the replicas share again when it is back.
+//! `make picker-failover` runs the failover in both gateway shapes, longer.
 
 use kvgate_e2e::failover::{self, Fleet, Load, Settings, Shape};
 use kvgate_test_harness::{ScorerProcess, text};
