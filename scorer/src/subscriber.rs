@@ -232,16 +232,17 @@ async fn catch_up(scorer: &Scorer, pod: PodId, endpoint: &str, seq: u64) {
     scorer.metrics.kv_replays.with_label_values(&[name, outcome]).inc();
 }
 
-/// Rebuilds a resubscribed pod's index from its whole replay buffer: the unbroken run of
-/// batches that ends at the newest, which `tracker` then continues from (live batches
-/// already applied here arrive as duplicates and are dropped).
+/// Rebuilds a pod's index from its whole replay buffer once subscribed: the unbroken run of
+/// batches that ends at the newest, which `tracker` then continues from (live copies of
+/// batches applied here — the subscription was up before the buffer was read — arrive as
+/// duplicates and are dropped, a batch 0 among them too).
 async fn rebuild(scorer: &Scorer, pod: PodId, endpoint: &str, tracker: &mut SequenceTracker) {
     let name = &scorer.pod(pod).name;
     let outcome = match fetch_replay(endpoint, 0).await {
         Ok(batches) => {
             let from = batches.last().map_or(0, |(newest, _)| unbroken_run(&batches, newest + 1));
             for (seq, payload) in &batches[from..] {
-                tracker.observe(*seq);
+                tracker.replayed(*seq);
                 apply(scorer, pod, payload);
             }
             tracing::info!(pod = %name, batches = batches.len() - from, "kv events: rebuilt from the replay buffer");

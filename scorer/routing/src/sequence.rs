@@ -22,6 +22,10 @@ pub enum Sequencing {
 #[derive(Clone, Debug, Default)]
 pub struct SequenceTracker {
     next: Option<u64>,
+    /// The batches seen last came from the replay buffer: live copies of them may still
+    /// arrive (the subscription was up before the replay was read), and are stale — a 0
+    /// among them too — until a batch past them arrives.
+    replayed: bool,
 }
 
 impl SequenceTracker {
@@ -31,11 +35,19 @@ impl SequenceTracker {
             None => Sequencing::InOrder,
             Some(next) if seq == next => Sequencing::InOrder,
             Some(next) if seq > next => Sequencing::Gap { missing_from: next, seq },
-            Some(_) if seq == 0 => Sequencing::Restart,
+            Some(_) if seq == 0 && !self.replayed => Sequencing::Restart,
             Some(_) => return Sequencing::Stale,
         };
         self.next = seq.checked_add(1);
+        self.replayed = false;
         verdict
+    }
+
+    /// Batch `seq` was applied from the replay buffer (in order, as [`Self::observe`]
+    /// judges): live copies of the replayed batches that arrive next are stale.
+    pub fn replayed(&mut self, seq: u64) {
+        self.observe(seq);
+        self.replayed = true;
     }
 
     /// The sequence number expected next, if any batch was seen.
@@ -61,5 +73,17 @@ mod tests {
         assert_eq!(t.observe(1), Sequencing::InOrder);
         assert_eq!(t.observe(u64::MAX), Sequencing::Gap { missing_from: 2, seq: u64::MAX });
         assert_eq!(t.expected(), None);
+    }
+
+    #[test]
+    fn live_copies_of_replayed_batches_are_stale_a_zero_among_them_too() {
+        // Subscribed, then the replay buffer read: the engine's first batches came both ways.
+        let mut t = SequenceTracker::default();
+        t.replayed(0);
+        t.replayed(1);
+        assert_eq!(t.observe(0), Sequencing::Stale, "the live copy of batch 0, not a restart");
+        assert_eq!(t.observe(1), Sequencing::Stale);
+        assert_eq!(t.observe(2), Sequencing::InOrder);
+        assert_eq!(t.observe(0), Sequencing::Restart, "past the replayed batches, 0 is a restart again");
     }
 }
