@@ -27,7 +27,7 @@ use kvgate_routing::index::IndexConfig;
 use kvgate_routing::load::LoadConfig;
 pub use kvgate_routing::router::Role;
 use kvgate_routing::router::{Admission, PdConfig, RouterConfig};
-use kvgate_routing::validate::{Invalid, check, positive};
+use kvgate_routing::validate::{Invalid, check, non_negative, positive};
 
 /// One vLLM pod.
 #[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
@@ -122,9 +122,8 @@ impl Default for ShutdownSection {
 
 impl ShutdownSection {
     fn check(&self) -> Result<(), Invalid> {
-        let seconds = |s: f64| s.is_finite() && s >= 0.0;
-        check(seconds(self.drain_seconds), "drain_seconds", "must be 0 or more seconds")?;
-        check(seconds(self.finish_seconds), "finish_seconds", "must be 0 or more seconds")
+        check(non_negative(self.drain_seconds), "drain_seconds", "must be 0 or more seconds")?;
+        check(non_negative(self.finish_seconds), "finish_seconds", "must be 0 or more seconds")
     }
 
     pub fn drain(&self) -> std::time::Duration {

@@ -538,18 +538,11 @@ async fn readiness_waits_for_each_pods_index_to_catch_up_from_its_replay_buffer(
         pod.port, pod.events, pod.replay
     );
     let scorer = ScorerProcess::start(&config).await;
-    // Ready (polled as a probe would) only with the blocks of the replay buffer indexed.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let ready = reqwest::get(format!("{}/readyz", scorer.url)).await.unwrap().status() == 200;
-        let indexed = scorer.pod("warm").await["cached_blocks"].as_f64().unwrap();
-        if ready {
-            assert_eq!(indexed, engine_blocks, "ready with the engine's cache known, no new event needed");
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "never ready");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    // Ready (polled as a probe would) only with the blocks of the replay buffer indexed (the
+    // engine publishes nothing more).
+    scorer.wait_ready(Duration::from_secs(10)).await;
+    let indexed = scorer.pod("warm").await["cached_blocks"].as_f64().unwrap();
+    assert_eq!(indexed, engine_blocks, "ready with the engine's cache known, no new event needed");
     let metrics = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
     assert!(metrics.contains("kvgate_kv_replays_total{outcome=\"caught_up\",pod=\"warm\"} 1"), "{metrics}");
 }

@@ -104,11 +104,7 @@ async fn scorer_for(pod: &FakePod, with_replay: bool) -> ScorerProcess {
     let scorer = ScorerProcess::start(&config).await;
     // Ready: subscribed, and the pod's index rebuilt from its replay buffer (with one) —
     // what the test publishes from here on comes live.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while reqwest::get(format!("{}/readyz", scorer.url)).await.unwrap().status() != 200 {
-        assert!(Instant::now() < deadline, "the scorer never became ready");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    scorer.wait_ready(Duration::from_secs(10)).await;
     scorer
 }
 

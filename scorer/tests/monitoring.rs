@@ -190,17 +190,22 @@ fn alert_rules() -> Vec<(String, String, Vec<String>)> {
     out
 }
 
+/// Every problem of every (name, query, printed labels), named.
+fn all_problems(queries: &[(String, String, Vec<String>)]) -> Vec<String> {
+    let metrics = Metrics::new();
+    queries
+        .iter()
+        .flat_map(|(name, expr, printed)| {
+            problems(metrics.docs(), expr, printed).into_iter().map(move |p| format!("{name}: {p}"))
+        })
+        .collect()
+}
+
 #[test]
 fn the_dashboard_queries_only_exported_metrics_and_labels() {
-    let metrics = Metrics::new();
     let queries = dashboard_queries();
     assert!(queries.len() >= 20, "the dashboard's queries were found: {}", queries.len());
-    let wrong: Vec<String> = queries
-        .iter()
-        .flat_map(|(title, expr, printed)| {
-            problems(metrics.docs(), expr, printed).into_iter().map(move |p| format!("{title}: {p}"))
-        })
-        .collect();
+    let wrong = all_problems(&queries);
     assert!(wrong.is_empty(), "the dashboard asks for what the scorer does not export:\n{}", wrong.join("\n"));
     // What the issue asks the dashboard to show, each on some panel.
     let all: String = queries.iter().map(|(_, e, _)| e.as_str()).collect();
@@ -220,15 +225,9 @@ fn the_dashboard_queries_only_exported_metrics_and_labels() {
 
 #[test]
 fn the_alerts_use_only_exported_metrics_and_labels() {
-    let metrics = Metrics::new();
     let rules = alert_rules();
     assert!(rules.len() >= 8, "the alert rules were found: {}", rules.len());
-    let wrong: Vec<String> = rules
-        .iter()
-        .flat_map(|(name, expr, printed)| {
-            problems(metrics.docs(), expr, printed).into_iter().map(move |p| format!("{name}: {p}"))
-        })
-        .collect();
+    let wrong = all_problems(&rules);
     assert!(wrong.is_empty(), "the alerts ask for what the scorer does not export:\n{}", wrong.join("\n"));
 }
 

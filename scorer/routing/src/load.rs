@@ -20,7 +20,7 @@
 use crate::hash::SequenceHash;
 use crate::pod_set::{PodId, PodMap};
 use crate::speed::{PodSpeeds, SpeedConfig, SpeedView};
-use crate::validate::{Invalid, check, positive};
+use crate::validate::{Invalid, check, non_negative, positive};
 use ahash::AHashMap;
 use serde::Deserialize;
 use std::sync::Arc;
@@ -62,7 +62,7 @@ impl LoadConfig {
     pub fn validate(&self) -> Result<(), Invalid> {
         check(positive(self.decode_tokens_per_second), "decode_tokens_per_second", "must be positive")?;
         let reconcile = self.reconcile_after_seconds;
-        check(reconcile.is_finite() && reconcile >= 0.0, "reconcile_after_seconds", "must be >= 0 (0: off)")?;
+        check(non_negative(reconcile), "reconcile_after_seconds", "must be >= 0 (0: off)")?;
         check(positive(self.request_ttl_seconds), "request_ttl_seconds", "must be positive")?;
         self.pod_speed.validate().map_err(|e| e.under("pod_speed"))
     }

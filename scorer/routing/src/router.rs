@@ -20,7 +20,7 @@ use crate::load::{Booking, BookingKey, BookingUpdate, Leg, Lifecycle, LoadTracke
 use crate::pod_set::{PodId, PodSet};
 use crate::policy::PolicyConfig;
 use crate::policy::{Candidate, Decision, Policy, ReportedLoad, RouteInput};
-use crate::validate::{Invalid, check};
+use crate::validate::{Invalid, check, non_negative};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
@@ -223,7 +223,7 @@ impl Admission {
         let why = "set when a pod is saturated: max_waiting, max_kv_usage, max_queued_prefill_tokens or max_inflight_requests";
         check(limits, "", why)?;
         check(self.max_kv_usage.is_none_or(|u| u > 0.0 && u <= 1.0), "max_kv_usage", "must be in (0, 1]")?;
-        check(self.max_waiting.is_none_or(|w| w.is_finite() && w >= 0.0), "max_waiting", "must be a number >= 0")?;
+        check(self.max_waiting.is_none_or(non_negative), "max_waiting", "must be a number >= 0")?;
         check(self.max_wait_ms > 0, "max_wait_ms", "must be positive")
     }
 

@@ -25,6 +25,11 @@ pub fn positive(v: f64) -> bool {
     v.is_finite() && v > 0.0
 }
 
+/// A finite number at or above zero.
+pub fn non_negative(v: f64) -> bool {
+    v.is_finite() && v >= 0.0
+}
+
 /// `Err(Invalid)` for `field` unless `ok`.
 pub fn check(ok: bool, field: &str, message: &str) -> Result<(), Invalid> {
     if ok { Ok(()) } else { Err(Invalid::new(field, message)) }

@@ -172,11 +172,7 @@ impl Fleet {
         // Ready (the other replicas heard, the pods' indexes caught up) before the gateway
         // looks at them.
         for p in &pickers {
-            let deadline = Instant::now() + Duration::from_secs(20);
-            while reqwest::get(format!("{}/readyz", p.url)).await.map_or(true, |r| !r.status().is_success()) {
-                assert!(Instant::now() < deadline, "a picker never became ready");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            p.wait_ready(Duration::from_secs(20)).await;
         }
         let picker_ports: Vec<u16> = pickers.iter().map(|p| p.epp_port.expect("an epp port")).collect();
         let pod_ports: Vec<u16> = sims.iter().map(|p| p.port).collect();

@@ -523,6 +523,22 @@ impl ScorerProcess {
         }
     }
 
+    /// Polls `/readyz` until it answers 200 (`limit` at most): subscribed to every pod's
+    /// events with its index rebuilt from its replay buffer, other replicas heard (with
+    /// `sync`), some pod healthy.
+    pub async fn wait_ready(&self, limit: Duration) {
+        let deadline = Instant::now() + limit;
+        loop {
+            let why = match reqwest::get(format!("{}/readyz", self.url)).await {
+                Ok(r) if r.status().is_success() => return,
+                Ok(r) => r.text().await.unwrap_or_default(),
+                Err(e) => e.to_string(),
+            };
+            assert!(Instant::now() < deadline, "kvgate-scorer never became ready: {why}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// Polls until no request is in flight on any pod (lifecycle reports all arrived).
     pub async fn wait_idle(&self, limit: Duration) {
         let deadline = Instant::now() + limit;

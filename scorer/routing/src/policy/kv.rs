@@ -48,7 +48,7 @@
 
 use super::{Candidate, Decision, Policy, RouteInput, argmin_tie, uncached_tokens};
 use crate::load::prefill_work;
-use crate::validate::{Invalid, check, positive};
+use crate::validate::{Invalid, check, non_negative, positive};
 use rand::Rng;
 use rand::rngs::StdRng;
 use serde::Deserialize;
@@ -138,7 +138,7 @@ impl KvPolicyConfig {
             ("overflow_weight", self.overflow_weight),
             ("temperature", self.temperature),
         ] {
-            check(v.is_finite() && v >= 0.0, name, &format!("{v} must be a finite number >= 0"))?;
+            check(non_negative(v), name, &format!("{v} must be a finite number >= 0"))?;
         }
         let factor = self.balance_rel_threshold;
         check(
