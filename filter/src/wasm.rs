@@ -27,7 +27,7 @@ proxy_wasm::main! {{
 /// Counters and histograms exported through Envoy's stats (`wasmcustom.kvgate_*`).
 struct Metrics {
     /// The request flow's counters, by [`Counter`] number.
-    flow: [u32; Counter::ALL.len()],
+    flow: Vec<u32>,
     callout_ms: u32,
     lifecycle_sent: u32,
     lifecycle_failed: u32,
@@ -38,7 +38,7 @@ impl Metrics {
     fn define() -> Self {
         let m = |kind, name: &str| hostcalls::define_metric(kind, name).unwrap_or(u32::MAX);
         Self {
-            flow: Counter::ALL.map(|c| m(MetricType::Counter, &format!("kvgate_{}", c.name()))),
+            flow: Counter::all().map(|c| m(MetricType::Counter, &format!("kvgate_{}", c.name()))).collect(),
             callout_ms: m(MetricType::Histogram, "kvgate_callout_ms"),
             lifecycle_sent: m(MetricType::Counter, "kvgate_lifecycle_reports_sent"),
             lifecycle_failed: m(MetricType::Counter, "kvgate_lifecycle_reports_failed"),

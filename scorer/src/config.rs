@@ -292,12 +292,10 @@ pub struct Config {
     /// stays on one thread, and so do the route calls it carries: Envoy keeps one route
     /// stream per worker, whose calls are then read, decided and answered without being
     /// handed between threads.
-    #[serde(default)]
     pub listen_threads: Option<usize>,
     /// A Unix socket path serving route sockets only: the filter's native module connects
     /// here instead of to `listen` when Envoy shares a directory with the scorer (a pod's
     /// `emptyDir`); cheaper per call than TCP on loopback. A stale socket file is replaced.
-    #[serde(default)]
     pub route_socket_path: Option<PathBuf>,
     /// HF `tokenizer.json` of the served model; the chat template comes from the
     /// `tokenizer_config.json` beside it. Without it tokens are estimated (bytes/4) and only
@@ -368,7 +366,6 @@ pub struct SyncSection {
     pub subject_prefix: String,
     /// This replica's name, unique in the fleet (default: `$HOSTNAME`, the pod's name in
     /// Kubernetes).
-    #[serde(default)]
     pub replica_id: Option<String>,
     /// A replica publishes at least this often (a heartbeat when it has nothing to say).
     #[serde(default = "default_heartbeat_ms")]
@@ -382,17 +379,13 @@ pub struct SyncSection {
     pub join_wait_ms: u64,
     /// NATS token authentication: a file holding the token (a mounted Secret), read at
     /// start. Any client that can reach an unauthenticated NATS can inject bookings.
-    #[serde(default)]
     pub token_file: Option<PathBuf>,
     /// NATS user authentication: the user, whose password is in `password_file`.
-    #[serde(default)]
     pub user: Option<String>,
     /// The file holding `user`'s password (a mounted Secret), read at start.
-    #[serde(default)]
     pub password_file: Option<PathBuf>,
     /// TLS to NATS: the connection is refused unless the server speaks TLS with a
     /// certificate this replica trusts.
-    #[serde(default)]
     pub tls: Option<SyncTls>,
 }
 
@@ -402,13 +395,10 @@ pub struct SyncSection {
 pub struct SyncTls {
     /// PEM file of the CA that signed the NATS server's certificate (absent: the system's
     /// roots).
-    #[serde(default)]
     pub ca_file: Option<PathBuf>,
     /// PEM client certificate, for a server that verifies its clients (with `key_file`).
-    #[serde(default)]
     pub cert_file: Option<PathBuf>,
     /// PEM private key of `cert_file`.
-    #[serde(default)]
     pub key_file: Option<PathBuf>,
 }
 

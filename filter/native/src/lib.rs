@@ -34,18 +34,17 @@ struct Config {
 
 /// Envoy stats of the filter (`kvgate.<name>`: the bootstrap's metrics namespace): the
 /// request flow's counters, by [`Counter`] number.
-struct Counters([abi::Counter; Counter::ALL.len()]);
+struct Counters(Vec<abi::Counter>);
 
 impl Counters {
     /// # Safety
     /// As [`abi::define_counter`].
     unsafe fn define(config: *mut c_void) -> Option<Counters> {
-        let mut counters = Vec::with_capacity(Counter::ALL.len());
-        for counter in Counter::ALL {
-            // SAFETY: the caller's contract.
-            counters.push(unsafe { abi::define_counter(config, counter.name()) }?);
-        }
-        counters.try_into().ok().map(Counters)
+        // SAFETY: the caller's contract.
+        Counter::all()
+            .map(|counter| unsafe { abi::define_counter(config, counter.name()) })
+            .collect::<Option<_>>()
+            .map(Counters)
     }
 }
 

@@ -77,18 +77,6 @@ pub(crate) fn header_name(name: &str) -> bool {
 }
 
 impl ProxyConfig {
-    /// Its field names.
-    pub const FIELDS: &[&str] = &[
-        "scorer_timeout_ms",
-        "failure_mode",
-        "paths",
-        "destination_header",
-        "lifecycle_flush_ms",
-        "lifecycle_batch_max",
-        "pd_mode",
-        "prefiller_header",
-    ];
-
     fn validate(&self) -> Result<(), String> {
         if self.scorer_timeout_ms == 0 || self.lifecycle_flush_ms == 0 || self.lifecycle_batch_max == 0 {
             return Err("scorer_timeout_ms, lifecycle_flush_ms and lifecycle_batch_max must be positive".into());
@@ -118,13 +106,19 @@ impl ProxyConfig {
 }
 
 /// A host's own settings, beside the shared ones in the same JSON object.
-pub trait HostConfig: DeserializeOwned + Default {
+pub trait HostConfig: DeserializeOwned + Serialize + Default {
     /// The host, for messages ("the wasm filter").
     const HOST: &'static str;
-    /// Its field names.
-    const FIELDS: &'static [&'static str];
     /// Checks values and combinations.
     fn validate(&self) -> Result<(), String>;
+}
+
+/// A configuration's field names, in order: those its defaults serialize.
+fn field_names<T: Serialize + Default>() -> Vec<String> {
+    match serde_json::to_value(T::default()) {
+        Ok(Value::Object(fields)) => fields.into_iter().map(|(name, _)| name).collect(),
+        _ => Vec::new(),
+    }
 }
 
 /// Parses and validates a host's configuration; an empty one means all defaults. A field
@@ -136,16 +130,12 @@ pub fn parse<H: HostConfig>(bytes: &[u8]) -> Result<(ProxyConfig, H), String> {
     } else {
         serde_json::from_slice(bytes).map_err(|e| invalid(&e))?
     };
-    if let Some(unknown) =
-        fields.keys().find(|k| !ProxyConfig::FIELDS.contains(&k.as_str()) && !H::FIELDS.contains(&k.as_str()))
-    {
-        return Err(invalid(&format!(
-            "unknown field `{unknown}`: {} takes {}",
-            H::HOST,
-            [ProxyConfig::FIELDS, H::FIELDS].concat().join(", ")
-        )));
+    let (shared_fields, own_fields) = (field_names::<ProxyConfig>(), field_names::<H>());
+    if let Some(unknown) = fields.keys().find(|k| !shared_fields.contains(k) && !own_fields.contains(k)) {
+        let takes = [shared_fields, own_fields.clone()].concat().join(", ");
+        return Err(invalid(&format!("unknown field `{unknown}`: {} takes {takes}", H::HOST)));
     }
-    let own: Map<String, Value> = H::FIELDS.iter().filter_map(|f| fields.remove_entry(*f)).collect();
+    let own: Map<String, Value> = own_fields.iter().filter_map(|f| fields.remove_entry(f)).collect();
     let shared: ProxyConfig = serde_json::from_value(Value::Object(fields)).map_err(|e| invalid(&e))?;
     let own: H = serde_json::from_value(Value::Object(own)).map_err(|e| invalid(&e))?;
     shared.validate()?;
@@ -185,8 +175,6 @@ impl Default for WasmSettings {
 
 impl HostConfig for WasmSettings {
     const HOST: &'static str = "the wasm filter";
-    const FIELDS: &'static [&'static str] =
-        &["scorer_cluster", "scorer_authority", "lifecycle_timeout_ms", "pods_cluster", "prefill_timeout_ms"];
 
     fn validate(&self) -> Result<(), String> {
         if self.scorer_cluster.is_empty() || self.pods_cluster.is_empty() {
@@ -211,7 +199,6 @@ pub struct NativeSettings {
 
 impl HostConfig for NativeSettings {
     const HOST: &'static str = "the native module";
-    const FIELDS: &'static [&'static str] = &["scorer_address"];
 
     fn validate(&self) -> Result<(), String> {
         if self.scorer_address.is_empty() {
@@ -233,7 +220,6 @@ mod tests {
 
     impl HostConfig for Own {
         const HOST: &'static str = "a test host";
-        const FIELDS: &'static [&'static str] = &["socket"];
         fn validate(&self) -> Result<(), String> {
             if self.socket == "bad" { Err("socket is bad".into()) } else { Ok(()) }
         }
@@ -241,11 +227,13 @@ mod tests {
 
     #[test]
     fn field_lists_name_every_field() {
-        let names = |value: Value| value.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
-        assert_eq!(names(serde_json::to_value(ProxyConfig::default()).unwrap()), ProxyConfig::FIELDS);
-        assert_eq!(names(serde_json::to_value(Own::default()).unwrap()), Own::FIELDS);
-        assert_eq!(names(serde_json::to_value(WasmSettings::default()).unwrap()), WasmSettings::FIELDS);
-        assert_eq!(names(serde_json::to_value(NativeSettings::default()).unwrap()), NativeSettings::FIELDS);
+        assert_eq!(field_names::<Own>(), ["socket"]);
+        assert_eq!(field_names::<NativeSettings>(), ["scorer_address"]);
+        let shared = field_names::<ProxyConfig>();
+        assert_eq!(
+            (shared.len(), shared[0].as_str(), shared[7].as_str()),
+            (8, "scorer_timeout_ms", "prefiller_header")
+        );
     }
 
     #[test]

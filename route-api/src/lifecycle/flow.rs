@@ -34,7 +34,8 @@ pub trait Proxy {
 }
 
 /// What a proxy counts (each host exports them as its own stats).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::EnumCount, strum::EnumIter, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[cfg_attr(feature = "schema", schemars(rename_all = "snake_case"))]
 pub enum Counter {
@@ -62,34 +63,14 @@ pub enum Counter {
 }
 
 impl Counter {
-    pub const ALL: [Counter; 10] = [
-        Counter::Routed,
-        Counter::FailOpen,
-        Counter::FailClosed,
-        Counter::BadRequest,
-        Counter::ScorerBadRequest,
-        Counter::Shed,
-        Counter::PdHeader,
-        Counter::PdLocalPrefill,
-        Counter::PdPrefillOk,
-        Counter::PdFallback,
-    ];
+    /// Every counter, in declaration order (its index in a host's table).
+    pub fn all() -> impl Iterator<Item = Counter> {
+        <Counter as strum::IntoEnumIterator>::iter()
+    }
 
     /// Its name in a host's stats (after the host's prefix).
     pub fn name(self) -> &'static str {
-        const NAMES: [&str; 10] = [
-            "routed",
-            "fail_open",
-            "fail_closed",
-            "bad_request",
-            "scorer_bad_request",
-            "shed",
-            "pd_header",
-            "pd_local_prefill",
-            "pd_prefill_ok",
-            "pd_fallback",
-        ];
-        NAMES[self as usize]
+        self.into()
     }
 }
 
@@ -780,7 +761,7 @@ mod tests {
 
     #[test]
     fn counters_are_listed_in_order_with_their_names() {
-        assert!(Counter::ALL.iter().enumerate().all(|(i, c)| *c as usize == i));
+        assert!(Counter::all().enumerate().all(|(i, c)| c as usize == i));
         assert_eq!((Counter::Routed.name(), Counter::PdFallback.name()), ("routed", "pd_fallback"));
     }
 

@@ -34,7 +34,6 @@ pub fn error(error: ErrorBody) -> Response {
 
 #[derive(Deserialize)]
 struct RouteQuery {
-    #[serde(default)]
     explain: Option<String>,
 }
 

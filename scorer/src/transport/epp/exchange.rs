@@ -27,7 +27,7 @@ use crate::config::EppSection;
 use crate::picking::{PickError, PickRequest, Picker};
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption, Metadata};
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode as BodyMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Message;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -61,29 +61,17 @@ pub const BOOKING_KEY: &str = "booking";
 /// Largest body chunk sent back in full-duplex mode (the reference picker's size).
 pub const MAX_CHUNK: usize = 62_000;
 
-/// How the gateway sends one side's body.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum BodyMode {
-    /// Not sent: the picker sees no body.
-    None,
-    /// Chunks, each answered; the gateway keeps the data.
-    Streamed,
-    /// The whole body in one message, after the headers were answered.
-    Buffered,
-    /// Chunks without waiting; the picker sends the body back.
-    FullDuplex,
-}
-
-impl BodyMode {
-    fn of(mode: i32) -> Result<BodyMode, String> {
-        match BodySendMode::try_from(mode) {
-            Ok(BodySendMode::None) => Ok(BodyMode::None),
-            Ok(BodySendMode::Streamed) => Ok(BodyMode::Streamed),
-            Ok(BodySendMode::Buffered) => Ok(BodyMode::Buffered),
-            Ok(BodySendMode::FullDuplexStreamed) => Ok(BodyMode::FullDuplex),
-            Ok(other) => Err(format!("body mode {} is not supported", other.as_str_name())),
-            Err(_) => Err(format!("body mode {mode} is unknown")),
+/// How the gateway sends one side's body: `None` (the picker sees no body), `Streamed` (chunks,
+/// each answered; the gateway keeps the data), `Buffered` (the whole body in one message, after
+/// the headers were answered) or `FullDuplexStreamed` (chunks without waiting; the picker sends
+/// the body back).
+fn body_mode(mode: i32) -> Result<BodyMode, String> {
+    match BodyMode::try_from(mode) {
+        Ok(mode @ (BodyMode::None | BodyMode::Streamed | BodyMode::Buffered | BodyMode::FullDuplexStreamed)) => {
+            Ok(mode)
         }
+        Ok(other) => Err(format!("body mode {} is not supported", other.as_str_name())),
+        Err(_) => Err(format!("body mode {mode} is unknown")),
     }
 }
 
@@ -96,13 +84,13 @@ struct Modes {
 }
 
 impl Modes {
-    const PROTOCOL: Modes = Modes { request: BodyMode::FullDuplex, response: BodyMode::FullDuplex };
+    const PROTOCOL: Modes = Modes { request: BodyMode::FullDuplexStreamed, response: BodyMode::FullDuplexStreamed };
 
     /// The modes of a stream; `observing`: the gateway sends without waiting (observability
     /// mode), so the request body mode does not matter — such a stream only reports.
     fn of(config: &ProtocolConfiguration, observing: bool) -> Result<Modes, String> {
-        let request = BodyMode::of(config.request_body_mode)?;
-        let response = BodyMode::of(config.response_body_mode)?;
+        let request = body_mode(config.request_body_mode)?;
+        let response = body_mode(config.response_body_mode)?;
         if observing {
             return Ok(Modes { request, response });
         }
@@ -331,7 +319,7 @@ impl Exchange {
 
     fn relay_request_chunk(&mut self, b: HttpBody) {
         let answer = match self.modes.request {
-            BodyMode::FullDuplex => Answer::RequestBody(streamed_chunk(b.body, b.end_of_stream)),
+            BodyMode::FullDuplexStreamed => Answer::RequestBody(streamed_chunk(b.body, b.end_of_stream)),
             _ => Answer::RequestBody(BodyResponse { response: Some(CommonResponse::default()) }),
         };
         self.send(answer, None)
@@ -386,7 +374,8 @@ impl Exchange {
                     self.send(Answer::RequestBody(answer), None);
                 }
             }
-            BodyMode::FullDuplex | BodyMode::None => {
+            _ => {
+                // Full duplex: the body goes back in chunks.
                 self.send(Answer::RequestHeaders(headers_answer(Some(&set), true)), Some(metadata));
                 let mut pieces = body.chunks(MAX_CHUNK).peekable();
                 if pieces.peek().is_none() {
@@ -464,7 +453,7 @@ impl Exchange {
             self.response_ended();
         }
         let answer = match self.modes.response {
-            BodyMode::FullDuplex => Answer::ResponseBody(streamed_chunk(b.body, b.end_of_stream)),
+            BodyMode::FullDuplexStreamed => Answer::ResponseBody(streamed_chunk(b.body, b.end_of_stream)),
             _ => Answer::ResponseBody(BodyResponse { response: Some(CommonResponse::default()) }),
         };
         self.send(answer, None)
@@ -661,15 +650,15 @@ mod tests {
             response_body_mode: response as i32,
             send_body_without_waiting_for_header_response: without_waiting,
         };
-        let full = Modes::of_test(&config(BodySendMode::FullDuplexStreamed, BodySendMode::FullDuplexStreamed, false));
-        assert_eq!(full.unwrap().request, BodyMode::FullDuplex);
-        assert!(Modes::of_test(&config(BodySendMode::Buffered, BodySendMode::None, false)).is_ok());
-        assert!(Modes::of_test(&config(BodySendMode::Streamed, BodySendMode::Streamed, true)).is_ok());
-        let waiting = Modes::of_test(&config(BodySendMode::Streamed, BodySendMode::Streamed, false));
+        let full = Modes::of_test(&config(BodyMode::FullDuplexStreamed, BodyMode::FullDuplexStreamed, false));
+        assert_eq!(full.unwrap().request, BodyMode::FullDuplexStreamed);
+        assert!(Modes::of_test(&config(BodyMode::Buffered, BodyMode::None, false)).is_ok());
+        assert!(Modes::of_test(&config(BodyMode::Streamed, BodyMode::Streamed, true)).is_ok());
+        let waiting = Modes::of_test(&config(BodyMode::Streamed, BodyMode::Streamed, false));
         assert!(waiting.unwrap_err().contains("send_body_without_waiting_for_header_response"));
-        assert!(Modes::of_test(&config(BodySendMode::None, BodySendMode::None, false)).unwrap_err().contains("NONE"));
-        assert!(Modes::of_test(&config(BodySendMode::BufferedPartial, BodySendMode::None, false)).is_err());
-        let observer = Modes::of(&config(BodySendMode::None, BodySendMode::Streamed, false), true);
+        assert!(Modes::of_test(&config(BodyMode::None, BodyMode::None, false)).unwrap_err().contains("NONE"));
+        assert!(Modes::of_test(&config(BodyMode::BufferedPartial, BodyMode::None, false)).is_err());
+        let observer = Modes::of(&config(BodyMode::None, BodyMode::Streamed, false), true);
         assert_eq!(observer.unwrap().response, BodyMode::Streamed, "an observing stream needs no request body");
     }
 
