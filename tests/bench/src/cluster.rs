@@ -39,6 +39,11 @@ pub enum PodRole {
 pub trait ClusterRouter {
     /// Chooses the pod(s) for a request (`id` is unique per request).
     fn route(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64) -> Choice;
+    /// The same, shown the engines as they truly are now: only the simulator's bounds
+    /// ([`crate::clairvoyant`]) look; every router a gateway could run routes on what it heard.
+    fn route_seeing(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64, _engines: &[&Engine]) -> Choice {
+        self.route(id, prompt, max_tokens, now)
+    }
     /// The request's prefill leg finished (disaggregated requests only).
     fn prefill_done(&mut self, _id: u64, _now: f64) {}
     fn first_token(&mut self, _id: u64, _now: f64) {}
@@ -299,7 +304,8 @@ impl Sim<'_> {
         self.history[session].extend_from_slice(&t.user);
         let prompt = self.history[session].clone();
         let id = self.live.len();
-        let choice = self.router.route(id as u64, &prompt, t.max_tokens, now);
+        let engines: Vec<&Engine> = self.pods.iter().map(|p| &p.engine).collect();
+        let choice = self.router.route_seeing(id as u64, &prompt, t.max_tokens, now, &engines);
         self.records.push(RequestRecord {
             arrival: now,
             prompt_tokens: prompt.len(),

@@ -8,8 +8,10 @@
 //! - [`sglang`]: a re-implementation of SGLang's `cache_aware` as a reference point;
 //! - [`vllm_router`]: a re-implementation of vllm-router's `kv_aware`, another;
 //! - [`report`]: figures, tables and SVG charts;
-//! - [`goodput`]: the highest load a router carries within a TTFT SLO, and its curve.
+//! - [`goodput`]: the highest load a router carries within a TTFT SLO, and its curve;
+//! - [`clairvoyant`]: an upper bound, not a router: placement on the engines' true state.
 
+pub mod clairvoyant;
 pub mod cluster;
 pub mod goodput;
 pub mod report;

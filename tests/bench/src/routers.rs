@@ -268,7 +268,7 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
     }
 }
 
-/// A router by name: `sglang-cache-aware`, `vllm-kv-aware`, or a kvgate policy (`kv`, `prefix`, `ttft`,
+/// A router by name: `sglang-cache-aware`, `vllm-kv-aware`, the `clairvoyant` bound, or a kvgate policy (`kv`, `prefix`, `ttft`,
 /// `least-loaded`, `power-of-two`, `round-robin`, `random`) with the scorer's defaults;
 /// on layouts with prefill pods the policy chooses in both pools; a suffix `@pd-always`
 /// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold, and
@@ -280,6 +280,8 @@ pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn
     match name {
         "sglang-cache-aware" => return Ok(Box::new(Peer::new(roles, seed, CacheAware::new))),
         "vllm-kv-aware" => return Ok(Box::new(Peer::new(roles, seed, |workers, _| KvAware::new(workers, HASH_SEED)))),
+        "clairvoyant" => return Ok(Box::new(crate::clairvoyant::Clairvoyant::new(roles, 1.0))),
+        "clairvoyant@first-token" => return Ok(Box::new(crate::clairvoyant::Clairvoyant::new(roles, 0.0))),
         _ => {}
     }
     if let Some((single, replicas)) = name.rsplit_once('/') {

@@ -118,6 +118,7 @@ const NIL: u32 = u32::MAX;
 /// `OffloadingConnector` with a CPU backend): least recently used blocks are evicted first;
 /// a request whose prefix continues here past its GPU hit loads those blocks instead of
 /// computing them.
+#[derive(Clone)]
 pub struct OffloadTier {
     capacity: usize,
     /// hash → last use; use → hash (the oldest first).
@@ -179,6 +180,7 @@ impl OffloadTier {
 }
 
 /// The block pool: reference counts, the hash → blocks map and the LRU free queue.
+#[derive(Clone)]
 pub struct BlockPool {
     block_size: usize,
     ref_count: Vec<u32>,

@@ -169,6 +169,7 @@ pub struct Counters {
     pub steps: u64,
 }
 
+#[derive(Clone)]
 struct Sequence {
     /// Prompt followed by the generated tokens.
     tokens: Vec<u32>,
@@ -197,7 +198,8 @@ impl Sequence {
     }
 }
 
-/// The simulated engine.
+/// The simulated engine (cloned, it runs a what-if: the simulator's clairvoyant bound).
+#[derive(Clone)]
 pub struct Engine {
     config: EngineConfig,
     root: EngineBlockHash,
@@ -343,6 +345,11 @@ impl Engine {
     /// completes, so a driver knows how long to sleep.
     pub fn next_wakeup(&self) -> Option<f64> {
         self.running.iter().filter_map(|id| self.seqs[id].transfer_done_at).reduce(f64::min)
+    }
+
+    /// Requests that have not produced a token yet (queued, or still prefilling).
+    pub fn awaiting_first_token(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.seqs.iter().filter(|(_, seq)| seq.output_len() == 0).map(|(id, _)| *id)
     }
 
     /// True when no request is queued or running.

@@ -1,0 +1,162 @@
+//! The clairvoyant bound: what routing could reach if it saw everything. Not a policy a
+//! gateway can run — it reads each simulated engine's true state (cache contents and
+//! eviction order, queue and batch, speed) — but the ceiling kvgate's distance is measured
+//! against.
+//!
+//! Greedy on true state: for each request and each pod that can serve it, a copy of the
+//! engine runs ahead (virtual time, no further arrivals) with the request and without it;
+//! the request goes where the fleet's time to first token grows least — its own TTFT plus
+//! the delay it causes to requests on that pod still waiting for their first token. Output
+//! lengths are the workload's true ones (the engines generate `max_tokens`).
+
+use crate::cluster::{Choice, ClusterRouter, PodRole};
+use kvgate_sim::cache::HashKeys;
+use kvgate_sim::engine::{Engine, KvTransfer, NewRequest, RequestId};
+use std::collections::HashMap;
+
+/// Steps a what-if runs at most: a pod further behind than this is no place for the request.
+const MAX_STEPS: usize = 4096;
+
+pub struct Clairvoyant {
+    /// Pods that take a request whole (prefill and decode).
+    serving: Vec<usize>,
+    /// Virtual seconds a what-if looks ahead for decode slowdown (0: first tokens only).
+    horizon: f64,
+}
+
+impl Clairvoyant {
+    pub fn new(roles: &[PodRole], horizon: f64) -> Self {
+        Self { serving: (0..roles.len()).filter(|&p| roles[p] != PodRole::Prefill).collect(), horizon }
+    }
+}
+
+/// What a what-if saw: when each watched request got its first token, and how many tokens
+/// each request produced by the horizon.
+#[derive(Default)]
+struct Ahead {
+    first: HashMap<RequestId, f64>,
+    tokens: HashMap<RequestId, u32>,
+}
+
+/// Runs `engine` ahead from `now` until every request of `watched` has its first token and
+/// the horizon has passed (or `MAX_STEPS` steps).
+fn run_ahead(engine: &mut Engine, now: f64, horizon: f64, watched: &[RequestId]) -> Ahead {
+    let mut ahead = Ahead::default();
+    engine.advance_to(now);
+    for _ in 0..MAX_STEPS {
+        if ahead.first.len() == watched.len() && engine.now() >= now + horizon {
+            break;
+        }
+        match engine.step() {
+            Some(step) => {
+                let at = engine.now();
+                for out in step.outputs {
+                    if at <= now + horizon {
+                        *ahead.tokens.entry(out.id).or_default() += 1;
+                    }
+                    if watched.contains(&out.id) {
+                        ahead.first.entry(out.id).or_insert(at);
+                    }
+                }
+            }
+            None => match engine.next_wakeup() {
+                Some(at) => engine.advance_to(at),
+                None => break,
+            },
+        }
+    }
+    ahead
+}
+
+/// What placing the request on `engine` costs the fleet, in seconds (infinite where the
+/// engine refuses it or the what-if runs out of steps): its own time to first token, the
+/// delay to the first tokens of requests on the pod still waiting for theirs, and — over
+/// `horizon` — the decode time the pod's other requests lose to it (a fuller batch steps
+/// slower, for everyone routed there later too).
+fn cost(engine: &Engine, prompt: &[u32], max_tokens: usize, now: f64, horizon: f64) -> f64 {
+    let waiting: Vec<RequestId> = engine.awaiting_first_token().collect();
+    let before = run_ahead(&mut engine.clone(), now, horizon, &waiting);
+    let mut with = engine.clone();
+    with.advance_to(now);
+    let request =
+        NewRequest { prompt: prompt.to_vec(), max_tokens, keys: HashKeys::default(), kv_transfer: KvTransfer::Local };
+    let Ok(id) = with.add_request(request) else { return f64::INFINITY };
+    let mut watched = waiting.clone();
+    watched.push(id);
+    let after = run_ahead(&mut with, now, horizon, &watched);
+    let Some(own) = after.first.get(&id) else { return f64::INFINITY };
+    let first_token_delays: f64 = waiting
+        .iter()
+        .map(|r| match (before.first.get(r), after.first.get(r)) {
+            (Some(b), Some(a)) => (a - b).max(0.0),
+            (Some(_), None) => f64::INFINITY,
+            (None, _) => 0.0,
+        })
+        .sum();
+    let decode_delays: f64 = before
+        .tokens
+        .iter()
+        .map(|(r, &n)| {
+            let lost = n.saturating_sub(after.tokens.get(r).copied().unwrap_or(0));
+            f64::from(lost) * horizon / f64::from(n)
+        })
+        .sum();
+    (own - now) + first_token_delays + decode_delays
+}
+
+impl ClusterRouter for Clairvoyant {
+    fn route(&mut self, _id: u64, _prompt: &[u32], _max_tokens: usize, _now: f64) -> Choice {
+        unreachable!("the clairvoyant bound needs the engines: the simulator calls route_seeing")
+    }
+
+    fn route_seeing(&mut self, _id: u64, prompt: &[u32], max_tokens: usize, now: f64, engines: &[&Engine]) -> Choice {
+        let costs = self.serving.iter().map(|&p| (p, cost(engines[p], prompt, max_tokens, now, self.horizon)));
+        let best = costs.min_by(|a, b| a.1.total_cmp(&b.1)).map_or(self.serving[0], |(p, _)| p);
+        Choice { decode: best, prefill: None }
+    }
+
+    fn done(&mut self, _id: u64, _output_tokens: Option<u32>, _now: f64) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_sim::engine::EngineConfig;
+
+    fn engine() -> Engine {
+        Engine::new(EngineConfig { num_blocks: 2_000, ..EngineConfig::default() })
+    }
+
+    fn submit(engine: &mut Engine, prompt: &[u32], max_tokens: usize) {
+        let request =
+            NewRequest { prompt: prompt.to_vec(), max_tokens, keys: HashKeys::default(), kv_transfer: KvTransfer::Local };
+        engine.add_request(request).unwrap();
+    }
+
+    /// Runs the engine until it is idle.
+    fn drain(engine: &mut Engine) {
+        while engine.step().is_some() {}
+    }
+
+    #[test]
+    fn it_goes_where_the_prompt_is_cached_unless_that_pod_is_buried() {
+        let prompt: Vec<u32> = (1..=4_000).collect();
+        let (mut warm, cold) = (engine(), engine());
+        submit(&mut warm, &prompt, 1);
+        drain(&mut warm);
+        let mut router = Clairvoyant::new(&[PodRole::Both, PodRole::Both], 1.0);
+        let now = warm.now();
+        let choice = router.route_seeing(0, &prompt, 10, now, &[&cold, &warm]);
+        assert_eq!(choice, Choice { decode: 1, prefill: None }, "the warm pod computes nothing");
+        assert!(warm.awaiting_first_token().next().is_none(), "a what-if leaves the engine as it was");
+
+        // The warm pod has a queue of long unique prompts ahead of it: the cold pod answers first.
+        for i in 0..8u32 {
+            let other: Vec<u32> = (0..8_000).map(|t| 100_000 * (i + 1) + t).collect();
+            submit(&mut warm, &other, 50);
+        }
+        let choice = router.route_seeing(1, &prompt, 10, now, &[&cold, &warm]);
+        assert_eq!(choice, Choice { decode: 0, prefill: None });
+        assert_eq!(warm.awaiting_first_token().count(), 8);
+    }
+}
