@@ -68,6 +68,11 @@ fn run_ahead(engine: &mut Engine, now: f64, horizon: f64, watched: &[RequestId])
     ahead
 }
 
+/// A request that prefills and decodes on the pod it is sent to.
+fn local(prompt: &[u32], max_tokens: usize) -> NewRequest {
+    NewRequest { prompt: prompt.to_vec(), max_tokens, keys: HashKeys::default(), kv_transfer: KvTransfer::Local }
+}
+
 /// What placing the request on `engine` costs the fleet, in seconds (infinite where the
 /// engine refuses it or the what-if runs out of steps): its own time to first token, the
 /// delay to the first tokens of requests on the pod still waiting for theirs, and — over
@@ -78,9 +83,7 @@ fn cost(engine: &Engine, prompt: &[u32], max_tokens: usize, now: f64, horizon: f
     let before = run_ahead(&mut engine.clone(), now, horizon, &waiting);
     let mut with = engine.clone();
     with.advance_to(now);
-    let request =
-        NewRequest { prompt: prompt.to_vec(), max_tokens, keys: HashKeys::default(), kv_transfer: KvTransfer::Local };
-    let Ok(id) = with.add_request(request) else { return f64::INFINITY };
+    let Ok(id) = with.add_request(local(prompt, max_tokens)) else { return f64::INFINITY };
     let mut watched = waiting.clone();
     watched.push(id);
     let after = run_ahead(&mut with, now, horizon, &watched);
@@ -128,9 +131,7 @@ mod tests {
     }
 
     fn submit(engine: &mut Engine, prompt: &[u32], max_tokens: usize) {
-        let request =
-            NewRequest { prompt: prompt.to_vec(), max_tokens, keys: HashKeys::default(), kv_transfer: KvTransfer::Local };
-        engine.add_request(request).unwrap();
+        engine.add_request(local(prompt, max_tokens)).unwrap();
     }
 
     /// Runs the engine until it is idle.
