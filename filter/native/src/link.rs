@@ -13,9 +13,9 @@
 use crate::abi::{self, LogLevel, Scheduler};
 use kvgate_route_api::lifecycle::ReportQueue;
 use kvgate_route_api::{Frames, LifecycleReport, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, frame};
+use socket2::{SockRef, Socket as WorkerSocket};
 use std::collections::HashMap;
-use std::io::Write;
-use std::os::fd::AsFd;
+use std::io::{ErrorKind, Write};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 use tokio::net::{TcpStream, UnixStream};
@@ -107,7 +107,7 @@ struct Shared {
 /// The sending side of the socket.
 #[derive(Default)]
 struct Writer {
-    /// `None` while the socket is down (calls then fail at once).
+    /// The workers' handle on the socket; `None` while it is down (calls then fail at once).
     socket: Option<WorkerSocket>,
     /// Bytes the socket has not taken yet, in order; written before anything else.
     pending: Vec<u8>,
@@ -180,9 +180,9 @@ impl Link {
             pending.extend_from_slice(scratch);
             return;
         }
-        let written = match socket.as_ref().map(|s| s.write(scratch)) {
+        let written = match socket.as_ref().map(|mut s| s.write(scratch)) {
             Some(Ok(n)) => n,
-            Some(Err(e)) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+            Some(Err(e)) if e.kind() == ErrorKind::WouldBlock => 0,
             // Broken: the link's thread sees it on its side too, reopens, and fails the calls.
             _ => scratch.len(),
         };
@@ -327,7 +327,7 @@ fn read_answers(socket: &Socket, frames: &mut Frames, shared: &Shared) -> Result
         match socket.try_read_buf(frames.spare(READ_BYTES)) {
             Ok(0) => return Ok(false),
             Ok(_) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
             Err(e) => return Err(format!("route socket failed: {e}")),
         }
     }
@@ -355,7 +355,7 @@ async fn write_pending(socket: &Socket, shared: &Shared) -> Result<(), String> {
                     writer.pending.drain(..n);
                     continue;
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
                 Err(e) => return Err(format!("cannot send on the route socket: {e}")),
             }
         }
@@ -378,11 +378,7 @@ fn queue_reports(shared: &Shared) {
 /// Calls unanswered past the timeout fail.
 fn expire(shared: &Shared) {
     let now = Instant::now();
-    let expired: Vec<Waiting> = {
-        let mut waiting = lock(&shared.waiting);
-        let ids: Vec<u64> = waiting.iter().filter(|(_, w)| w.deadline <= now).map(|(id, _)| *id).collect();
-        ids.iter().filter_map(|id| waiting.remove(id)).collect()
-    };
+    let expired: Vec<Waiting> = lock(&shared.waiting).extract_if(|_, w| w.deadline <= now).map(|(_, w)| w).collect();
     let why = format!("no answer within {} ms", shared.config.timeout.as_millis());
     for call in expired {
         call.slot.deliver(Outcome::Unavailable(why.clone()));
@@ -410,11 +406,7 @@ async fn open(shared: &Shared) -> Result<Socket, String> {
     };
     // Room for a few long prompts' calls: a worker's write then takes a whole call at once
     // instead of leaving most of it to this thread (a Unix socket's default is ≈ 200 kB).
-    let buffer = match &socket {
-        Socket::Tcp(s) => socket2::SockRef::from(s).set_send_buffer_size(SEND_BUFFER_BYTES),
-        Socket::Unix(s) => socket2::SockRef::from(s).set_send_buffer_size(SEND_BUFFER_BYTES),
-    };
-    if let Err(e) = buffer {
+    if let Err(e) = socket.sock().set_send_buffer_size(SEND_BUFFER_BYTES) {
         crate::warn(&format!("kvgate: the route socket's send buffer stays at its default: {e}"));
     }
     let mut preface = ROUTE_SOCKET_PREFACE;
@@ -422,12 +414,12 @@ async fn open(shared: &Shared) -> Result<Socket, String> {
         socket.writable().await.map_err(|e| e.to_string())?;
         match socket.try_write(preface) {
             Ok(n) => preface = &preface[n..],
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
             Err(e) => return Err(e.to_string()),
         }
     }
     // The same connection, for the workers' non-blocking writes.
-    let workers = socket.worker_handle().map_err(|e| e.to_string())?;
+    let workers = socket.sock().try_clone().map_err(|e| e.to_string())?;
     let mut writer = lock(&shared.writer);
     writer.socket = Some(workers);
     writer.pending.clear();
@@ -469,28 +461,11 @@ impl Socket {
         }
     }
 
-    /// Another handle on the same connection (non-blocking, like this one).
-    fn worker_handle(&self) -> std::io::Result<WorkerSocket> {
-        Ok(match self {
-            Socket::Tcp(s) => WorkerSocket::Tcp(std::net::TcpStream::from(s.as_fd().try_clone_to_owned()?)),
-            Socket::Unix(s) => {
-                WorkerSocket::Unix(std::os::unix::net::UnixStream::from(s.as_fd().try_clone_to_owned()?))
-            }
-        })
-    }
-}
-
-/// The workers' side of a route socket.
-enum WorkerSocket {
-    Tcp(std::net::TcpStream),
-    Unix(std::os::unix::net::UnixStream),
-}
-
-impl WorkerSocket {
-    fn write(&self, buf: &[u8]) -> std::io::Result<usize> {
+    /// Its socket options, and another handle on it for the workers (the same file: non-blocking).
+    fn sock(&self) -> SockRef<'_> {
         match self {
-            WorkerSocket::Tcp(s) => (&*s).write(buf),
-            WorkerSocket::Unix(s) => (&*s).write(buf),
+            Socket::Tcp(s) => SockRef::from(s),
+            Socket::Unix(s) => SockRef::from(s),
         }
     }
 }

@@ -63,6 +63,18 @@ impl<'a> Reader<'a> {
         Ok(self.take(n)?.iter().fold(0u64, |acc, &b| (acc << 8) | u64::from(b)))
     }
 
+    /// Past the marker: `width` big-endian bytes follow (a length, or the value).
+    fn sized(&mut self, width: usize) -> Result<u64> {
+        self.pos += 1;
+        self.be(width)
+    }
+
+    /// Past the marker, which holds the length itself (`fix` formats).
+    fn fixed(&mut self, len: u8) -> usize {
+        self.pos += 1;
+        usize::from(len)
+    }
+
     fn unexpected<T>(&self, expected: &'static str, marker: u8) -> Result<T> {
         Err(MsgpackError::Unexpected { expected, at: self.pos, marker })
     }
@@ -82,18 +94,9 @@ impl<'a> Reader<'a> {
     pub fn array_len(&mut self) -> Result<usize> {
         let marker = self.peek()?;
         let n = match marker {
-            0x90..=0x9f => {
-                self.pos += 1;
-                usize::from(marker & 0x0f)
-            }
-            0xdc => {
-                self.pos += 1;
-                self.be(2)? as usize
-            }
-            0xdd => {
-                self.pos += 1;
-                self.be(4)? as usize
-            }
+            0x90..=0x9f => self.fixed(marker & 0x0f),
+            0xdc => self.sized(2)? as usize,
+            0xdd => self.sized(4)? as usize,
             _ => return self.unexpected("array", marker),
         };
         self.check_count(n)
@@ -103,18 +106,9 @@ impl<'a> Reader<'a> {
     pub fn map_len(&mut self) -> Result<usize> {
         let marker = self.peek()?;
         let n = match marker {
-            0x80..=0x8f => {
-                self.pos += 1;
-                usize::from(marker & 0x0f)
-            }
-            0xde => {
-                self.pos += 1;
-                self.be(2)? as usize
-            }
-            0xdf => {
-                self.pos += 1;
-                self.be(4)? as usize
-            }
+            0x80..=0x8f => self.fixed(marker & 0x0f),
+            0xde => self.sized(2)? as usize,
+            0xdf => self.sized(4)? as usize,
             _ => return self.unexpected("map", marker),
         };
         self.check_count(n.saturating_mul(2)).map(|_| n)
@@ -143,22 +137,8 @@ impl<'a> Reader<'a> {
         let at = self.pos;
         let marker = self.peek()?;
         let n = match marker {
-            0xa0..=0xbf => {
-                self.pos += 1;
-                usize::from(marker & 0x1f)
-            }
-            0xd9 => {
-                self.pos += 1;
-                self.be(1)? as usize
-            }
-            0xda => {
-                self.pos += 1;
-                self.be(2)? as usize
-            }
-            0xdb => {
-                self.pos += 1;
-                self.be(4)? as usize
-            }
+            0xa0..=0xbf => self.fixed(marker & 0x1f),
+            0xd9..=0xdb => self.sized(1 << (marker - 0xd9))? as usize,
             _ => return self.unexpected("string", marker),
         };
         std::str::from_utf8(self.take(n)?).map_err(|_| MsgpackError::Utf8(at))
@@ -167,18 +147,7 @@ impl<'a> Reader<'a> {
     pub fn bin(&mut self) -> Result<&'a [u8]> {
         let marker = self.peek()?;
         let n = match marker {
-            0xc4 => {
-                self.pos += 1;
-                self.be(1)? as usize
-            }
-            0xc5 => {
-                self.pos += 1;
-                self.be(2)? as usize
-            }
-            0xc6 => {
-                self.pos += 1;
-                self.be(4)? as usize
-            }
+            0xc4..=0xc6 => self.sized(1 << (marker - 0xc4))? as usize,
             _ => return self.unexpected("bin", marker),
         };
         self.take(n)
@@ -187,30 +156,21 @@ impl<'a> Reader<'a> {
     /// Any integer.
     pub fn int(&mut self) -> Result<Int> {
         let marker = self.peek()?;
-        let v = match marker {
-            0x00..=0x7f => {
-                self.pos += 1;
-                Int::Unsigned(u64::from(marker))
-            }
+        Ok(match marker {
+            0x00..=0x7f => Int::Unsigned(self.fixed(marker) as u64),
             0xe0..=0xff => {
                 self.pos += 1;
                 Int::Negative(i64::from(marker as i8))
             }
-            0xcc..=0xcf => {
-                self.pos += 1;
-                Int::Unsigned(self.be(1 << (marker - 0xcc))?)
-            }
+            0xcc..=0xcf => Int::Unsigned(self.sized(1 << (marker - 0xcc))?),
             0xd0..=0xd3 => {
-                self.pos += 1;
                 let bytes = 1usize << (marker - 0xd0);
-                let raw = self.be(bytes)?;
                 let shift = 64 - 8 * bytes as u32;
-                let v = ((raw << shift) as i64) >> shift; // sign-extend
+                let v = (self.sized(bytes)? << shift) as i64 >> shift; // sign-extend
                 if v >= 0 { Int::Unsigned(v as u64) } else { Int::Negative(v) }
             }
             _ => return self.unexpected("integer", marker),
-        };
-        Ok(v)
+        })
     }
 
     /// A non-negative integer that fits `u64`.
@@ -226,14 +186,8 @@ impl<'a> Reader<'a> {
     pub fn number(&mut self) -> Result<f64> {
         let marker = self.peek()?;
         match marker {
-            0xca => {
-                self.pos += 1;
-                Ok(f64::from(f32::from_bits(self.be(4)? as u32)))
-            }
-            0xcb => {
-                self.pos += 1;
-                Ok(f64::from_bits(self.be(8)?))
-            }
+            0xca => Ok(f64::from(f32::from_bits(self.sized(4)? as u32))),
+            0xcb => Ok(f64::from_bits(self.sized(8)?)),
             _ => match self.int()? {
                 Int::Unsigned(v) => Ok(v as f64),
                 Int::Negative(v) => Ok(v as f64),
@@ -275,13 +229,11 @@ impl<'a> Reader<'a> {
             }
             0xc7..=0xc9 => {
                 // ext 8/16/32: length, type byte, data
-                self.pos += 1;
-                let n = self.be(1 << (marker - 0xc7))? as usize;
+                let n = self.sized(1 << (marker - 0xc7))? as usize;
                 self.take(n + 1)?;
             }
             0xca | 0xcb => {
-                self.pos += 1;
-                self.take(if marker == 0xca { 4 } else { 8 })?;
+                self.number()?;
             }
             0xcc..=0xd3 => {
                 self.int()?;
