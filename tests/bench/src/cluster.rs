@@ -55,6 +55,16 @@ pub trait ClusterRouter {
     fn scraped(&mut self, _pod: usize, _load: ReportedLoad, _now: f64) {}
 }
 
+/// What a pod's `/metrics` says of its load now.
+pub fn reported_load(engine: &Engine) -> ReportedLoad {
+    ReportedLoad {
+        running: engine.num_running() as f64,
+        waiting: engine.num_waiting() as f64,
+        kv_cache_usage: engine.kv_cache_usage(),
+        num_gpu_blocks: engine.config().num_blocks as f64,
+    }
+}
+
 /// Cluster layout and engine sizing.
 #[derive(Clone, Debug)]
 pub struct ClusterConfig {
@@ -270,13 +280,7 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
                     continue; // everything finished: let the queue drain
                 }
                 for (i, p) in sim.pods.iter().enumerate() {
-                    let load = ReportedLoad {
-                        running: p.engine.num_running() as f64,
-                        waiting: p.engine.num_waiting() as f64,
-                        kv_cache_usage: p.engine.kv_cache_usage(),
-                        num_gpu_blocks: p.engine.config().num_blocks as f64,
-                    };
-                    sim.router.scraped(i, load, at);
+                    sim.router.scraped(i, reported_load(&p.engine), at);
                 }
                 sim.schedule(at + sim.scrape_interval, Event::Scrape);
             }

@@ -3,7 +3,7 @@
 //! re-implementations of SGLang's `cache_aware` and vllm-router's `kv_aware` rules as
 //! reference points.
 
-use crate::cluster::{Choice, ClusterRouter, HASH_SEED, PodRole};
+use crate::cluster::{Choice, ClusterRouter, HASH_SEED, PodRole, reported_load};
 use crate::sglang::CacheAware;
 use crate::vllm_router::KvAware;
 use kvgate_routing::events::decode_batch;
@@ -14,6 +14,7 @@ use kvgate_routing::policy::ReportedLoad;
 use kvgate_routing::router::{RouteRequest, Router};
 use kvgate_scorer::config::Config;
 use kvgate_sim::cache::CacheChange;
+use kvgate_sim::engine::Engine;
 use kvgate_sim::events::{EventEncoder, EventFormat, HashFormat};
 use std::collections::VecDeque;
 
@@ -26,6 +27,9 @@ pub struct Kvgate {
     encoder: EventEncoder,
     block_size: usize,
     chain: Vec<SequenceHash>,
+    /// Shown each pod's true load at every decision instead of the last scrape (`@informed`:
+    /// the simulator's information bound, no router a gateway can run).
+    informed: bool,
 }
 
 impl Kvgate {
@@ -51,7 +55,7 @@ impl Kvgate {
             block_size: config.block_size,
             data_parallel_rank: None,
         };
-        Ok(Self { router, encoder, block_size: config.block_size, chain: Vec::new() })
+        Ok(Self { router, encoder, block_size: config.block_size, chain: Vec::new(), informed: false })
     }
 }
 
@@ -62,6 +66,15 @@ impl ClusterRouter for Kvgate {
         let request = RouteRequest::new(&id, &self.chain, prompt.len() as u32, Some(max_tokens as u32));
         let routed = self.router.route(&request, now).expect("the simulated pods are always healthy");
         Choice { decode: routed.decode.pod.index(), prefill: routed.prefill.map(|p| p.pod.index()) }
+    }
+
+    fn route_seeing(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64, engines: &[&Engine]) -> Choice {
+        if self.informed {
+            for (pod, engine) in engines.iter().enumerate() {
+                self.router.reported(PodId(pod as u32), reported_load(engine));
+            }
+        }
+        self.route(id, prompt, max_tokens, now)
     }
 
     fn prefill_done(&mut self, id: u64, now: f64) {
@@ -273,7 +286,8 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
 /// on layouts with prefill pods the policy chooses in both pools; a suffix `@pd-always`
 /// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold, and
 /// `@fixed-speed` turns off learning pod speeds (every pod counts as average), `@gpu-only`
-/// ignores the pods' offload tiers (`index.offload.max_blocks_per_pod: 0`). A kvgate
+/// ignores the pods' offload tiers (`index.offload.max_blocks_per_pod: 0`), `@informed` reads
+/// each pod's true load at every decision (a bound: no scrape lag). A kvgate
 /// router followed by `/N-replicas` runs as N replicas sharing their bookings at once,
 /// `/N-replicas-sync-Dms` after D ms, `/N-replicas-unsynced` not at all ([`Replicas`]).
 pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn ClusterRouter>> {
@@ -319,7 +333,9 @@ fn parse_replicas(spec: &str) -> anyhow::Result<(usize, Option<f64>)> {
 fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
     let (policy, variant) = name.split_once('@').map_or((name, None), |(p, v)| (p, Some(v)));
     let mut sections = Vec::new();
+    let informed = variant == Some("informed");
     let threshold = match variant {
+        Some("informed") => None,
         Some("pd-always") => Some(0),
         Some("no-pd") => Some(u32::MAX),
         Some("fixed-speed") => {
@@ -330,7 +346,7 @@ fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
             sections.push("index: {offload: {max_blocks_per_pod: 0}}".to_string());
             None
         }
-        Some(other) => anyhow::bail!("unknown variant {other:?} (pd-always, no-pd, fixed-speed, gpu-only)"),
+        Some(other) => anyhow::bail!("unknown variant {other:?} (pd-always, no-pd, fixed-speed, gpu-only, informed)"),
         None => None,
     };
     // A policy written as YAML (`{name: kv, decode_weight: 0.2}`) is used as written.
@@ -346,5 +362,7 @@ fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
     if !pd.is_empty() {
         sections.push(format!("pd: {{{}}}", pd.join(", ")));
     }
-    Kvgate::new(roles, &sections.join("\n"), seed)
+    let mut router = Kvgate::new(roles, &sections.join("\n"), seed)?;
+    router.informed = informed;
+    Ok(router)
 }
