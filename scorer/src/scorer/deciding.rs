@@ -5,7 +5,7 @@
 use super::{Pod, Scorer};
 use crate::admission::{Queue, Refused};
 use crate::prompt::{self, PromptError};
-use kvgate_route_api::{Api, PodExplain};
+use kvgate_route_api::{Api, PodExplain, RoutePick};
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::pod_set::{PodId, PodSet};
 use kvgate_routing::router::{RouteRequest, Unroutable};
@@ -93,15 +93,14 @@ pub struct Pick {
 }
 
 impl Pick {
-    /// The pick then its fallbacks, `ip:port,ip:port,…`: the value of
-    /// `x-gateway-destination-endpoint` (the GIE convention, what `override_host` walks).
-    pub fn destinations(&self) -> String {
-        let mut out = self.decode.address.clone();
-        for p in &self.fallbacks {
-            out.push(',');
-            out.push_str(&p.address);
+    /// As the route protocol names it: addresses, and the pod's name.
+    pub fn route_pick(&self) -> RoutePick {
+        RoutePick {
+            decode: self.decode.address.clone(),
+            fallbacks: self.fallbacks.iter().map(|p| p.address.clone()).collect(),
+            prefill: self.prefill.as_ref().map(|p| p.address.clone()),
+            pod: self.decode.name.clone(),
         }
-        out
     }
 }
 

@@ -12,7 +12,7 @@ use axum::{Json, Router};
 use bytes::Bytes;
 use kvgate_route_api::{
     ErrorBody, HEADER_API_PATH, HEADER_OBJECTIVE, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, ROUTE_PATH,
-    RoutePath, RouteResponse,
+    RoutePath, RoutePick, RouteResponse,
 };
 use serde::Deserialize;
 
@@ -67,11 +67,12 @@ async fn route(
 
 /// The pick as the HTTP API answers it.
 fn route_response(pick: Pick) -> RouteResponse {
+    let RoutePick { decode, fallbacks, prefill, pod } = pick.route_pick();
     RouteResponse {
-        decode: pick.decode.address.clone(),
-        fallbacks: pick.fallbacks.iter().map(|p| p.address.clone()).collect(),
-        prefill: pick.prefill.as_ref().map(|p| p.address.clone()),
-        pod: pick.decode.name.clone(),
+        decode,
+        fallbacks,
+        prefill,
+        pod,
         prefill_pod: pick.prefill.as_ref().map(|p| p.name.clone()),
         path: if pick.prefill.is_some() { RoutePath::Pd } else { RoutePath::Direct },
         uncached_tokens: pick.uncached_tokens,

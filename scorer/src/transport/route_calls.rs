@@ -3,8 +3,8 @@
 //! reports riding on a call are applied first; proxies are told when requests start and stop
 //! waiting for admission.
 
-use crate::picking::{Pick, PickRequest, Picker};
-use kvgate_route_api::{LifecycleReport, Outcome, RouteAnswer, RouteCall, RoutePick, StreamReport};
+use crate::picking::{PickRequest, Picker};
+use kvgate_route_api::{LifecycleReport, Outcome, RouteAnswer, RouteCall, StreamReport};
 use tokio::sync::mpsc;
 
 /// Applies a call's lifecycle reports and returns its answer to come (`None` for a message
@@ -27,20 +27,11 @@ pub fn take_call(picker: &Picker, mut call: RouteCall) -> Option<impl Future<Out
             explain: false,
         };
         let outcome = match picker.pick(request).await {
-            Ok(pick) => Outcome::Pick(route_pick(&pick)),
+            Ok(pick) => Outcome::Pick(pick.route_pick()),
             Err(e) => Outcome::Refusal(e.refusal()),
         };
         RouteAnswer { call: call.call, admission_waiting: picker.admission_waiting(), outcome: Some(outcome) }
     })
-}
-
-fn route_pick(pick: &Pick) -> RoutePick {
-    RoutePick {
-        decode: pick.decode.address.clone(),
-        fallbacks: pick.fallbacks.iter().map(|p| p.address.clone()).collect(),
-        prefill: pick.prefill.as_ref().map(|p| p.address.clone()),
-        pod: pick.decode.name.clone(),
-    }
 }
 
 /// Tells a route connection's proxy, by an answer to no call (`call` 0), whenever requests

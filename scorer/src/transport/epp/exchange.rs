@@ -354,7 +354,7 @@ impl Exchange {
             Ok(pick) => pick,
             Err(e) => return self.refuse_request(&e),
         };
-        let destinations = pick.destinations();
+        let destinations = pick.route_pick().destinations();
         tracing::debug!(stream = self.stream, request_id = %request_id, pod = %pick.decode.name, "ext_proc: picked {destinations}");
         let metadata = decision_metadata(&destinations, &booking_id);
         self.booking = Some(Booking { id: booking_id, request_id, joined: false });
