@@ -20,7 +20,8 @@ pub enum Scrape {
 }
 
 /// Why a pod stopped being chosen.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, strum::IntoStaticStr)]
+#[strum(serialize_all = "snake_case")]
 pub enum DownReason {
     /// Its `/metrics` refused the connection.
     ScrapeRefused,
@@ -33,17 +34,6 @@ pub enum DownReason {
     EventsDisconnected,
 }
 
-impl DownReason {
-    fn label(self) -> &'static str {
-        match self {
-            DownReason::ScrapeRefused => "scrape_refused",
-            DownReason::ScrapesFailed => "scrapes_failed",
-            DownReason::NotServed => "not_served",
-            DownReason::EventsDisconnected => "events_disconnected",
-        }
-    }
-}
-
 impl Scorer {
     /// Takes a pod out of the choice (its bookings released): it comes back with a
     /// successful scrape (unscraped pods: after `health.retry_seconds`).
@@ -54,8 +44,9 @@ impl Scorer {
         core.router.unhealthy(pod);
         core.health(pod).down_since = Some(now);
         let name = core.name(pod);
-        tracing::warn!(pod = %name, reason = reason.label(), "pod is down: not chosen until it answers again");
-        self.metrics.pods_down.with_label_values(&[name, reason.label()]).inc();
+        let reason: &str = reason.into();
+        tracing::warn!(pod = %name, reason, "pod is down: not chosen until it answers again");
+        self.metrics.pods_down.with_label_values(&[name, reason]).inc();
         self.metrics.pod_healthy.with_label_values(&[name]).set(0.0);
     }
 

@@ -90,8 +90,7 @@ impl Scorer {
         let (entries, distinct) = (core.router.index().entries(), core.router.index().distinct_blocks());
         drop(core);
         for v in &views {
-            let index = if v.index == "precise" { "precise" } else { "approximate" };
-            self.metrics.index_blocks.with_label_values(&[&v.name, index]).set(v.cached_blocks as f64);
+            self.metrics.index_blocks.with_label_values(&[&v.name, v.index]).set(v.cached_blocks as f64);
             if v.index == "precise" {
                 self.metrics.index_blocks.with_label_values(&[&v.name, "offloaded"]).set(v.offloaded_blocks as f64);
             }
