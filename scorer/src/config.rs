@@ -2,6 +2,7 @@
 //! generated from these types (`make docs`); unknown fields and invalid values stop start-up
 //! with a message naming the field.
 
+use kvgate_route_api::lifecycle::header_name;
 use kvgate_routing::policy::PolicyConfig;
 use serde::Deserialize;
 use std::collections::HashSet;
@@ -538,8 +539,7 @@ impl Config {
             check(apart, "epp.listen", "must differ from listen and admin.listen")?;
             check(epp.body_limit_bytes > 0, "epp.body_limit_bytes", "must be positive")?;
             let h = &epp.prefiller_header;
-            let header = !h.is_empty() && h.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-            check(header, "epp.prefiller_header", &format!("{h:?} is not a lowercase header name"))?;
+            check(header_name(h), "epp.prefiller_header", &format!("{h:?} is not a lowercase header name"))?;
         }
         self.shutdown.check().map_err(|e| e.under("shutdown"))?;
         self.health.check().map_err(|e| e.under("health"))

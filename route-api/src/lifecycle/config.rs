@@ -72,7 +72,7 @@ impl Default for ProxyConfig {
 }
 
 /// A lowercase HTTP header name.
-pub(crate) fn header_name(name: &str) -> bool {
+pub fn header_name(name: &str) -> bool {
     !name.is_empty() && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_')
 }
 

@@ -18,7 +18,7 @@ mod flow;
 mod reports;
 mod response;
 
-pub use config::{FailureMode, HostConfig, NativeSettings, PdMode, ProxyConfig, WasmSettings, parse};
+pub use config::{FailureMode, HostConfig, NativeSettings, PdMode, ProxyConfig, WasmSettings, header_name, parse};
 pub use flow::{
     AnswerNext, BodyNext, Counter, Next, Proxy, RequestFlow, decode_leg_body, prefill_leg_body, request_id,
 };
