@@ -311,7 +311,10 @@ pub struct Config {
     /// Tokens per KV block: must equal the engines' `--block-size`.
     #[serde(default = "default_block_size")]
     pub block_size: usize,
-    /// `model` names that are LoRA adapters (their blocks are hashed apart).
+    /// `model` names that are LoRA adapters (their blocks are hashed apart). kvgate also
+    /// learns them from the pods — their KV events' `lora_name` and their
+    /// `vllm:lora_requests_info` — so list here only adapters whose first requests must hash
+    /// apart before any pod has named them.
     #[serde(default)]
     pub lora_adapters: Vec<String>,
     #[serde(default)]

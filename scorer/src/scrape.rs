@@ -5,6 +5,7 @@
 use crate::scorer::{Scorer, Scrape};
 use kvgate_routing::pod_set::PodId;
 use kvgate_routing::policy::ReportedLoad;
+use serde::Serialize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,7 +25,11 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: String) {
         interval.tick().await;
         let scrape = match client.get(&url).send().await {
             Ok(r) if r.status().is_success() => match r.text().await.ok().and_then(|text| {
-                parse(&text).map(|load| Scrape::Answered { load, started_at: process_start_time(&text) })
+                parse(&text).map(|load| Scrape::Answered {
+                    load,
+                    started_at: process_start_time(&text),
+                    adapters: adapters(&text),
+                })
             }) {
                 Some(answered) => answered,
                 None => Scrape::Failed,
@@ -66,6 +71,33 @@ pub fn parse(text: &str) -> Option<ReportedLoad> {
     seen.then_some(load)
 }
 
+/// The LoRA adapters a pod's engine is running and has waiting, and how many it holds at once.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PodAdapters {
+    pub running: Vec<String>,
+    pub waiting: Vec<String>,
+    pub max_lora: u32,
+}
+
+/// `vllm:lora_requests_info` (engines serving adapters): the newest of its series — vLLM
+/// sets a series per label set to the time it was last true, and keeps the older ones.
+pub fn adapters(text: &str) -> Option<PodAdapters> {
+    let names =
+        |list: Option<&str>| list.unwrap_or_default().split(',').filter(|a| !a.is_empty()).map(String::from).collect();
+    text.lines()
+        .filter(|l| l.starts_with("vllm:lora_requests_info{"))
+        .filter_map(|l| {
+            let (name_labels, value) = l.rsplit_once(' ')?;
+            Some((value.parse::<f64>().ok()?, name_labels))
+        })
+        .max_by(|a, b| a.0.total_cmp(&b.0))
+        .map(|(_, labels)| PodAdapters {
+            running: names(label(labels, "running_lora_adapters")),
+            waiting: names(label(labels, "waiting_lora_adapters")),
+            max_lora: label(labels, "max_lora").and_then(|m| m.parse().ok()).unwrap_or(0),
+        })
+}
+
 /// `process_start_time_seconds` (the Prometheus client's process collector, which vLLM
 /// exposes): a restarted engine has a new one.
 pub fn process_start_time(text: &str) -> Option<f64> {
@@ -74,11 +106,16 @@ pub fn process_start_time(text: &str) -> Option<f64> {
 
 /// The value of label `key` in `name{k="v",...}`.
 fn label<'a>(name_labels: &'a str, key: &str) -> Option<&'a str> {
-    let labels = name_labels.split_once('{')?.1.strip_suffix('}')?;
-    labels.split(',').find_map(|kv| {
-        let (k, v) = kv.split_once('=')?;
-        (k.trim() == key).then(|| v.trim().trim_matches('"'))
-    })
+    let mut rest = name_labels.split_once('{')?.1;
+    loop {
+        let (name, value) = rest.split_once("=\"")?;
+        // Values may hold commas (vLLM's adapter lists); a quote inside one is escaped.
+        let end = value.char_indices().find(|&(i, c)| c == '"' && !value[..i].ends_with('\\'))?.0;
+        if name.trim_start_matches([',', ' ']) == key {
+            return Some(&value[..end]);
+        }
+        rest = &value[end + 1..];
+    }
 }
 
 #[cfg(test)]
@@ -103,5 +140,21 @@ mod tests {
         assert_eq!(parse("<html>not metrics</html>"), None);
         assert_eq!(process_start_time("# HELP x\nprocess_start_time_seconds 1.7954e9\n"), Some(1.7954e9));
         assert_eq!(process_start_time(text), None);
+    }
+
+    #[test]
+    fn reads_the_newest_adapter_series() {
+        // As vLLM's logger leaves it: one series per label set, valued at when it last held.
+        let text = "# TYPE vllm:lora_requests_info gauge\n\
+            vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"sql,chat\",waiting_lora_adapters=\"\"} 1.7e9\n\
+            vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"sql\",waiting_lora_adapters=\"law,med\"} 1.8e9\n\
+            vllm:lora_requests_info{max_lora=\"2\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"} 1.6e9\n\
+            vllm:num_requests_running{engine=\"0\"} 1.0\n";
+        let expected =
+            PodAdapters { running: vec!["sql".into()], waiting: vec!["law".into(), "med".into()], max_lora: 2 };
+        assert_eq!(adapters(text), Some(expected));
+        assert_eq!(adapters("vllm:num_requests_running 1.0\n"), None, "an engine without adapters");
+        assert_eq!(label("m{a=\"x,y\",b=\"say \\\"hi\\\", ok\"}", "b"), Some("say \\\"hi\\\", ok"));
+        assert_eq!(label("m{a=\"x,y\",b=\"z\"}", "a"), Some("x,y"));
     }
 }

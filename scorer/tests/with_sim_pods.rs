@@ -487,3 +487,40 @@ async fn a_prefix_offloaded_to_host_memory_keeps_its_pod() {
     let metrics = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
     assert!(metrics.contains("kvgate_index_blocks{index=\"offloaded\",pod=\"pod-1\"}"), "{metrics}");
 }
+
+#[tokio::test]
+async fn lora_adapters_are_learned_from_the_pods() {
+    // No `lora_adapters` in the configuration: kvgate learns "sql" from the pods.
+    let pods = pods(2, &["--lora-module", "sql"]).await;
+    let scorer = following_events(&pods).await;
+    let system = text("You translate warehouse questions into SQL", 200);
+    let sql = |question: &str| {
+        json!({"model": "sql", "max_tokens": 4, "messages": [
+            {"role": "system", "content": system}, {"role": "user", "content": question}]})
+    };
+
+    // The adapter's blocks hash apart (events carry `lora_name`); once kvgate has them, it
+    // hashes the adapter's requests the same way and finds the prefix.
+    let warm = pods[1].post_json("/v1/chat/completions", &sql("warm up")).await;
+    let warm_prompt = warm["usage"]["prompt_tokens"].as_u64().unwrap();
+    indexed(&scorer, "pod-1", warm_prompt / 16).await;
+    let (status, adapter) = scorer.route("/v1/chat/completions", "sql-1", &sql("q1"), true).await;
+    assert_eq!(status, 200, "{adapter}");
+    assert_eq!(adapter["pod"], "pod-1", "{adapter}");
+    assert!(adapter["cached_tokens"].as_u64().unwrap() >= warm_prompt / 16 * 16 - 16, "{adapter}");
+    // The base model with the same prompt is not credited with the adapter's blocks.
+    let (_, base) = scorer.route("/v1/chat/completions", "base-1", &chat(&system, "q1"), true).await;
+    assert_eq!(base["cached_tokens"], 0, "{base}");
+
+    // An adapter request in flight shows in the pod's `vllm:lora_requests_info`, and so in
+    // what kvgate reports of the pod.
+    let slow = Sim::start("pod-slow", &["--model", MODEL, "--lora-module", "law", "--time-scale", "1"]).await;
+    let scorer = ScorerProcess::start(&config(std::slice::from_ref(&slow), false, "")).await;
+    let long = json!({"model": "law", "max_tokens": 300, "prompt": "Summarise the contract"});
+    let url = format!("{}/v1/completions", slow.url);
+    let running = tokio::spawn(async move { reqwest::Client::new().post(url).json(&long).send().await });
+    let pod =
+        scorer.wait_pod("pod-slow", Duration::from_secs(10), |p| p["adapters"]["running"] == json!(["law"])).await;
+    assert_eq!(pod["adapters"]["max_lora"], 1, "{pod}");
+    running.abort();
+}

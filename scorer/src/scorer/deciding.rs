@@ -111,7 +111,9 @@ impl Scorer {
     /// before [`Scorer::decide`].
     pub fn prepare(&self, api: Api, body: &[u8]) -> Result<Prepared, PickError> {
         let t0 = Instant::now();
-        let info = prompt::extract(&self.tokenizer, api, body, &self.config.lora_adapters)?;
+        let adapters = self.adapter_names.read().unwrap_or_else(|e| e.into_inner());
+        let info = prompt::extract(&self.tokenizer, api, body, &adapters)?;
+        drop(adapters);
         self.metrics.tokenize_seconds.with_label_values(&[api.label()]).observe(t0.elapsed().as_secs_f64());
         let mut chain = Vec::with_capacity(info.tokens.len() / self.config.block_size + 1);
         let root = root_hash(info.lora_name.as_deref(), info.cache_salt.as_deref());

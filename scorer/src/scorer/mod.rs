@@ -25,13 +25,14 @@ pub use view::{PodView, ReportedView};
 use crate::admission::Queue;
 use crate::config::{Config, Role};
 use crate::metrics::Metrics;
+use crate::scrape::PodAdapters;
 use ahash::AHashMap;
 use kvgate_routing::pod_set::{PodId, PodMap, PodSet};
 use kvgate_routing::router::Router;
 use kvgate_tokenize::Tokenizer;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, TryLockError};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, TryLockError};
 use std::time::Instant;
 
 /// What the request paths share with the booking sync's tasks (used with `sync`).
@@ -84,6 +85,8 @@ struct PodEntry {
     /// Shared, so callers take it out of the lock without copying its strings.
     info: Arc<Pod>,
     health: PodHealth,
+    /// The LoRA adapters its last scrape said it runs.
+    adapters: Option<PodAdapters>,
 }
 
 struct Core {
@@ -131,6 +134,9 @@ pub struct Scorer {
     started_up: AtomicBool,
     /// SIGTERM came: not ready any more, whatever else holds.
     draining: AtomicBool,
+    /// The `model` names that are LoRA adapters: those configured, and those the pods named
+    /// since (in their KV events and metrics).
+    adapter_names: RwLock<Vec<String>>,
     /// Readiness changed by something other than the fleet (draining): the picker's health
     /// reporter looks at once.
     pub readiness_changed: tokio::sync::Notify,
@@ -171,6 +177,7 @@ impl Scorer {
             static_pods: Vec::new(),
             started_up: AtomicBool::new(false),
             draining: AtomicBool::new(false),
+            adapter_names: RwLock::new(config.lora_adapters.clone()),
             readiness_changed: tokio::sync::Notify::new(),
             config,
         };
@@ -194,7 +201,7 @@ impl Scorer {
         let id = core.router.add_pod(role, precise);
         core.router.set_pod_key(id, address);
         let info = Pod { id, name: name.to_string(), address: address.to_string(), role, precise, scraped };
-        *core.pods.get_mut(id) = PodEntry { info: Arc::new(info), health: PodHealth::default() };
+        *core.pods.get_mut(id) = PodEntry { info: Arc::new(info), ..PodEntry::default() };
         // Configured and discovered addresses are `ip:port` (validated); a later pod at the
         // same address (discovery re-adding it with another role) takes it over.
         if let Ok(socket) = address.parse() {
@@ -303,6 +310,19 @@ impl Scorer {
             }
         }
         if core.router.ready() { Ok(()) } else { Err(NotReady::NoPod) }
+    }
+
+    /// A pod named `name` as a LoRA adapter: its requests' blocks are hashed apart from now on.
+    pub fn learn_adapter(&self, name: &str) {
+        let known = |names: &Vec<String>| names.iter().any(|n| n == name);
+        if known(&self.adapter_names.read().unwrap_or_else(|e| e.into_inner())) {
+            return;
+        }
+        let mut names = self.adapter_names.write().unwrap_or_else(|e| e.into_inner());
+        if !known(&names) {
+            tracing::info!(adapter = %name, "a pod serves LoRA adapter {name:?}: its requests are hashed apart");
+            names.push(name.to_string());
+        }
     }
 
     /// SIGTERM: not ready from now on (see the `shutdown` section).
@@ -467,7 +487,11 @@ mod tests {
             assert_eq!(pick.decode.id, a);
         };
         let blocks = |s: &Scorer| s.lock().router.pod_blocks(a);
-        let answered = |started_at| Scrape::Answered { load: ReportedLoad::default(), started_at: Some(started_at) };
+        let answered = |started_at| Scrape::Answered {
+            load: ReportedLoad::default(),
+            started_at: Some(started_at),
+            adapters: None,
+        };
         s.scraped(a, answered(100.0));
         stored(&s);
         assert_eq!(blocks(&s), 4);

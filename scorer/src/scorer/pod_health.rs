@@ -2,16 +2,17 @@
 //! identity, its event batches — and pods going down and coming back.
 
 use super::{Core, Scorer};
+use crate::scrape::PodAdapters;
 use kvgate_routing::events::{EventBatch, KvEvent};
 use kvgate_routing::pod_set::PodId;
 use kvgate_routing::policy::ReportedLoad;
 
 /// What one scrape of a pod's `/metrics` found.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub enum Scrape {
-    /// Its load, and its engine's identity when the page has one
-    /// (`process_start_time_seconds`: a restart changes it).
-    Answered { load: ReportedLoad, started_at: Option<f64> },
+    /// Its load, its engine's identity when the page has one (`process_start_time_seconds`:
+    /// a restart changes it), and the LoRA adapters it runs, when it serves some.
+    Answered { load: ReportedLoad, started_at: Option<f64>, adapters: Option<PodAdapters> },
     /// The connection was refused or reset: nothing listens there (down at once).
     Refused,
     /// A timeout, an error status, a page without vLLM's metrics (down after
@@ -79,7 +80,12 @@ impl Scorer {
         let (mut stored, mut removed, mut cleared) = (0u64, 0u64, 0u64);
         for e in &batch.events {
             match e {
-                KvEvent::BlockStored(s) => stored += s.block_hashes.len() as u64,
+                KvEvent::BlockStored(s) => {
+                    stored += s.block_hashes.len() as u64;
+                    if let Some(adapter) = s.lora_name {
+                        self.learn_adapter(adapter);
+                    }
+                }
                 KvEvent::BlockRemoved { block_hashes, .. } => removed += block_hashes.len() as u64,
                 KvEvent::AllBlocksCleared => cleared += 1,
                 KvEvent::Unknown(_) => {}
@@ -151,7 +157,11 @@ impl Scorer {
         }
         let was_healthy = core.router.is_healthy(pod);
         match scrape {
-            Scrape::Answered { load, started_at } => {
+            Scrape::Answered { load, started_at, adapters } => {
+                if let Some(a) = &adapters {
+                    a.running.iter().chain(&a.waiting).for_each(|name| self.learn_adapter(name));
+                }
+                core.pods.get_mut(pod).adapters = adapters;
                 let health = &mut core.health(pod);
                 health.consecutive_failures = 0;
                 let known = health.started_at;

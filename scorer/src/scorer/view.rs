@@ -2,6 +2,7 @@
 
 use super::Scorer;
 use crate::config::Role;
+use crate::scrape::PodAdapters;
 use kvgate_routing::index::PodIndexStats;
 use serde::Serialize;
 
@@ -37,6 +38,9 @@ pub struct PodView {
     pub event_batches_stale: u64,
     pub event_decode_errors: u64,
     pub reported: Option<ReportedView>,
+    /// The LoRA adapters it runs and has waiting, and how many it holds at once (its last
+    /// scrape's `vllm:lora_requests_info`).
+    pub adapters: Option<PodAdapters>,
     pub index_stats: PodIndexStats,
 }
 
@@ -83,6 +87,7 @@ impl Scorer {
                         waiting: r.waiting,
                         kv_cache_usage: r.kv_cache_usage,
                     }),
+                    adapters: entry.adapters.clone(),
                     index_stats: core.router.index().stats(p.id),
                 }
             })

@@ -20,10 +20,12 @@ pub struct Emission {
 }
 
 /// Engine state for `/metrics`, refreshed after every step.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct Snapshot {
     pub running: usize,
     pub waiting: usize,
+    /// The LoRA adapters of the running and of the waiting requests.
+    pub adapters: (Vec<String>, Vec<String>),
     pub kv_cache_usage: f64,
     pub cached_blocks: usize,
     pub counters: Counters,
@@ -80,7 +82,7 @@ impl EngineHandle {
     }
 
     pub fn snapshot(&self) -> Snapshot {
-        *self.snapshot.lock().expect("snapshot lock")
+        self.snapshot.lock().expect("snapshot lock").clone()
     }
 }
 
@@ -179,6 +181,7 @@ fn take_snapshot(engine: &Engine) -> Snapshot {
     Snapshot {
         running: engine.num_running(),
         waiting: engine.num_waiting(),
+        adapters: engine.adapters(),
         kv_cache_usage: engine.kv_cache_usage(),
         cached_blocks: engine.cached_blocks(),
         counters: engine.counters(),

@@ -347,6 +347,21 @@ impl Engine {
         self.running.iter().filter_map(|id| self.seqs[id].transfer_done_at).reduce(f64::min)
     }
 
+    /// The LoRA adapters of the running requests and of the waiting ones, each once, in the
+    /// order the requests came.
+    pub fn adapters(&self) -> (Vec<String>, Vec<String>) {
+        let names = |ids: &mut dyn Iterator<Item = &RequestId>| {
+            let mut out: Vec<String> = Vec::new();
+            for name in ids.filter_map(|id| self.seqs[id].keys.lora_name.as_ref()) {
+                if !out.contains(name) {
+                    out.push(name.clone());
+                }
+            }
+            out
+        };
+        (names(&mut self.running.iter()), names(&mut self.waiting.iter()))
+    }
+
     /// Requests that have not produced a token yet (queued, or still prefilling).
     pub fn awaiting_first_token(&self) -> impl Iterator<Item = RequestId> + '_ {
         self.seqs.iter().filter(|(_, seq)| seq.output_len() == 0).map(|(id, _)| *id)

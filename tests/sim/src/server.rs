@@ -653,6 +653,20 @@ async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
         "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {:?}",
         pod.started_at
     );
+    if !pod.lora_modules.is_empty() {
+        // As vLLM's logger writes it (no engine or model label, valued at the time it was
+        // set); the simulator holds every adapter at once.
+        let (running, waiting) = &s.adapters;
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
+        let _ = writeln!(
+            out,
+            "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\n\
+             vllm:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {now:?}",
+            pod.lora_modules.len(),
+            running.join(","),
+            waiting.join(",")
+        );
+    }
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], out)
 }
 
