@@ -39,8 +39,8 @@ pub enum PodRole {
 pub trait ClusterRouter {
     /// Chooses the pod(s) for a request (`id` is unique per request).
     fn route(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64) -> Choice;
-    /// The same, shown the engines as they truly are now: only the simulator's bounds
-    /// ([`crate::clairvoyant`]) look; every router a gateway could run routes on what it heard.
+    /// The same, shown the engines as they truly are now: only the simulator's bounds look
+    /// ([`crate::clairvoyant`], `kv@informed`); a router a gateway could run routes on what it heard.
     fn route_seeing(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64, _engines: &[&Engine]) -> Choice {
         self.route(id, prompt, max_tokens, now)
     }
