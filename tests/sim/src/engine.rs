@@ -42,6 +42,12 @@ pub struct EngineConfig {
     /// 0: none.
     pub offload_blocks: usize,
     pub timing: TimingModel,
+    /// LoRA adapters one batch may hold (vLLM `--max-loras`, default 1 there): a waiting
+    /// request of another adapter is passed over while that many are running. 0: no limit.
+    pub max_loras: usize,
+    /// Milliseconds a step takes longer for each adapter it brings onto the GPU (one not among
+    /// the last `max_loras` it ran).
+    pub lora_load_ms: f64,
     /// Token ids the engine "generates", cycled (the text is filler; counts and timing are real).
     pub filler_tokens: Vec<u32>,
 }
@@ -57,6 +63,8 @@ impl Default for EngineConfig {
             hash_seed: None,
             offload_blocks: 0,
             timing: TimingModel::default(),
+            max_loras: 0,
+            lora_load_ms: 0.0,
             filler_tokens: vec![0],
         }
     }
@@ -211,6 +219,8 @@ pub struct Engine {
     next_id: RequestId,
     now: f64,
     counters: Counters,
+    /// The adapters on the GPU, the least recently run first (at most `max_loras`).
+    resident_loras: VecDeque<String>,
 }
 
 impl Engine {
@@ -230,6 +240,7 @@ impl Engine {
             next_id: 0,
             now: 0.0,
             counters: Counters::default(),
+            resident_loras: VecDeque::new(),
         }
     }
 
@@ -409,13 +420,29 @@ impl Engine {
             }
         }
 
-        // 2. Waiting requests, in arrival order (none after a preemption, as in vLLM).
+        // 2. Waiting requests, in arrival order (none after a preemption, as in vLLM). One
+        // whose adapter would exceed `max_loras` beside the running ones is passed over.
+        let mut batch_loras = self.running_loras();
+        let mut passed_over = VecDeque::new();
         while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
+            if let Some(lora) = &self.seqs[&id].keys.lora_name
+                && self.config.max_loras > 0
+                && batch_loras.len() >= self.config.max_loras
+                && !batch_loras.contains(lora)
+            {
+                passed_over.push_back(self.waiting.pop_front().expect("peeked"));
+                continue;
+            }
             match self.admit(id, budget) {
                 Some(n) => {
                     self.waiting.pop_front();
                     self.running.push(id);
+                    if let Some(lora) = &self.seqs[&id].keys.lora_name
+                        && !batch_loras.contains(lora)
+                    {
+                        batch_loras.push(lora.clone());
+                    }
                     if n > 0 {
                         budget -= n;
                         scheduled.push((id, n));
@@ -423,6 +450,9 @@ impl Engine {
                 }
                 None => break, // not enough free blocks: wait for running requests to finish
             }
+        }
+        while let Some(id) = passed_over.pop_back() {
+            self.waiting.push_front(id);
         }
 
         if scheduled.is_empty() {
@@ -438,7 +468,8 @@ impl Engine {
                 work.decode_context += (seq.computed + n) as u64;
             }
         }
-        let duration = self.config.timing.step_ms(&work) / 1000.0;
+        let loads = self.load_loras(&scheduled);
+        let duration = (self.config.timing.step_ms(&work) + loads as f64 * self.config.lora_load_ms) / 1000.0;
         self.now += duration;
         self.counters.steps += 1;
 
@@ -447,6 +478,31 @@ impl Engine {
             self.advance(id, n, &mut outputs);
         }
         Some(StepResult { duration, work, outputs, cache_changes: self.pool.take_changes() })
+    }
+
+    /// The adapters of the running requests, each once.
+    fn running_loras(&self) -> Vec<String> {
+        self.adapters().0
+    }
+
+    /// Brings the adapters of this step's requests onto the GPU (the least recently run leave
+    /// when more than `max_loras` are there): how many had to be loaded.
+    fn load_loras(&mut self, scheduled: &[(RequestId, usize)]) -> usize {
+        let mut loads = 0;
+        for (id, _) in scheduled {
+            let Some(lora) = self.seqs[id].keys.lora_name.clone() else { continue };
+            match self.resident_loras.iter().position(|l| *l == lora) {
+                Some(at) => {
+                    self.resident_loras.remove(at);
+                }
+                None => loads += 1,
+            }
+            self.resident_loras.push_back(lora);
+            if self.config.max_loras > 0 && self.resident_loras.len() > self.config.max_loras {
+                self.resident_loras.pop_front();
+            }
+        }
+        loads
     }
 
     /// Cache changes made outside steps (admissions that only touched or evicted blocks).
@@ -870,5 +926,28 @@ mod tests {
         assert_eq!(e.add_request(request(vec![], 1)), Err(EngineError::EmptyPrompt));
         assert_eq!(e.add_request(request(vec![1], 0)), Err(EngineError::NoOutput));
         assert!(matches!(e.add_request(request(vec![1; 15], 10)), Err(EngineError::TooLong { requested: 25, .. })));
+    }
+
+    #[test]
+    fn a_batch_holds_at_most_max_loras_adapters_and_pays_to_load_one() {
+        let mut e = Engine::new(EngineConfig { max_loras: 1, lora_load_ms: 50.0, ..config() });
+        let adapter = |name: &str, first: u32| NewRequest {
+            keys: HashKeys { lora_name: Some(name.into()), ..HashKeys::default() },
+            ..request((first..first + 8).collect(), 3)
+        };
+        let sql = e.add_request(adapter("sql", 0)).unwrap();
+        let law = e.add_request(adapter("law", 100)).unwrap();
+        let sql_again = e.add_request(adapter("sql", 200)).unwrap();
+        let first = e.step().unwrap();
+        // The law request is passed over (one adapter at a time); the later sql one joins.
+        let ran: Vec<RequestId> = first.outputs.iter().map(|o| o.id).collect();
+        assert_eq!(ran, vec![sql, sql_again]);
+        assert_eq!(e.adapters(), (vec!["sql".to_string()], vec!["law".to_string()]));
+        let plain = e.config().timing.step_ms(&first.work);
+        assert!((first.duration * 1000.0 - plain - 50.0).abs() < 1e-9, "one adapter loaded");
+        let second = e.step().unwrap();
+        assert!((second.duration * 1000.0 - e.config().timing.step_ms(&second.work)).abs() < 1e-9, "sql stays loaded");
+        let (done, _) = run(&mut e);
+        assert!(done.contains_key(&law), "law runs once sql's requests are done");
     }
 }

@@ -38,6 +38,13 @@ struct Args {
     /// `model` hashes its blocks with the adapter name, and events carry `lora_name`.
     #[arg(long = "lora-module")]
     lora_modules: Vec<String>,
+    /// LoRA adapters one batch may hold (vLLM `--max-loras`; vLLM's default is 1): a request
+    /// of another adapter waits while that many run. 0: no limit.
+    #[arg(long, default_value_t = 0)]
+    max_loras: usize,
+    /// Model milliseconds a step takes longer for each adapter it loads onto the GPU.
+    #[arg(long, default_value_t = 0.0)]
+    lora_load_ms: f64,
     /// P/D role: `prefill` pods serve `do_remote_decode` legs, `decode` pods
     /// `do_remote_prefill` legs, `both` either.
     #[arg(long, value_enum, default_value_t = Role::Both)]
@@ -182,6 +189,8 @@ async fn main() -> anyhow::Result<()> {
         hash_seed: args.hash_seed.clone(),
         offload_blocks: args.offload_blocks,
         timing,
+        max_loras: args.max_loras,
+        lora_load_ms: args.lora_load_ms,
         filler_tokens,
     });
 
@@ -220,6 +229,7 @@ async fn main() -> anyhow::Result<()> {
             pod_id: pod_id.clone(),
             model: args.model.clone(),
             lora_modules: args.lora_modules.clone(),
+            max_loras: args.max_loras,
             role: args.role,
             listen: args.listen,
             engine_id: format!("{pod_id}-engine"),

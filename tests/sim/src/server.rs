@@ -45,6 +45,8 @@ pub struct PodInfo {
     pub model: String,
     /// LoRA adapters served beside the base model (requests name them in `model`).
     pub lora_modules: Vec<String>,
+    /// Adapters one batch may hold (0: no limit).
+    pub max_loras: usize,
     pub role: Role,
     pub listen: SocketAddr,
     pub engine_id: String,
@@ -655,14 +657,14 @@ async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
     );
     if !pod.lora_modules.is_empty() {
         // As vLLM's logger writes it (no engine or model label, valued at the time it was
-        // set); the simulator holds every adapter at once.
+        // set); without a limit the simulator holds every adapter at once.
         let (running, waiting) = &s.adapters;
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
         let _ = writeln!(
             out,
             "# HELP vllm:lora_requests_info Running stats on lora requests.\n# TYPE vllm:lora_requests_info gauge\n\
              vllm:lora_requests_info{{max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"}} {now:?}",
-            pod.lora_modules.len(),
+            if pod.max_loras > 0 { pod.max_loras } else { pod.lora_modules.len() },
             running.join(","),
             waiting.join(",")
         );
