@@ -5,9 +5,11 @@
 //!
 //! Greedy on true state: for each request and each pod that can serve it, a copy of the
 //! engine runs ahead (virtual time, no further arrivals) with the request and without it;
-//! the request goes where the fleet's time to first token grows least — its own TTFT plus
-//! the delay it causes to requests on that pod still waiting for their first token. Output
-//! lengths are the workload's true ones (the engines generate `max_tokens`).
+//! the request goes where the fleet loses least ([`cost`]): its own TTFT, the delay it
+//! causes to requests on that pod still waiting for their first token, and the decode time
+//! the pod's other requests lose over a horizon. Output lengths are the workload's true ones
+//! (the engines generate `max_tokens`). Greedy, so not an upper bound everywhere: it cannot
+//! keep room for the arrivals to come.
 
 use crate::cluster::{Choice, ClusterRouter, PodRole};
 use kvgate_sim::cache::HashKeys;

@@ -361,16 +361,18 @@ impl Engine {
     /// The LoRA adapters of the running requests and of the waiting ones, each once, in the
     /// order the requests came.
     pub fn adapters(&self) -> (Vec<String>, Vec<String>) {
-        let names = |ids: &mut dyn Iterator<Item = &RequestId>| {
-            let mut out: Vec<String> = Vec::new();
-            for name in ids.filter_map(|id| self.seqs[id].keys.lora_name.as_ref()) {
-                if !out.contains(name) {
-                    out.push(name.clone());
-                }
+        (self.loras_of(self.running.iter()), self.loras_of(self.waiting.iter()))
+    }
+
+    /// The adapters of these requests, each once.
+    fn loras_of<'a>(&self, ids: impl Iterator<Item = &'a RequestId>) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for name in ids.filter_map(|id| self.seqs[id].keys.lora_name.as_ref()) {
+            if !out.contains(name) {
+                out.push(name.clone());
             }
-            out
-        };
-        (names(&mut self.running.iter()), names(&mut self.waiting.iter()))
+        }
+        out
     }
 
     /// Requests that have not produced a token yet (queued, or still prefilling).
@@ -422,12 +424,13 @@ impl Engine {
 
         // 2. Waiting requests, in arrival order (none after a preemption, as in vLLM). One
         // whose adapter would exceed `max_loras` beside the running ones is passed over.
-        let mut batch_loras = self.running_loras();
+        let limited = self.config.max_loras > 0;
+        let mut batch_loras = if limited { self.loras_of(self.running.iter()) } else { Vec::new() };
         let mut passed_over = VecDeque::new();
         while !preempted && budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&id) = self.waiting.front() else { break };
             if let Some(lora) = &self.seqs[&id].keys.lora_name
-                && self.config.max_loras > 0
+                && limited
                 && batch_loras.len() >= self.config.max_loras
                 && !batch_loras.contains(lora)
             {
@@ -439,6 +442,7 @@ impl Engine {
                     self.waiting.pop_front();
                     self.running.push(id);
                     if let Some(lora) = &self.seqs[&id].keys.lora_name
+                        && limited
                         && !batch_loras.contains(lora)
                     {
                         batch_loras.push(lora.clone());
@@ -478,11 +482,6 @@ impl Engine {
             self.advance(id, n, &mut outputs);
         }
         Some(StepResult { duration, work, outputs, cache_changes: self.pool.take_changes() })
-    }
-
-    /// The adapters of the running requests, each once.
-    fn running_loras(&self) -> Vec<String> {
-        self.adapters().0
     }
 
     /// Brings the adapters of this step's requests onto the GPU (the least recently run leave
