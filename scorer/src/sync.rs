@@ -25,6 +25,7 @@ use anyhow::Context;
 use async_nats::connection::State;
 use bytes::Bytes;
 use futures::StreamExt;
+use kvgate_routing::adapters::AdapterId;
 use kvgate_routing::hash::SequenceHash;
 use kvgate_routing::load::{BookingUpdate, Leg, Lifecycle, Origin};
 use kvgate_routing::pod_set::PodId;
@@ -94,6 +95,9 @@ pub struct Update {
     pub chain: Vec<u64>,
     #[prost(uint32, optional, tag = "8")]
     pub max_output_tokens: Option<u32>,
+    /// The LoRA adapter's [`AdapterId`] (booked).
+    #[prost(fixed64, optional, tag = "9")]
+    pub adapter: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, prost::Enumeration)]
@@ -115,7 +119,7 @@ pub fn encode_update(update: &BookingUpdate, pods: &[Arc<Pod>]) -> Update {
     let address = |pod: PodId| pods.get(pod.index()).map(|p| p.address.clone()).unwrap_or_default();
     let leg = |leg: &Leg| *leg == Leg::Prefill;
     match update {
-        BookingUpdate::Booked { request, leg: l, pod, prompt_tokens, cached_tokens, chain, max_output_tokens } => {
+        BookingUpdate::Booked { request, leg: l, pod, prompt_tokens, cached_tokens, chain, max_output_tokens, adapter } => {
             Update {
                 request: request.to_string(),
                 prefill_leg: leg(l),
@@ -125,6 +129,7 @@ pub fn encode_update(update: &BookingUpdate, pods: &[Arc<Pod>]) -> Update {
                 cached_tokens: *cached_tokens,
                 chain: chain.iter().map(|h| h.0).collect(),
                 max_output_tokens: *max_output_tokens,
+                adapter: adapter.map(|a| a.0),
             }
         }
         BookingUpdate::Reported { request, leg: l, event } => Update {
@@ -172,6 +177,7 @@ pub fn decode_update(update: Update, pods: &AHashMap<SocketAddr, PodId>) -> Resu
             cached_tokens: update.cached_tokens,
             chain: update.chain.into_iter().map(SequenceHash).collect(),
             max_output_tokens: update.max_output_tokens,
+            adapter: update.adapter.map(AdapterId),
         },
         Kind::FirstToken => reported(Lifecycle::FirstToken),
         Kind::Done => reported(Lifecycle::Done),
@@ -648,6 +654,7 @@ mod tests {
             cached_tokens: 16,
             chain: vec![SequenceHash(7), SequenceHash(u64::MAX)].into(),
             max_output_tokens: Some(0),
+            adapter: Some(AdapterId::of("sql")),
         };
         let moved = BookingUpdate::Moved { request: "r2".into(), leg: Leg::Serve, pod: PodId(0), cached_tokens: 3 };
         let done = BookingUpdate::Reported { request: "r1".into(), leg: Leg::Serve, event: Lifecycle::Cancelled };
@@ -667,6 +674,7 @@ mod tests {
             _ => false,
         };
         assert!(on(PodId(0)), "10.0.0.2 is the receiver's pod 0");
+        assert!(matches!(&decoded[0], BookingUpdate::Booked { adapter: Some(a), .. } if *a == AdapterId::of("sql")));
         assert_eq!(
             decoded[1],
             BookingUpdate::Moved { request: "r2".into(), leg: Leg::Serve, pod: PodId(1), cached_tokens: 3 }

@@ -7,6 +7,7 @@
 //!   [`hash::EngineHash`];
 //! - [`index`]: which pod holds which block, matched in one lookup per block;
 //! - [`sequence`]: batch sequence numbers → in order, gap, restart or duplicate;
+//! - [`adapters`]: the LoRA adapters each pod holds and has room for;
 //! - [`load`]: in-flight bookkeeping (queued prefill work, decode blocks) with expiry;
 //! - [`speed`]: each pod's prefill speed, learned from its first tokens;
 //! - [`approx`]: blocks recently routed to pods that publish no events, with a TTL;
@@ -16,6 +17,7 @@
 //!   and what it is built from ([`router::RouterConfig`]: each part deserialized and
 //!   validated beside its type, [`validate`]).
 
+pub mod adapters;
 pub mod approx;
 pub mod events;
 pub mod hash;

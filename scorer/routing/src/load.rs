@@ -17,6 +17,7 @@
 //! request holds its prefill pod too) and the gateway replica that made it — replicas that
 //! share their bookings apply each other's beside their own.
 
+use crate::adapters::AdapterId;
 use crate::hash::SequenceHash;
 use crate::pod_set::{PodId, PodMap};
 use crate::speed::{PodSpeeds, SpeedConfig, SpeedView};
@@ -122,6 +123,7 @@ pub enum BookingUpdate {
         /// Shared with the booking it describes (no copy per decision).
         chain: Arc<[SequenceHash]>,
         max_output_tokens: Option<u32>,
+        adapter: Option<AdapterId>,
     },
     Reported {
         request: Box<str>,
@@ -147,6 +149,8 @@ pub struct Booking<'a> {
     pub chain: &'a [SequenceHash],
     /// `max_tokens` of the request, if it gave one.
     pub max_output_tokens: Option<u32>,
+    /// The LoRA adapter it asks for.
+    pub adapter: Option<AdapterId>,
 }
 
 /// Load of one pod as the policies see it.
@@ -176,6 +180,7 @@ struct Inflight {
     partial_block: bool,
     output_tokens: u32,
     first_token_at: Option<f64>,
+    adapter: Option<AdapterId>,
     booked_at: f64,
     expires_at: f64,
     /// Where the request sits in its pod's `inflight` and `decode` lists.
@@ -190,6 +195,7 @@ struct DecodeTerm {
     first_token_at: Option<f64>,
     /// Prompt blocks, the partial one included.
     prompt_blocks: u32,
+    adapter: Option<AdapterId>,
 }
 
 #[derive(Default)]
@@ -263,6 +269,7 @@ impl LoadTracker {
             partial_block,
             output_tokens: output,
             first_token_at: None,
+            adapter: booking.adapter,
             booked_at: now,
             expires_at: now + self.config.request_ttl_seconds,
             slot: 0,
@@ -307,6 +314,7 @@ impl LoadTracker {
             output_tokens: req.output_tokens,
             first_token_at: req.first_token_at,
             prompt_blocks: (req.prompt_blocks.len() + usize::from(req.partial_block)) as u32,
+            adapter: req.adapter,
         });
         self.requests.insert(key, req);
     }
@@ -456,6 +464,7 @@ impl LoadTracker {
                 cached_tokens: r.prompt_tokens - r.prefill_tokens as u32,
                 chain: &r.prompt_blocks,
                 max_output_tokens: Some(r.output_tokens),
+                adapter: r.adapter,
             };
             (k, booking, r.first_token_at.is_some())
         })
@@ -470,7 +479,7 @@ impl LoadTracker {
     pub fn load(&self, pod: PodId, now: f64) -> PodLoad {
         let Some(state) = self.pods.get(pod) else { return PodLoad::default() };
         let bs = self.block_size as f64;
-        let decode_speed = self.speeds.decode_tokens_per_second(pod).unwrap_or(self.config.decode_tokens_per_second);
+        let decode_speed = self.decode_speed(pod);
         let (mut output_blocks, mut read_blocks) = (0.0, 0.0);
         for r in &state.decode {
             let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * decode_speed);
@@ -485,6 +494,33 @@ impl LoadTracker {
             decode_blocks: (state.shared_blocks.len() as u64 + state.private_blocks) as f64 + output_blocks,
             decode_read_blocks: read_blocks,
         }
+    }
+
+    /// The adapters of the requests in flight on `pod`, each with the seconds until its
+    /// last request there is predicted to finish (expected output left ÷ the pod's decode
+    /// speed), into `out`.
+    pub fn adapters_in_flight(&self, pod: PodId, now: f64, out: &mut Vec<(AdapterId, f64)>) {
+        out.clear();
+        let Some(state) = self.pods.get(pod) else { return };
+        let speed = self.decode_speed(pod);
+        for r in &state.decode {
+            let Some(adapter) = r.adapter else { continue };
+            let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * speed);
+            let left = (f64::from(r.output_tokens) - generated).max(0.0) / speed;
+            match out.iter_mut().find(|(a, _)| *a == adapter) {
+                Some((_, seconds)) => *seconds = seconds.max(left),
+                None => out.push((adapter, left)),
+            }
+        }
+    }
+
+    /// Seconds a request of the default output length decodes for on `pod`.
+    pub fn default_decode_seconds(&self, pod: PodId) -> f64 {
+        f64::from(self.config.default_output_tokens) / self.decode_speed(pod)
+    }
+
+    fn decode_speed(&self, pod: PodId) -> f64 {
+        self.speeds.decode_tokens_per_second(pod).unwrap_or(self.config.decode_tokens_per_second)
     }
 
     /// How much slower than the fleet's average the pod prefills (1 = average; always 1
@@ -526,7 +562,7 @@ mod tests {
 
     /// An 8-token request with nothing cached and no `max_tokens`.
     fn eight_tokens(pod: PodId, chain: &[SequenceHash]) -> Booking<'_> {
-        Booking { pod, prompt_tokens: 8, cached_tokens: 0, chain, max_output_tokens: None }
+        Booking { pod, prompt_tokens: 8, cached_tokens: 0, chain, max_output_tokens: None, adapter: None }
     }
 
     fn chain(n: u64) -> Vec<SequenceHash> {
@@ -566,7 +602,7 @@ mod tests {
         let c = chain(4);
         t.book(
             &k("r1"),
-            &Booking { pod: a, prompt_tokens: 18, cached_tokens: 8, chain: &c, max_output_tokens: Some(8) },
+            &Booking { pod: a, prompt_tokens: 18, cached_tokens: 8, chain: &c, max_output_tokens: Some(8), adapter: None },
             0.0,
         );
         let l = t.load(a, 0.0);
@@ -592,12 +628,12 @@ mod tests {
         let long = chain(10);
         t.book(
             &k("x"),
-            &Booking { pod: a, prompt_tokens: 40, cached_tokens: 0, chain: &long, max_output_tokens: Some(4) },
+            &Booking { pod: a, prompt_tokens: 40, cached_tokens: 0, chain: &long, max_output_tokens: Some(4), adapter: None },
             0.0,
         );
         t.book(
             &k("y"),
-            &Booking { pod: a, prompt_tokens: 24, cached_tokens: 24, chain: &long[..6], max_output_tokens: Some(4) },
+            &Booking { pod: a, prompt_tokens: 24, cached_tokens: 24, chain: &long[..6], max_output_tokens: Some(4), adapter: None },
             0.0,
         );
         // 10 distinct prompt blocks, no partials, 1 + 1 output blocks.
@@ -626,6 +662,7 @@ mod tests {
                 cached_tokens: 0,
                 chain: &c,
                 max_output_tokens: None,
+                adapter: None,
             };
             t.book(&k(format!("r{i}")), &booking, 0.0);
         }
@@ -648,7 +685,7 @@ mod tests {
         let n = 40;
         for i in 0..n {
             let booking =
-                Booking { pod: a, prompt_tokens: 10 + i, cached_tokens: 0, chain: &c, max_output_tokens: Some(4 + i) };
+                Booking { pod: a, prompt_tokens: 10 + i, cached_tokens: 0, chain: &c, max_output_tokens: Some(4 + i), adapter: None };
             t.book(&k(format!("r{i}")), &booking, 0.0);
         }
         for i in (0..n).step_by(3) {
@@ -708,7 +745,7 @@ mod tests {
         let c = chain(3);
         t.book(
             &k("r"),
-            &Booking { pod: a, prompt_tokens: 12, cached_tokens: 8, chain: &c, max_output_tokens: Some(8) },
+            &Booking { pod: a, prompt_tokens: 12, cached_tokens: 8, chain: &c, max_output_tokens: Some(8), adapter: None },
             0.0,
         );
         assert_eq!(t.rebook(&k("r"), b, 0), Ok(a));

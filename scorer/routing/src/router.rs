@@ -10,6 +10,7 @@
 //! decode policy a decode pod (which receives the KV, so only its load counts); otherwise
 //! the main policy picks one pod that prefills and decodes. The choice is booked at once.
 
+use crate::adapters::{AdapterId, PodAdapters, ReportedAdapters};
 use crate::approx::ApproxIndex;
 use crate::events::EventBatch;
 use crate::hash::SequenceHash;
@@ -19,7 +20,7 @@ use crate::load::LoadConfig;
 use crate::load::{Booking, BookingKey, BookingUpdate, Leg, Lifecycle, LoadTracker, Origin, UnknownRequest};
 use crate::pod_set::{PodId, PodSet};
 use crate::policy::PolicyConfig;
-use crate::policy::{Candidate, Decision, Policy, ReportedLoad, RouteInput};
+use crate::policy::{AdapterFit, Candidate, Decision, Policy, ReportedLoad, RouteInput};
 use crate::validate::{Invalid, check, non_negative};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -108,6 +109,8 @@ pub struct RouteRequest<'a> {
     /// The request must leave the saturation headroom free (it has no more than the
     /// default priority).
     pub leave_headroom: bool,
+    /// The LoRA adapter it asks for.
+    pub adapter: Option<AdapterId>,
 }
 
 impl<'a> RouteRequest<'a> {
@@ -118,7 +121,16 @@ impl<'a> RouteRequest<'a> {
         prompt_tokens: u32,
         max_output_tokens: Option<u32>,
     ) -> Self {
-        Self { request_id, chain, prompt_tokens, max_output_tokens, subset: None, fallbacks: 0, leave_headroom: false }
+        Self {
+            request_id,
+            chain,
+            prompt_tokens,
+            max_output_tokens,
+            subset: None,
+            fallbacks: 0,
+            leave_headroom: false,
+            adapter: None,
+        }
     }
 }
 
@@ -247,6 +259,7 @@ struct PodState {
     present: bool,
     healthy: bool,
     reported: Option<ReportedLoad>,
+    adapters: PodAdapters,
     /// The pod's identity in [`Candidate::tie_rank`]s: the same on every gateway replica.
     key: u64,
 }
@@ -267,6 +280,7 @@ pub struct Router {
     decode_policy: Box<dyn Policy>,
     overlap: Vec<u32>,
     approx_overlap: Vec<u32>,
+    adapters_in_flight: Vec<(AdapterId, f64)>,
     /// This replica's booking changes not yet taken for the other replicas (while sharing).
     shared: Option<Vec<BookingUpdate>>,
 }
@@ -307,6 +321,7 @@ impl Router {
             decode_policy: config.pd.decode_policy.build(config.seed.wrapping_add(2)),
             overlap: Vec::new(),
             approx_overlap: Vec::new(),
+            adapters_in_flight: Vec::new(),
             shared: None,
         }
     }
@@ -328,7 +343,7 @@ impl Router {
     /// approximate index learns where its request went, too).
     pub fn apply_shared(&mut self, origin: Origin, update: &BookingUpdate, now: f64) -> Result<(), UnknownRequest> {
         match update {
-            BookingUpdate::Booked { request, leg, pod, prompt_tokens, cached_tokens, chain, max_output_tokens } => {
+            BookingUpdate::Booked { request, leg, pod, prompt_tokens, cached_tokens, chain, max_output_tokens, adapter } => {
                 let key = BookingKey { origin, leg: *leg, request: request.clone() };
                 let booking = Booking {
                     pod: *pod,
@@ -336,9 +351,10 @@ impl Router {
                     cached_tokens: *cached_tokens,
                     chain,
                     max_output_tokens: *max_output_tokens,
+                    adapter: *adapter,
                 };
                 self.load.book(&key, &booking, now);
-                self.record_approx(*pod, chain, now);
+                self.record_routed(*pod, chain, *adapter, now);
             }
             BookingUpdate::Reported { request, leg, event } => {
                 self.load.report(&BookingKey { origin, leg: *leg, request: request.clone() }, *event, now)?;
@@ -347,7 +363,7 @@ impl Router {
                 let key = BookingKey { origin, leg: *leg, request: request.clone() };
                 self.load.rebook(&key, *pod, *cached_tokens)?;
                 if let Some((chain, _)) = self.load.booked_prompt(&key) {
-                    self.record_approx(*pod, &chain, now);
+                    self.record_routed(*pod, &chain, None, now);
                 }
             }
         }
@@ -372,6 +388,7 @@ impl Router {
                 cached_tokens: booking.cached_tokens,
                 chain: booking.chain.into(),
                 max_output_tokens: booking.max_output_tokens,
+                adapter: booking.adapter,
             });
             if first_token {
                 out.push(BookingUpdate::Reported {
@@ -396,6 +413,7 @@ impl Router {
                 cached_tokens: booking.cached_tokens,
                 chain,
                 max_output_tokens: booking.max_output_tokens,
+                adapter: booking.adapter,
             });
         }
     }
@@ -409,9 +427,14 @@ impl Router {
         Ok(pod)
     }
 
-    /// Pods without KV events are indexed by what is routed there.
-    fn record_approx(&mut self, pod: PodId, chain: &[SequenceHash], now: f64) {
-        if pod.index() < self.pods.len() && !self.pods[pod.index()].precise {
+    /// A request was routed to `pod`: pods without KV events are indexed by what is routed
+    /// there, and its adapter is run there next.
+    fn record_routed(&mut self, pod: PodId, chain: &[SequenceHash], adapter: Option<AdapterId>, now: f64) {
+        let Some(state) = self.pods.get_mut(pod.index()) else { return };
+        if let Some(adapter) = adapter {
+            state.adapters.routed(adapter);
+        }
+        if !state.precise {
             self.approx.record(pod, chain, now);
         }
     }
@@ -422,7 +445,15 @@ impl Router {
     pub fn add_pod(&mut self, role: Role, precise: bool) -> PodId {
         let id = PodId(self.pods.len() as u32);
         let key = xxh3_64(&(id.index() as u64).to_le_bytes());
-        self.pods.push(PodState { role, precise, present: true, healthy: true, reported: None, key });
+        self.pods.push(PodState {
+            role,
+            precise,
+            present: true,
+            healthy: true,
+            reported: None,
+            adapters: PodAdapters::default(),
+            key,
+        });
         id
     }
 
@@ -440,6 +471,7 @@ impl Router {
         state.present = false;
         state.healthy = false;
         state.reported = None;
+        state.adapters = PodAdapters::default();
         self.index.clear_pod(pod);
         self.approx.clear_pod(pod);
         self.load.clear_pod(pod);
@@ -538,6 +570,7 @@ impl Router {
                     cached_tokens: prefill.credited_tokens(),
                     chain: request.chain,
                     max_output_tokens: Some(0),
+                    adapter: request.adapter,
                 },
                 now,
             );
@@ -579,11 +612,12 @@ impl Router {
                 cached_tokens: routed.decode.credited_tokens(),
                 chain: request.chain,
                 max_output_tokens: request.max_output_tokens,
+                adapter: request.adapter,
             },
             now,
         );
         for chosen in std::iter::once(routed.decode.pod).chain(routed.prefill.map(|p| p.pod)) {
-            self.record_approx(chosen, request.chain, now);
+            self.record_routed(chosen, request.chain, request.adapter, now);
         }
         Ok(routed)
     }
@@ -623,8 +657,18 @@ impl Router {
         let tie_rank = |p: PodId| {
             first_block.map_or(0, |b| xxh3_64_with_seed(&self.pods[p.index()].key.to_le_bytes(), b.0).max(1))
         };
-        pods.iter()
+        let mut in_flight = std::mem::take(&mut self.adapters_in_flight);
+        let candidates = pods
+            .iter()
             .map(|&p| {
+                let adapter = match request.adapter {
+                    Some(adapter) => {
+                        self.load.adapters_in_flight(p, now, &mut in_flight);
+                        let unknown_wait = self.load.default_decode_seconds(p);
+                        self.pods[p.index()].adapters.fit(adapter, &in_flight, unknown_wait)
+                    }
+                    None => AdapterFit::Unlimited,
+                };
                 let (cached, offloaded_tokens, offload_work_tokens) = match cached_override {
                     Some(cached) => (cached, 0, 0),
                     None => {
@@ -655,9 +699,12 @@ impl Router {
                     reported: self.pods[p.index()].reported,
                     slowness: self.load.slowness(p),
                     tie_rank: tie_rank(p),
+                    adapter,
                 }
             })
-            .collect()
+            .collect();
+        self.adapters_in_flight = in_flight;
+        candidates
     }
 
     /// A lifecycle report for `request_id`. A disaggregated request's prefill booking ends
@@ -698,7 +745,7 @@ impl Router {
         let request = RouteRequest::new(request_id, &chain, prompt_tokens, None);
         let cached = self.candidates(&[pod], &request, now, None)[0].credited_tokens();
         self.load.rebook(&key, pod, cached)?;
-        self.record_approx(pod, &chain, now);
+        self.record_routed(pod, &chain, None, now);
         if let Some(shared) = &mut self.shared {
             shared.push(BookingUpdate::Moved { request: key.request, leg: Leg::Serve, pod, cached_tokens: cached });
         }
@@ -735,6 +782,14 @@ impl Router {
         state.reported = Some(reported);
     }
 
+    /// The pod's scrape named the LoRA adapters it runs and has waiting, and its slots.
+    pub fn reported_adapters(&mut self, pod: PodId, adapters: ReportedAdapters) {
+        let state = &mut self.pods[pod.index()];
+        if state.present {
+            state.adapters.reported(adapters);
+        }
+    }
+
     /// Drops bookings older than `load.reconcile_after_seconds` that the pod's last report
     /// does not account for ([`LoadTracker::reconcile`]); returns how many.
     pub fn reconcile(&mut self, pod: PodId, now: f64) -> usize {
@@ -753,6 +808,7 @@ impl Router {
         let state = &mut self.pods[pod.index()];
         state.healthy = false;
         state.reported = None;
+        state.adapters = PodAdapters::default();
         self.load.clear_pod(pod);
     }
 
@@ -813,6 +869,47 @@ mod tests {
             pod,
             &EventBatch { ts: 0.0, events: vec![KvEvent::BlockStored(stored)], data_parallel_rank: None },
         );
+    }
+
+    #[test]
+    fn an_adapters_requests_follow_the_pod_running_it_and_spread_when_its_slots_are_full() {
+        let mut r = router(u32::MAX);
+        let pods: Vec<PodId> = (0..3).map(|_| r.add_pod(Role::Both, true)).collect();
+        let one_slot = ReportedAdapters { max_loras: 1, ..ReportedAdapters::default() };
+        for &p in &pods {
+            r.reported_adapters(p, one_slot.clone());
+        }
+        let (sql, law) = (AdapterId::of("sql"), AdapterId::of("law"));
+        let route = |r: &mut Router, id: &str, seed: u32, adapter: AdapterId, now: f64| {
+            let c = chain(seed, 64);
+            let request = RouteRequest { adapter: Some(adapter), ..RouteRequest::new(id, &c, 64, Some(64)) };
+            r.route(&request, now).unwrap()
+        };
+        let first = route(&mut r, "s1", 1, sql, 0.0).decode.pod;
+        let second = route(&mut r, "s2", 2, sql, 0.0);
+        assert_eq!(second.decode.pod, first, "the pod running sql takes its next request, another prompt");
+        assert_eq!(second.decode.adapter, AdapterFit::Running);
+        // The only slot there holds sql (64 tokens left at 50 tokens/s): law goes elsewhere
+        // and pays for its load there.
+        let third = route(&mut r, "l1", 3, law, 0.0);
+        assert_ne!(third.decode.pod, first);
+        assert_eq!(third.decode.adapter, AdapterFit::Free { load: true });
+        let at_home = third.candidates.iter().find(|c| c.pod == first).unwrap();
+        assert!(
+            matches!(at_home.adapter, AdapterFit::Full { load: true, wait_seconds } if (wait_seconds - 1.28).abs() < 1e-9),
+            "{:?}",
+            at_home.adapter
+        );
+        // A crowd of sql requests piles up at its home until load outweighs a fresh load.
+        let spread: Vec<PodId> =
+            (0..40).map(|i| route(&mut r, &format!("s{}", i + 3), 10 + i, sql, 0.0).decode.pod).collect();
+        assert_eq!(spread[0], first);
+        let third_pod = pods.iter().copied().find(|p| *p != first && *p != third.decode.pod).unwrap();
+        assert!(spread.contains(&third_pod), "sql spreads to the free pod once its home is busy: {spread:?}");
+        assert!(!spread.contains(&third.decode.pod), "never behind law's slot");
+        // Base-model requests take no slot.
+        let base = r.route(&RouteRequest::new("b", &chain(99, 64), 64, Some(8)), 0.0).unwrap();
+        assert!(base.candidates.iter().all(|c| c.adapter == AdapterFit::Unlimited));
     }
 
     #[test]

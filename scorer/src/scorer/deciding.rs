@@ -6,6 +6,7 @@ use super::{Pod, Scorer};
 use crate::admission::{Queue, Refused};
 use crate::prompt::{self, PromptError};
 use kvgate_route_api::{Api, PodExplain, RoutePick};
+use kvgate_routing::adapters::AdapterId;
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::pod_set::{PodId, PodSet};
 use kvgate_routing::router::{RouteRequest, Unroutable};
@@ -57,6 +58,8 @@ pub struct Prepared {
     pub chain: Vec<SequenceHash>,
     pub prompt_tokens: u32,
     pub max_output_tokens: Option<u32>,
+    /// The LoRA adapter it asks for.
+    pub adapter: Option<AdapterId>,
 }
 
 /// What the entry path asks of a decision besides the request itself.
@@ -118,7 +121,12 @@ impl Scorer {
         let mut chain = Vec::with_capacity(info.tokens.len() / self.config.block_size + 1);
         let root = root_hash(info.lora_name.as_deref(), info.cache_salt.as_deref());
         sequence_hashes(root, &info.tokens, self.config.block_size, &mut chain);
-        Ok(Prepared { chain, prompt_tokens: info.tokens.len() as u32, max_output_tokens: info.max_output_tokens })
+        Ok(Prepared {
+            chain,
+            prompt_tokens: info.tokens.len() as u32,
+            max_output_tokens: info.max_output_tokens,
+            adapter: info.lora_name.as_deref().map(AdapterId::of),
+        })
     }
 
     /// [`Scorer::prepare`] for a body the caller hands over: one of
@@ -145,6 +153,7 @@ impl Scorer {
             subset: limits.subset,
             fallbacks: limits.fallbacks,
             leave_headroom: limits.leave_headroom,
+            adapter: prepared.adapter,
             ..RouteRequest::new(request_id, &prepared.chain, prepared.prompt_tokens, prepared.max_output_tokens)
         };
         let now = self.now();

@@ -5,7 +5,8 @@
 //! cost(pod) = slowness · ( prefill_weight     · (queued prefill + this request's uncached prefill) / block_size
 //!                        + decode_weight      · decode blocks held
 //!                        + decode_read_weight · decode blocks read per step
-//!                        + overflow_weight    · max(0, decode blocks held + its uncached blocks − KV capacity) )
+//!                        + overflow_weight    · max(0, decode blocks held + its uncached blocks − KV capacity)
+//!                        + prefill_weight     · adapter wait / block_size )
 //!           + prefill_weight · miss_weight · its uncached tokens / block_size
 //! ```
 //!
@@ -43,10 +44,15 @@
 //! putting pods of different speeds on one scale of predicted time; the miss charge, a
 //! price on the fleet's later recomputation, is left out of it (scaled too, it made a miss
 //! on a pod 1.3× slower cost as much as queueing behind a whole prompt on a fast one).
+//! A request for a LoRA adapter waits on a pod that does not run it ([`AdapterFit`]): for
+//! the adapter's load (`adapter_load_ms`) where it is not among those the pod ran last, and
+//! where every adapter slot holds another adapter, until the soonest of them drains (vLLM
+//! passes such a request over meanwhile). Both are seconds, put in tokens of prefill at
+//! `prefill_tokens_per_second`.
 //! Optional busy thresholds drop pods that report too long a queue or too full a cache
 //! (unless every pod is busy, then all stay eligible).
 
-use super::{Candidate, Decision, Policy, RouteInput, argmin_tie, uncached_tokens};
+use super::{AdapterFit, Candidate, Decision, Policy, RouteInput, argmin_tie, uncached_tokens};
 use crate::load::prefill_work;
 use crate::validate::{Invalid, check, non_negative, positive};
 use rand::Rng;
@@ -92,6 +98,12 @@ pub struct KvPolicyConfig {
     pub prefill_estimate: PrefillEstimate,
     /// Context length at which attention work equals linear work (trapezoid estimate).
     pub attention_horizon_tokens: f64,
+    /// Milliseconds a pod takes to bring a LoRA adapter onto its GPU (one it has not run
+    /// lately), charged to a request for it there. 0 = loads are free.
+    pub adapter_load_ms: f64,
+    /// Prompt tokens a pod prefills in a second: what a second of waiting — for an adapter's
+    /// load, or for an adapter slot to free — costs in prefill work. 0 = adapters ignored.
+    pub prefill_tokens_per_second: f64,
     /// 0 = always the cheapest pod; > 0 = softmax sampling over normalised costs.
     pub temperature: f64,
     /// Pile-up guard: a pod with more than this many fewer requests in flight than the
@@ -118,6 +130,8 @@ impl Default for KvPolicyConfig {
             overflow_weight: 1.0,
             prefill_estimate: PrefillEstimate::Trapezoid,
             attention_horizon_tokens: 30_000.0,
+            adapter_load_ms: 50.0,
+            prefill_tokens_per_second: 10_000.0,
             temperature: 0.0,
             balance_abs_threshold: Some(32),
             balance_rel_threshold: 1.5,
@@ -136,6 +150,8 @@ impl KvPolicyConfig {
             ("prefix_weight", self.prefix_weight),
             ("miss_weight", self.miss_weight),
             ("overflow_weight", self.overflow_weight),
+            ("adapter_load_ms", self.adapter_load_ms),
+            ("prefill_tokens_per_second", self.prefill_tokens_per_second),
             ("temperature", self.temperature),
         ] {
             check(non_negative(v), name, &format!("{v} must be a finite number >= 0"))?;
@@ -170,6 +186,17 @@ impl KvPolicy {
             PrefillEstimate::Linear => n,
             PrefillEstimate::Trapezoid => n + prefill_work(prompt, cached) / self.config.attention_horizon_tokens,
         }
+    }
+
+    /// Tokens of prefill worth the time the request waits for its adapter on `c`.
+    fn adapter_wait_tokens(&self, c: &Candidate) -> f64 {
+        let load = |load: bool| if load { self.config.adapter_load_ms / 1000.0 } else { 0.0 };
+        let seconds = match c.adapter {
+            AdapterFit::Unlimited | AdapterFit::Running => return 0.0,
+            AdapterFit::Free { load: l } => load(l),
+            AdapterFit::Full { load: l, wait_seconds } => load(l) + wait_seconds,
+        };
+        seconds * self.config.prefill_tokens_per_second
     }
 
     fn busy(&self, c: &Candidate) -> bool {
@@ -223,7 +250,7 @@ impl KvPolicy {
             }
             _ => 0.0,
         };
-        let work = self.config.prefill_weight * (queued + own) / block_size
+        let work = self.config.prefill_weight * (queued + own + self.adapter_wait_tokens(c)) / block_size
             + self.config.decode_weight * c.load.decode_blocks
             + self.config.decode_read_weight * c.load.decode_read_blocks
             + self.config.overflow_weight * overflow;

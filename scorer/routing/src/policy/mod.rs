@@ -20,6 +20,7 @@ pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use ttft::TtftPolicy;
 
+pub use crate::adapters::AdapterFit;
 use crate::load::PodLoad;
 use crate::pod_set::PodId;
 use rand::SeedableRng;
@@ -63,6 +64,8 @@ pub struct Candidate {
     /// latest choices still send a new prefix to the same pod. 0 when the prompt has no
     /// full block (ties broken at random).
     pub tie_rank: u64,
+    /// How the pod stands for the request's LoRA adapter.
+    pub adapter: AdapterFit,
 }
 
 /// The request, as far as policies care.
@@ -185,6 +188,7 @@ pub(crate) mod test_support {
             reported: None,
             slowness: 1.0,
             tie_rank: 0,
+            adapter: AdapterFit::Unlimited,
         }
     }
 
