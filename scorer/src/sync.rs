@@ -119,19 +119,26 @@ pub fn encode_update(update: &BookingUpdate, pods: &[Arc<Pod>]) -> Update {
     let address = |pod: PodId| pods.get(pod.index()).map(|p| p.address.clone()).unwrap_or_default();
     let leg = |leg: &Leg| *leg == Leg::Prefill;
     match update {
-        BookingUpdate::Booked { request, leg: l, pod, prompt_tokens, cached_tokens, chain, max_output_tokens, adapter } => {
-            Update {
-                request: request.to_string(),
-                prefill_leg: leg(l),
-                kind: Kind::Booked as i32,
-                pod: address(*pod),
-                prompt_tokens: *prompt_tokens,
-                cached_tokens: *cached_tokens,
-                chain: chain.iter().map(|h| h.0).collect(),
-                max_output_tokens: *max_output_tokens,
-                adapter: adapter.map(|a| a.0),
-            }
-        }
+        BookingUpdate::Booked {
+            request,
+            leg: l,
+            pod,
+            prompt_tokens,
+            cached_tokens,
+            chain,
+            max_output_tokens,
+            adapter,
+        } => Update {
+            request: request.to_string(),
+            prefill_leg: leg(l),
+            kind: Kind::Booked as i32,
+            pod: address(*pod),
+            prompt_tokens: *prompt_tokens,
+            cached_tokens: *cached_tokens,
+            chain: chain.iter().map(|h| h.0).collect(),
+            max_output_tokens: *max_output_tokens,
+            adapter: adapter.map(|a| a.0),
+        },
         BookingUpdate::Reported { request, leg: l, event } => Update {
             request: request.to_string(),
             prefill_leg: leg(l),

@@ -17,7 +17,7 @@
 //! request holds its prefill pod too) and the gateway replica that made it — replicas that
 //! share their bookings apply each other's beside their own.
 
-use crate::adapters::AdapterId;
+use crate::adapters::{AdapterId, AdapterLoad};
 use crate::hash::SequenceHash;
 use crate::pod_set::{PodId, PodMap};
 use crate::speed::{PodSpeeds, SpeedConfig, SpeedView};
@@ -196,6 +196,7 @@ struct DecodeTerm {
     /// Prompt blocks, the partial one included.
     prompt_blocks: u32,
     adapter: Option<AdapterId>,
+    booked_at: f64,
 }
 
 #[derive(Default)]
@@ -315,6 +316,7 @@ impl LoadTracker {
             first_token_at: req.first_token_at,
             prompt_blocks: (req.prompt_blocks.len() + usize::from(req.partial_block)) as u32,
             adapter: req.adapter,
+            booked_at: req.booked_at,
         });
         self.requests.insert(key, req);
     }
@@ -496,10 +498,10 @@ impl LoadTracker {
         }
     }
 
-    /// The adapters of the requests in flight on `pod`, each with the seconds until its
-    /// last request there is predicted to finish (expected output left ÷ the pod's decode
-    /// speed), into `out`.
-    pub fn adapters_in_flight(&self, pod: PodId, now: f64, out: &mut Vec<(AdapterId, f64)>) {
+    /// The adapters of the requests in flight on `pod` ([`AdapterLoad`]: since when, how
+    /// many, and the seconds until the last is predicted to finish — expected output left ÷
+    /// the pod's decode speed), into `out`.
+    pub fn adapters_in_flight(&self, pod: PodId, now: f64, out: &mut Vec<AdapterLoad>) {
         out.clear();
         let Some(state) = self.pods.get(pod) else { return };
         let speed = self.decode_speed(pod);
@@ -507,9 +509,13 @@ impl LoadTracker {
             let Some(adapter) = r.adapter else { continue };
             let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * speed);
             let left = (f64::from(r.output_tokens) - generated).max(0.0) / speed;
-            match out.iter_mut().find(|(a, _)| *a == adapter) {
-                Some((_, seconds)) => *seconds = seconds.max(left),
-                None => out.push((adapter, left)),
+            match out.iter_mut().find(|a| a.adapter == adapter) {
+                Some(a) => {
+                    a.drain_seconds = a.drain_seconds.max(left);
+                    a.since = a.since.min(r.booked_at);
+                    a.requests += 1;
+                }
+                None => out.push(AdapterLoad { adapter, since: r.booked_at, drain_seconds: left, requests: 1 }),
             }
         }
     }
@@ -517,6 +523,13 @@ impl LoadTracker {
     /// Seconds a request of the default output length decodes for on `pod`.
     pub fn default_decode_seconds(&self, pod: PodId) -> f64 {
         f64::from(self.config.default_output_tokens) / self.decode_speed(pod)
+    }
+
+    /// Seconds a request of `output_tokens` (`None`: the default) decodes for, at the
+    /// fleet's mean learned decode speed.
+    pub fn output_seconds(&self, output_tokens: Option<u32>) -> f64 {
+        let speed = self.speeds.mean_decode_tokens_per_second().unwrap_or(self.config.decode_tokens_per_second);
+        f64::from(output_tokens.unwrap_or(self.config.default_output_tokens)) / speed
     }
 
     fn decode_speed(&self, pod: PodId) -> f64 {
@@ -602,7 +615,14 @@ mod tests {
         let c = chain(4);
         t.book(
             &k("r1"),
-            &Booking { pod: a, prompt_tokens: 18, cached_tokens: 8, chain: &c, max_output_tokens: Some(8), adapter: None },
+            &Booking {
+                pod: a,
+                prompt_tokens: 18,
+                cached_tokens: 8,
+                chain: &c,
+                max_output_tokens: Some(8),
+                adapter: None,
+            },
             0.0,
         );
         let l = t.load(a, 0.0);
@@ -628,12 +648,26 @@ mod tests {
         let long = chain(10);
         t.book(
             &k("x"),
-            &Booking { pod: a, prompt_tokens: 40, cached_tokens: 0, chain: &long, max_output_tokens: Some(4), adapter: None },
+            &Booking {
+                pod: a,
+                prompt_tokens: 40,
+                cached_tokens: 0,
+                chain: &long,
+                max_output_tokens: Some(4),
+                adapter: None,
+            },
             0.0,
         );
         t.book(
             &k("y"),
-            &Booking { pod: a, prompt_tokens: 24, cached_tokens: 24, chain: &long[..6], max_output_tokens: Some(4), adapter: None },
+            &Booking {
+                pod: a,
+                prompt_tokens: 24,
+                cached_tokens: 24,
+                chain: &long[..6],
+                max_output_tokens: Some(4),
+                adapter: None,
+            },
             0.0,
         );
         // 10 distinct prompt blocks, no partials, 1 + 1 output blocks.
@@ -684,8 +718,14 @@ mod tests {
         let c = chain(3);
         let n = 40;
         for i in 0..n {
-            let booking =
-                Booking { pod: a, prompt_tokens: 10 + i, cached_tokens: 0, chain: &c, max_output_tokens: Some(4 + i), adapter: None };
+            let booking = Booking {
+                pod: a,
+                prompt_tokens: 10 + i,
+                cached_tokens: 0,
+                chain: &c,
+                max_output_tokens: Some(4 + i),
+                adapter: None,
+            };
             t.book(&k(format!("r{i}")), &booking, 0.0);
         }
         for i in (0..n).step_by(3) {
@@ -745,7 +785,14 @@ mod tests {
         let c = chain(3);
         t.book(
             &k("r"),
-            &Booking { pod: a, prompt_tokens: 12, cached_tokens: 8, chain: &c, max_output_tokens: Some(8), adapter: None },
+            &Booking {
+                pod: a,
+                prompt_tokens: 12,
+                cached_tokens: 8,
+                chain: &c,
+                max_output_tokens: Some(8),
+                adapter: None,
+            },
             0.0,
         );
         assert_eq!(t.rebook(&k("r"), b, 0), Ok(a));

@@ -10,7 +10,7 @@
 //! decode policy a decode pod (which receives the KV, so only its load counts); otherwise
 //! the main policy picks one pod that prefills and decodes. The choice is booked at once.
 
-use crate::adapters::{AdapterId, PodAdapters, ReportedAdapters};
+use crate::adapters::{AdapterId, AdapterLoad, PodAdapters, ReportedAdapters};
 use crate::approx::ApproxIndex;
 use crate::events::EventBatch;
 use crate::hash::SequenceHash;
@@ -280,7 +280,7 @@ pub struct Router {
     decode_policy: Box<dyn Policy>,
     overlap: Vec<u32>,
     approx_overlap: Vec<u32>,
-    adapters_in_flight: Vec<(AdapterId, f64)>,
+    adapters_in_flight: Vec<AdapterLoad>,
     /// This replica's booking changes not yet taken for the other replicas (while sharing).
     shared: Option<Vec<BookingUpdate>>,
 }
@@ -343,7 +343,16 @@ impl Router {
     /// approximate index learns where its request went, too).
     pub fn apply_shared(&mut self, origin: Origin, update: &BookingUpdate, now: f64) -> Result<(), UnknownRequest> {
         match update {
-            BookingUpdate::Booked { request, leg, pod, prompt_tokens, cached_tokens, chain, max_output_tokens, adapter } => {
+            BookingUpdate::Booked {
+                request,
+                leg,
+                pod,
+                prompt_tokens,
+                cached_tokens,
+                chain,
+                max_output_tokens,
+                adapter,
+            } => {
                 let key = BookingKey { origin, leg: *leg, request: request.clone() };
                 let booking = Booking {
                     pod: *pod,
@@ -529,7 +538,8 @@ impl Router {
             return Err(Unroutable::NoPod);
         }
         let prefillers = self.eligible(|r| r == Role::Prefill, None);
-        let input = RouteInput { prompt_tokens: request.prompt_tokens, block_size: self.block_size };
+        let slot_seconds = request.adapter.map_or(0.0, |_| self.load.output_seconds(request.max_output_tokens));
+        let input = RouteInput { prompt_tokens: request.prompt_tokens, block_size: self.block_size, slot_seconds };
         let mut direct = self.candidates(&decoders, request, now, None);
         if let Some(admission) = &self.admission {
             // Only pods with room; none: the request waits (the scorer's admission queue).
@@ -664,8 +674,8 @@ impl Router {
                 let adapter = match request.adapter {
                     Some(adapter) => {
                         self.load.adapters_in_flight(p, now, &mut in_flight);
-                        let unknown_wait = self.load.default_decode_seconds(p);
-                        self.pods[p.index()].adapters.fit(adapter, &in_flight, unknown_wait)
+                        let unknown = self.load.default_decode_seconds(p);
+                        self.pods[p.index()].adapters.fit(adapter, &in_flight, unknown)
                     }
                     None => AdapterFit::Unlimited,
                 };
@@ -889,20 +899,27 @@ mod tests {
         let second = route(&mut r, "s2", 2, sql, 0.0);
         assert_eq!(second.decode.pod, first, "the pod running sql takes its next request, another prompt");
         assert_eq!(second.decode.adapter, AdapterFit::Running);
-        // The only slot there holds sql (64 tokens left at 50 tokens/s): law goes elsewhere
-        // and pays for its load there.
+        // The only slot there holds sql (two requests of 64 tokens at 50 tokens/s: 1.28 s, and
+        // a stream of them keeps it e¹ times as long): law goes elsewhere and pays for its
+        // load there.
         let third = route(&mut r, "l1", 3, law, 0.0);
         assert_ne!(third.decode.pod, first);
         assert_eq!(third.decode.adapter, AdapterFit::Free { load: true });
         let at_home = third.candidates.iter().find(|c| c.pod == first).unwrap();
         assert!(
-            matches!(at_home.adapter, AdapterFit::Full { load: true, wait_seconds } if (wait_seconds - 1.28).abs() < 1e-9),
+            matches!(at_home.adapter, AdapterFit::Full { load: true, wait_seconds, .. } if (wait_seconds - 1.28 * 1f64.exp()).abs() < 1e-9),
             "{:?}",
             at_home.adapter
         );
-        // A crowd of sql requests piles up at its home until load outweighs a fresh load.
-        let spread: Vec<PodId> =
-            (0..40).map(|i| route(&mut r, &format!("s{}", i + 3), 10 + i, sql, 0.0).decode.pod).collect();
+        // A crowd of long sql prompts piles up at its home until its queue outweighs a second
+        // slot.
+        let spread: Vec<PodId> = (0..40)
+            .map(|i| {
+                let (c, id) = (chain(10 + i, 1024), format!("s{}", i + 3));
+                let request = RouteRequest { adapter: Some(sql), ..RouteRequest::new(&id, &c, 1024, Some(64)) };
+                r.route(&request, 0.0).unwrap().decode.pod
+            })
+            .collect();
         assert_eq!(spread[0], first);
         let third_pod = pods.iter().copied().find(|p| *p != first && *p != third.decode.pod).unwrap();
         assert!(spread.contains(&third_pod), "sql spreads to the free pod once its home is busy: {spread:?}");

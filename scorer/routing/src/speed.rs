@@ -209,6 +209,13 @@ impl PodSpeeds {
         self.pods.get(pod).filter(|_| self.config.learn).and_then(|p| self.learned_decode(p))
     }
 
+    /// The mean of the pods' learned decode speeds, if learning is on and some pod has one.
+    pub fn mean_decode_tokens_per_second(&self) -> Option<f64> {
+        let learned = self.pods.iter().filter_map(|(_, p)| self.learned_decode(p)).filter(|_| self.config.learn);
+        let (n, sum) = learned.fold((0usize, 0.0), |(n, sum), speed| (n + 1, sum + speed));
+        (n > 0).then(|| sum / n as f64)
+    }
+
     /// The pod's slowness as applied: 1 unless learning is on and the fleet's pods are
     /// unlike (their learned slownesses span more than `alike_spread`).
     pub fn slowness(&self, pod: PodId) -> f64 {

@@ -73,6 +73,9 @@ pub struct Candidate {
 pub struct RouteInput {
     pub prompt_tokens: u32,
     pub block_size: u32,
+    /// Seconds the request holds its LoRA adapter's slot (its expected decode; 0 without an
+    /// adapter).
+    pub slot_seconds: f64,
 }
 
 /// A policy's choice: the index of the chosen candidate and, per candidate, the cost it was
@@ -192,7 +195,7 @@ pub(crate) mod test_support {
         }
     }
 
-    pub const INPUT: RouteInput = RouteInput { prompt_tokens: 1000, block_size: 16 };
+    pub const INPUT: RouteInput = RouteInput { prompt_tokens: 1000, block_size: 16, slot_seconds: 0.0 };
 
     /// How often each candidate index is chosen over `n` selections.
     pub fn histogram(policy: &mut dyn Policy, candidates: &[Candidate], n: usize) -> Vec<usize> {
