@@ -11,7 +11,7 @@
 //! (the engines generate `max_tokens`). Greedy, so not an upper bound everywhere: it cannot
 //! keep room for the arrivals to come.
 
-use crate::cluster::{Choice, ClusterRouter, PodRole};
+use crate::cluster::{Arrival, Choice, ClusterRouter, PodRole};
 use kvgate_sim::cache::HashKeys;
 use kvgate_sim::engine::{Engine, KvTransfer, NewRequest, RequestId};
 use std::collections::HashMap;
@@ -71,8 +71,17 @@ fn run_ahead(engine: &mut Engine, now: f64, horizon: f64, watched: &[RequestId])
 }
 
 /// A request that prefills and decodes on the pod it is sent to.
-fn local(prompt: &[u32], max_tokens: usize) -> NewRequest {
-    NewRequest { prompt: prompt.to_vec(), max_tokens, keys: HashKeys::default(), kv_transfer: KvTransfer::Local }
+fn local(request: &Arrival<'_>) -> NewRequest {
+    NewRequest {
+        prompt: request.prompt.to_vec(),
+        max_tokens: request.max_tokens,
+        keys: keys(request),
+        kv_transfer: KvTransfer::Local,
+    }
+}
+
+fn keys(request: &Arrival<'_>) -> HashKeys {
+    HashKeys { lora_name: request.adapter.map(String::from), ..HashKeys::default() }
 }
 
 /// What placing the request on `engine` costs the fleet, in seconds (infinite where the
@@ -80,12 +89,12 @@ fn local(prompt: &[u32], max_tokens: usize) -> NewRequest {
 /// delay to the first tokens of requests on the pod still waiting for theirs, and — over
 /// `horizon` — the decode time the pod's other requests lose to it (a fuller batch steps
 /// slower, for everyone routed there later too).
-fn cost(engine: &Engine, prompt: &[u32], max_tokens: usize, now: f64, horizon: f64) -> f64 {
+fn cost(engine: &Engine, request: &Arrival<'_>, now: f64, horizon: f64) -> f64 {
     let waiting: Vec<RequestId> = engine.awaiting_first_token().collect();
     let before = run_ahead(&mut engine.clone(), now, horizon, &waiting);
     let mut with = engine.clone();
     with.advance_to(now);
-    let Ok(id) = with.add_request(local(prompt, max_tokens)) else { return f64::INFINITY };
+    let Ok(id) = with.add_request(local(request)) else { return f64::INFINITY };
     let mut watched = waiting.clone();
     watched.push(id);
     let after = run_ahead(&mut with, now, horizon, &watched);
@@ -112,33 +121,33 @@ fn cost(engine: &Engine, prompt: &[u32], max_tokens: usize, now: f64, horizon: f
 /// A lower bound of [`cost`]: the request waits for the step in progress, then computes at
 /// least what the pod has not cached, alone in its batch (an offload tier may hold more of
 /// it: then only the wait and one step count).
-fn least_cost(engine: &Engine, prompt: &[u32], now: f64) -> f64 {
+fn least_cost(engine: &Engine, request: &Arrival<'_>, now: f64) -> f64 {
     let config = engine.config();
-    let cached = engine.cached_prefix_blocks(prompt, &HashKeys::default()) * config.block_size;
-    let uncached = if config.offload_blocks > 0 { 0 } else { prompt.len().saturating_sub(cached) };
+    let cached = engine.cached_prefix_blocks(request.prompt, &keys(request)) * config.block_size;
+    let uncached = if config.offload_blocks > 0 { 0 } else { request.prompt.len().saturating_sub(cached) };
     let steps = uncached.div_ceil(config.max_num_batched_tokens).max(1);
     let compute_ms = config.timing.step_base_ms * steps as f64 + config.timing.token_ms * uncached as f64;
     (engine.now() - now).max(0.0) + compute_ms / 1000.0
 }
 
 impl ClusterRouter for Clairvoyant {
-    fn route(&mut self, _id: u64, _prompt: &[u32], _max_tokens: usize, _now: f64) -> Choice {
+    fn route(&mut self, _request: &Arrival<'_>, _now: f64) -> Choice {
         unreachable!("the clairvoyant bound needs the engines: the simulator calls route_seeing")
     }
 
-    fn route_seeing(&mut self, _id: u64, prompt: &[u32], max_tokens: usize, now: f64, engines: &[&Engine]) -> Choice {
+    fn route_seeing(&mut self, request: &Arrival<'_>, now: f64, engines: &[&Engine]) -> Choice {
         // Pods in order of the least their cost could be; a what-if runs only where that
         // could still beat the best found. Near-exact, far cheaper: the bound counts what a
         // pod holds now, and a request already there may compute more of the prefix first.
         let mut order: Vec<(usize, f64)> =
-            self.serving.iter().map(|&p| (p, least_cost(engines[p], prompt, now))).collect();
+            self.serving.iter().map(|&p| (p, least_cost(engines[p], request, now))).collect();
         order.sort_by(|a, b| a.1.total_cmp(&b.1));
         let mut best = (self.serving[0], f64::INFINITY);
         for (p, least) in order {
             if least >= best.1 {
                 break;
             }
-            let cost = cost(engines[p], prompt, max_tokens, now, self.horizon);
+            let cost = cost(engines[p], request, now, self.horizon);
             if cost < best.1 {
                 best = (p, cost);
             }
@@ -158,8 +167,12 @@ mod tests {
         Engine::new(EngineConfig { num_blocks: 2_000, ..EngineConfig::default() })
     }
 
+    fn arrival(id: u64, prompt: &[u32], max_tokens: usize) -> Arrival<'_> {
+        Arrival { id, prompt, max_tokens, adapter: None }
+    }
+
     fn submit(engine: &mut Engine, prompt: &[u32], max_tokens: usize) {
-        engine.add_request(local(prompt, max_tokens)).unwrap();
+        engine.add_request(local(&arrival(0, prompt, max_tokens))).unwrap();
     }
 
     /// Runs the engine until it is idle.
@@ -175,7 +188,7 @@ mod tests {
         drain(&mut warm);
         let mut router = Clairvoyant::new(&[PodRole::Both, PodRole::Both], 1.0);
         let now = warm.now();
-        let choice = router.route_seeing(0, &prompt, 10, now, &[&cold, &warm]);
+        let choice = router.route_seeing(&arrival(0, &prompt, 10), now, &[&cold, &warm]);
         assert_eq!(choice, Choice { decode: 1, prefill: None }, "the warm pod computes nothing");
         assert!(warm.awaiting_first_token().next().is_none(), "a what-if leaves the engine as it was");
 
@@ -184,7 +197,7 @@ mod tests {
             let other: Vec<u32> = (0..8_000).map(|t| 100_000 * (i + 1) + t).collect();
             submit(&mut warm, &other, 50);
         }
-        let choice = router.route_seeing(1, &prompt, 10, now, &[&cold, &warm]);
+        let choice = router.route_seeing(&arrival(1, &prompt, 10), now, &[&cold, &warm]);
         assert_eq!(choice, Choice { decode: 0, prefill: None });
         assert_eq!(warm.awaiting_first_token().count(), 8);
     }

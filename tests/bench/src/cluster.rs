@@ -27,6 +27,17 @@ pub struct Choice {
     pub prefill: Option<usize>,
 }
 
+/// A request (one turn) as it reaches the router.
+#[derive(Clone, Copy, Debug)]
+pub struct Arrival<'a> {
+    /// Unique per request.
+    pub id: u64,
+    pub prompt: &'a [u32],
+    pub max_tokens: usize,
+    /// The LoRA adapter it names as its `model`.
+    pub adapter: Option<&'a str>,
+}
+
 /// A pod's role, as the simulated cluster is laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PodRole {
@@ -37,12 +48,13 @@ pub enum PodRole {
 
 /// A routing algorithm under test, fed what a live router could know.
 pub trait ClusterRouter {
-    /// Chooses the pod(s) for a request (`id` is unique per request).
-    fn route(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64) -> Choice;
+    /// Chooses the pod(s) for a request.
+    fn route(&mut self, request: &Arrival<'_>, now: f64) -> Choice;
     /// The same, shown the engines as they truly are now: only the simulator's bounds look
-    /// ([`crate::clairvoyant`], `kv@informed`); a router a gateway could run routes on what it heard.
-    fn route_seeing(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64, _engines: &[&Engine]) -> Choice {
-        self.route(id, prompt, max_tokens, now)
+    /// ([`crate::clairvoyant`], `kv@informed`) and a peer's rule modelled with fresher metrics
+    /// than the simulated scrape; a router a gateway could run routes on what it heard.
+    fn route_seeing(&mut self, request: &Arrival<'_>, now: f64, _engines: &[&Engine]) -> Choice {
+        self.route(request, now)
     }
     /// The request's prefill leg finished (disaggregated requests only).
     fn prefill_done(&mut self, _id: u64, _now: f64) {}
@@ -53,6 +65,27 @@ pub trait ClusterRouter {
     fn kv_events(&mut self, _pod: usize, _changes: &[CacheChange], _now: f64) {}
     /// A pod's `/metrics`, scraped.
     fn scraped(&mut self, _pod: usize, _load: ReportedLoad, _now: f64) {}
+    /// The same scrape's `vllm:lora_requests_info`, from pods with adapter slots.
+    fn scraped_adapters(&mut self, _pod: usize, _adapters: &EngineAdapters) {}
+}
+
+/// What a pod's `vllm:lora_requests_info` says.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineAdapters {
+    pub running: Vec<String>,
+    pub waiting: Vec<String>,
+    pub max_loras: usize,
+}
+
+impl EngineAdapters {
+    /// The engine's adapters now (`None`: it has no adapter slots, and exports no such metric).
+    pub fn of(engine: &Engine) -> Option<Self> {
+        let max_loras = engine.config().max_loras;
+        (max_loras > 0).then(|| {
+            let (running, waiting) = engine.adapters();
+            Self { running, waiting, max_loras }
+        })
+    }
 }
 
 /// What a pod's `/metrics` says of its load now.
@@ -93,6 +126,8 @@ impl ClusterConfig {
         let reference = EngineConfig {
             num_blocks: workload.num_blocks,
             offload_blocks: workload.offload_blocks,
+            max_loras: workload.max_loras,
+            lora_load_ms: workload.lora_load_ms,
             hash_seed: Some(HASH_SEED.into()),
             ..EngineConfig::default()
         };
@@ -281,6 +316,9 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
                 }
                 for (i, p) in sim.pods.iter().enumerate() {
                     sim.router.scraped(i, reported_load(&p.engine), at);
+                    if let Some(adapters) = EngineAdapters::of(&p.engine) {
+                        sim.router.scraped_adapters(i, &adapters);
+                    }
                 }
                 sim.schedule(at + sim.scrape_interval, Event::Scrape);
             }
@@ -304,12 +342,15 @@ impl Sim<'_> {
     }
 
     fn arrive(&mut self, session: usize, turn: usize, now: f64) {
-        let t = &self.workload.sessions[session].turns[turn];
+        let s = &self.workload.sessions[session];
+        let t = &s.turns[turn];
         self.history[session].extend_from_slice(&t.user);
         let prompt = self.history[session].clone();
         let id = self.live.len();
         let engines: Vec<&Engine> = self.pods.iter().map(|p| &p.engine).collect();
-        let choice = self.router.route_seeing(id as u64, &prompt, t.max_tokens, now, &engines);
+        let arrival =
+            Arrival { id: id as u64, prompt: &prompt, max_tokens: t.max_tokens, adapter: s.adapter.as_deref() };
+        let choice = self.router.route_seeing(&arrival, now, &engines);
         self.records.push(RequestRecord {
             arrival: now,
             prompt_tokens: prompt.len(),
@@ -326,10 +367,11 @@ impl Sim<'_> {
 
     fn submit(&mut self, id: usize, pod: usize, leg: Leg, kv_transfer: KvTransfer, now: f64) {
         let live = &self.live[id];
+        let lora_name = self.workload.sessions[live.session].adapter.clone();
         let request = NewRequest {
             prompt: live.prompt.clone(),
             max_tokens: live.max_tokens,
-            keys: HashKeys::default(),
+            keys: HashKeys { lora_name, ..HashKeys::default() },
             kv_transfer,
         };
         let p = &mut self.pods[pod];

@@ -7,6 +7,8 @@
 //! - [`routers`]: kvgate's own `Router` (as the scorer configures it) and the peers' rules;
 //! - [`sglang`]: a re-implementation of SGLang's `cache_aware` as a reference point;
 //! - [`vllm_router`]: a re-implementation of vllm-router's `kv_aware`, another;
+//! - [`lora_affinity`]: the Inference Extension's endpoint picker with its LoRA affinity
+//!   scorer, another;
 //! - [`report`]: figures, tables and SVG charts;
 //! - [`goodput`]: the highest load a router carries within a TTFT SLO, and its curve;
 //! - [`clairvoyant`]: an upper bound, not a router: placement on the engines' true state.
@@ -14,6 +16,7 @@
 pub mod clairvoyant;
 pub mod cluster;
 pub mod goodput;
+pub mod lora_affinity;
 pub mod report;
 pub mod routers;
 pub mod sglang;

@@ -3,9 +3,10 @@
 //! re-implementations of SGLang's `cache_aware` and vllm-router's `kv_aware` rules as
 //! reference points.
 
-use crate::cluster::{Choice, ClusterRouter, HASH_SEED, PodRole, reported_load};
+use crate::cluster::{Arrival, Choice, ClusterRouter, EngineAdapters, HASH_SEED, PodRole, reported_load};
 use crate::sglang::CacheAware;
 use crate::vllm_router::KvAware;
+use kvgate_routing::adapters::{AdapterId, ReportedAdapters};
 use kvgate_routing::events::decode_batch;
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::load::{BookingUpdate, Lifecycle, Origin};
@@ -60,21 +61,27 @@ impl Kvgate {
 }
 
 impl ClusterRouter for Kvgate {
-    fn route(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64) -> Choice {
-        sequence_hashes(root_hash(None, None), prompt, self.block_size, &mut self.chain);
-        let id = id.to_string();
-        let request = RouteRequest::new(&id, &self.chain, prompt.len() as u32, Some(max_tokens as u32));
+    fn route(&mut self, r: &Arrival<'_>, now: f64) -> Choice {
+        sequence_hashes(root_hash(r.adapter, None), r.prompt, self.block_size, &mut self.chain);
+        let id = r.id.to_string();
+        let request = RouteRequest {
+            adapter: r.adapter.map(AdapterId::of),
+            ..RouteRequest::new(&id, &self.chain, r.prompt.len() as u32, Some(r.max_tokens as u32))
+        };
         let routed = self.router.route(&request, now).expect("the simulated pods are always healthy");
         Choice { decode: routed.decode.pod.index(), prefill: routed.prefill.map(|p| p.pod.index()) }
     }
 
-    fn route_seeing(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64, engines: &[&Engine]) -> Choice {
+    fn route_seeing(&mut self, request: &Arrival<'_>, now: f64, engines: &[&Engine]) -> Choice {
         if self.informed {
             for (pod, engine) in engines.iter().enumerate() {
                 self.router.reported(PodId(pod as u32), reported_load(engine));
+                if let Some(adapters) = EngineAdapters::of(engine) {
+                    self.scraped_adapters(pod, &adapters);
+                }
             }
         }
-        self.route(id, prompt, max_tokens, now)
+        self.route(request, now)
     }
 
     fn prefill_done(&mut self, id: u64, now: f64) {
@@ -104,6 +111,16 @@ impl ClusterRouter for Kvgate {
         if pod == 0 {
             self.router.expire(now);
         }
+    }
+
+    fn scraped_adapters(&mut self, pod: usize, adapters: &EngineAdapters) {
+        let ids = |names: &[String]| names.iter().map(|n| AdapterId::of(n)).collect();
+        let reported = ReportedAdapters {
+            running: ids(&adapters.running),
+            waiting: ids(&adapters.waiting),
+            max_loras: adapters.max_loras as u32,
+        };
+        self.router.reported_adapters(PodId(pod as u32), reported);
     }
 }
 
@@ -161,8 +178,8 @@ impl Replicas {
 }
 
 impl ClusterRouter for Replicas {
-    fn route(&mut self, id: u64, prompt: &[u32], max_tokens: usize, now: f64) -> Choice {
-        self.on(self.owner(id), now, |r| r.route(id, prompt, max_tokens, now))
+    fn route(&mut self, request: &Arrival<'_>, now: f64) -> Choice {
+        self.on(self.owner(request.id), now, |r| r.route(request, now))
     }
 
     fn prefill_done(&mut self, id: u64, now: f64) {
@@ -188,6 +205,12 @@ impl ClusterRouter for Replicas {
         self.deliver(now);
         for r in &mut self.replicas {
             r.scraped(pod, load, now);
+        }
+    }
+
+    fn scraped_adapters(&mut self, pod: usize, adapters: &EngineAdapters) {
+        for r in &mut self.replicas {
+            r.scraped_adapters(pod, adapters);
         }
     }
 }
@@ -254,10 +277,10 @@ impl<R: PeerRule> Peer<R> {
 }
 
 impl<R: PeerRule> ClusterRouter for Peer<R> {
-    fn route(&mut self, id: u64, prompt: &[u32], _max_tokens: usize, now: f64) -> Choice {
-        let prefill = self.prefill.as_mut().map(|p| p.rule.route(prompt, now));
-        let decode = self.decode.rule.route(prompt, now);
-        self.inflight.insert(id, (decode, prefill));
+    fn route(&mut self, request: &Arrival<'_>, now: f64) -> Choice {
+        let prefill = self.prefill.as_mut().map(|p| p.rule.route(request.prompt, now));
+        let decode = self.decode.rule.route(request.prompt, now);
+        self.inflight.insert(request.id, (decode, prefill));
         Choice {
             decode: self.decode.pods[decode],
             prefill: prefill.zip(self.prefill.as_ref()).map(|(p, pool)| pool.pods[p]),
@@ -281,19 +304,24 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
     }
 }
 
-/// A router by name: `sglang-cache-aware`, `vllm-kv-aware`, the `clairvoyant` bound, or a kvgate policy (`kv`, `prefix`, `ttft`,
+/// A router by name: `sglang-cache-aware`, `vllm-kv-aware`, `lora-affinity` (the Inference
+/// Extension's picker; `@lora-first` weighs its adapter score 10×), the `clairvoyant` bound,
+/// or a kvgate policy (`kv`, `prefix`, `ttft`,
 /// `least-loaded`, `power-of-two`, `round-robin`, `random`) with the scorer's defaults;
 /// on layouts with prefill pods the policy chooses in both pools; a suffix `@pd-always`
 /// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold, and
 /// `@fixed-speed` turns off learning pod speeds (every pod counts as average), `@gpu-only`
 /// ignores the pods' offload tiers (`index.offload.max_blocks_per_pod: 0`), `@informed` reads
-/// each pod's true load at every decision (a bound: no scrape lag). A kvgate
+/// each pod's true load at every decision (a bound: no scrape lag), `@no-adapters` prices no
+/// LoRA adapter loads or slots (`prefill_tokens_per_second: 0`). A kvgate
 /// router followed by `/N-replicas` runs as N replicas sharing their bookings at once,
 /// `/N-replicas-sync-Dms` after D ms, `/N-replicas-unsynced` not at all ([`Replicas`]).
 pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn ClusterRouter>> {
     match name {
         "sglang-cache-aware" => return Ok(Box::new(Peer::new(roles, seed, CacheAware::new))),
         "vllm-kv-aware" => return Ok(Box::new(Peer::new(roles, seed, |workers, _| KvAware::new(workers, HASH_SEED)))),
+        "lora-affinity" => return Ok(Box::new(crate::lora_affinity::LoraAffinity::new(roles, seed, 1.0))),
+        "lora-affinity@lora-first" => return Ok(Box::new(crate::lora_affinity::LoraAffinity::new(roles, seed, 10.0))),
         "clairvoyant" => return Ok(Box::new(crate::clairvoyant::Clairvoyant::new(roles, 1.0))),
         "clairvoyant@first-token" => return Ok(Box::new(crate::clairvoyant::Clairvoyant::new(roles, 0.0))),
         _ => {}
@@ -334,8 +362,13 @@ fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
     let (policy, variant) = name.split_once('@').map_or((name, None), |(p, v)| (p, Some(v)));
     let mut sections = Vec::new();
     let informed = variant == Some("informed");
+    let mut policy_yaml = if policy.starts_with('{') { policy.to_string() } else { format!("{{name: {policy}}}") };
     let threshold = match variant {
         Some("informed") => None,
+        Some("no-adapters") => {
+            policy_yaml = format!("{}, prefill_tokens_per_second: 0}}", policy_yaml.trim_end_matches('}'));
+            None
+        }
         Some("pd-always") => Some(0),
         Some("no-pd") => Some(u32::MAX),
         Some("fixed-speed") => {
@@ -346,11 +379,12 @@ fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
             sections.push("index: {offload: {max_blocks_per_pod: 0}}".to_string());
             None
         }
-        Some(other) => anyhow::bail!("unknown variant {other:?} (pd-always, no-pd, fixed-speed, gpu-only, informed)"),
+        Some(other) => {
+            anyhow::bail!("unknown variant {other:?} (pd-always, no-pd, fixed-speed, gpu-only, informed, no-adapters)")
+        }
         None => None,
     };
     // A policy written as YAML (`{name: kv, decode_weight: 0.2}`) is used as written.
-    let policy_yaml = if policy.starts_with('{') { policy.to_string() } else { format!("{{name: {policy}}}") };
     let mut pd = Vec::new();
     if let Some(t) = threshold {
         pd.push(format!("threshold_tokens: {t}"));

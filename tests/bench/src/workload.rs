@@ -29,6 +29,8 @@ pub struct Session {
     pub start: f64,
     pub prefix: Vec<u32>,
     pub turns: Vec<Turn>,
+    /// The LoRA adapter its requests name as their `model` (none: the base model).
+    pub adapter: Option<String>,
 }
 
 /// A named workload and how the cluster should be set up for it.
@@ -46,6 +48,10 @@ pub struct Workload {
     /// Pods unlike the others (a mixed fleet), by index; the rest are the reference engine
     /// with `num_blocks` blocks.
     pub unlike: Vec<(usize, PodShape)>,
+    /// LoRA adapters one batch holds (vLLM `--max-loras`), else 0 (no adapters served).
+    pub max_loras: usize,
+    /// Milliseconds a step takes longer per adapter it loads onto the GPU.
+    pub lora_load_ms: f64,
 }
 
 /// How one pod differs from the reference engine.
@@ -86,8 +92,8 @@ pub struct Params {
 }
 
 /// Every workload's name, in report order.
-pub const NAMES: [&str; 8] =
-    ["chat", "documents", "unique-long", "burst", "capacity", "tiered", "heterogeneous", "pd-mixed"];
+pub const NAMES: [&str; 9] =
+    ["chat", "documents", "unique-long", "burst", "capacity", "tiered", "heterogeneous", "pd-mixed", "adapters"];
 
 /// Builds workload `name`.
 pub fn build(name: &str, p: &Params) -> Option<Workload> {
@@ -103,6 +109,7 @@ pub fn build(name: &str, p: &Params) -> Option<Workload> {
         "tiered" => tiered(&mut g, p),
         "heterogeneous" => heterogeneous(&mut g, p),
         "pd-mixed" => pd_mixed(&mut g, p),
+        "adapters" => adapters(&mut g, p),
         _ => return None,
     })
 }
@@ -173,7 +180,7 @@ fn poisson(
         .map(|_| {
             t += g.exp(1.0 / rate);
             let (prefix, turns) = session(g);
-            Session { start: t, prefix, turns }
+            Session { start: t, prefix, turns, adapter: None }
         })
         .collect()
 }
@@ -210,6 +217,8 @@ fn chat(g: &mut Gen, p: &Params) -> Workload {
         prefill_pods: 0,
         offload_blocks: 0,
         unlike: Vec::new(),
+        max_loras: 0,
+        lora_load_ms: 0.0,
     }
 }
 
@@ -239,6 +248,8 @@ fn documents(g: &mut Gen, p: &Params) -> Workload {
         prefill_pods: 0,
         offload_blocks: 0,
         unlike: Vec::new(),
+        max_loras: 0,
+        lora_load_ms: 0.0,
     }
 }
 
@@ -259,6 +270,8 @@ fn unique_long(g: &mut Gen, p: &Params) -> Workload {
         prefill_pods: 0,
         offload_blocks: 0,
         unlike: Vec::new(),
+        max_loras: 0,
+        lora_load_ms: 0.0,
     }
 }
 
@@ -273,6 +286,7 @@ fn burst(g: &mut Gen, p: &Params, span: f64) -> Workload {
             start: span * i as f64 / n as f64,
             prefix: prefixes[i % prefixes.len()].clone(),
             turns: turn(g.text_between(50, 200), 100),
+            adapter: None,
         })
         .collect();
     Workload {
@@ -292,6 +306,8 @@ fn burst(g: &mut Gen, p: &Params, span: f64) -> Workload {
         prefill_pods: 0,
         offload_blocks: 0,
         unlike: Vec::new(),
+        max_loras: 0,
+        lora_load_ms: 0.0,
     }
 }
 
@@ -314,6 +330,8 @@ fn capacity(g: &mut Gen, p: &Params) -> Workload {
         prefill_pods: 0,
         offload_blocks: 0,
         unlike: Vec::new(),
+        max_loras: 0,
+        lora_load_ms: 0.0,
     }
 }
 
@@ -350,6 +368,8 @@ fn tiered(g: &mut Gen, p: &Params) -> Workload {
         prefill_pods: 0,
         offload_blocks,
         unlike: Vec::new(),
+        max_loras: 0,
+        lora_load_ms: 0.0,
     }
 }
 
@@ -377,6 +397,8 @@ fn heterogeneous(g: &mut Gen, p: &Params) -> Workload {
         prefill_pods: 0,
         offload_blocks: 0,
         unlike,
+        max_loras: 0,
+        lora_load_ms: 0.0,
     }
 }
 
@@ -401,6 +423,41 @@ fn pd_mixed(g: &mut Gen, p: &Params) -> Workload {
         prefill_pods: (p.pods / 4).max(1),
         offload_blocks: 0,
         unlike: Vec::new(),
+        max_loras: 0,
+        lora_load_ms: 0.0,
+    }
+}
+
+/// A fleet serving many LoRA adapters, as a platform hosting its tenants' fine-tunes does:
+/// four adapters per pod, their popularity skewed (Zipf 1.0: a few carry most requests,
+/// the tail a trickle), each with its own task prompt; every pod holds two adapters in a
+/// batch (`--max-loras 2`) and takes 30 ms to load one onto its GPU.
+fn adapters(g: &mut Gen, p: &Params) -> Workload {
+    let count = 4 * p.pods;
+    let tasks: Vec<Vec<u32>> = (0..count).map(|_| g.text_between(500, 1500)).collect();
+    let n = scaled(p, 300 * p.pods);
+    let rate = 8.0 * p.pods as f64 * p.load;
+    let mut names = Vec::with_capacity(n);
+    let mut sessions = poisson(g, n, rate, |g| {
+        let adapter = g.zipf(count, 1.0);
+        names.push(format!("adapter-{adapter}"));
+        (tasks[adapter].clone(), turn(g.text_between(50, 300), g.between(50, 200)))
+    });
+    for (session, name) in sessions.iter_mut().zip(names) {
+        session.adapter = Some(name);
+    }
+    Workload {
+        name: "adapters",
+        description: format!(
+            "{n} requests for {count} LoRA adapters (Zipf 1.0), each adapter's task prompt of 500–1,500 tokens then 50–300 unique tokens, 50–200 output tokens, Poisson {rate}/s; pods hold 2 adapters per batch and load one in 30 ms"
+        ),
+        sessions,
+        num_blocks: 26_000,
+        prefill_pods: 0,
+        offload_blocks: 0,
+        unlike: Vec::new(),
+        max_loras: 2,
+        lora_load_ms: 30.0,
     }
 }
 
@@ -442,5 +499,20 @@ mod tests {
         let starts: Vec<f64> = spread.sessions.iter().map(|s| s.start).collect();
         assert!(starts.windows(2).all(|w| w[0] < w[1]) && starts[0] == 0.0 && *starts.last().unwrap() < 0.1);
         assert!((spread.offered() - 10_000.0).abs() < 20.0, "1,000 requests in 100 ms: {}", spread.offered());
+    }
+
+    #[test]
+    fn adapter_requests_are_skewed_and_each_adapter_keeps_its_task_prompt() {
+        let p = Params { seed: 3, pods: 8, scale: 1.0, load: 1.0 };
+        let w = build("adapters", &p).unwrap();
+        let mut by_adapter: std::collections::HashMap<&str, Vec<&Session>> = Default::default();
+        for s in &w.sessions {
+            by_adapter.entry(s.adapter.as_deref().expect("every request names an adapter")).or_default().push(s);
+        }
+        assert_eq!(by_adapter.len(), 32, "four adapters per pod, all drawn");
+        let (top, tail) = (by_adapter["adapter-0"].len(), by_adapter["adapter-31"].len());
+        assert!(top > 15 * tail, "Zipf 1.0 over 32: the first ~32× the last ({top} vs {tail})");
+        assert!(by_adapter.values().all(|s| s.iter().all(|x| x.prefix == s[0].prefix)), "one task prompt each");
+        assert!(w.max_loras == 2 && w.lora_load_ms > 0.0);
     }
 }

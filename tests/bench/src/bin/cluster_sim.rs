@@ -34,6 +34,9 @@ const PD_VARIANTS: [&str; 2] = ["kv@pd-always", "kv@no-pd"];
 const UNLIKE_VARIANTS: [&str; 1] = ["kv@fixed-speed"];
 /// Extra variant on pods with offload tiers: kv blind to them.
 const TIERED_VARIANTS: [&str; 1] = ["kv@gpu-only"];
+/// Added on workloads whose pods serve LoRA adapters: kvgate pricing no adapter slots, and the
+/// Inference Extension's picker with its LoRA affinity scorer (as profiled, and weighed first).
+const ADAPTER_VARIANTS: [&str; 3] = ["kv@no-adapters", "lora-affinity", "lora-affinity@lora-first"];
 /// A sweep stops a router after this many points in a row over the SLO.
 const OVER_SLO_STOP: usize = 2;
 /// Bisections of the interval where a router's p90 crosses the SLO (each halves it on a log
@@ -43,17 +46,19 @@ const REFINE_STEPS: usize = 2;
 #[derive(Parser, Debug)]
 #[command(
     args_override_self = true,
-    about = "Replays seeded workloads against simulated vLLM engines in virtual time, routed by kvgate's policies and by SGLang's and vllm-router's rules; with --sweep, each router's goodput at a TTFT SLO"
+    about = "Replays seeded workloads against simulated vLLM engines in virtual time, routed by kvgate's policies and by SGLang's, vllm-router's and the Inference Extension's rules; with --sweep, each router's goodput at a TTFT SLO"
 )]
 struct Args {
     /// Comma-separated workloads, or `all`: chat, documents, unique-long, burst, capacity,
-    /// tiered, heterogeneous, pd-mixed; also (not in `all`) burst-100ms, the burst spread
+    /// tiered, heterogeneous, pd-mixed, adapters; also (not in `all`) burst-100ms, the burst spread
     /// evenly over 100 ms.
     #[arg(long, default_value = "all")]
     workloads: String,
     /// Routers (space-separated), or `all`: kv, prefix, ttft, least-loaded, power-of-two,
     /// round-robin, random, sglang-cache-aware, vllm-kv-aware (P/D variants kv@pd-always,
-    /// kv@no-pd are added on pd-mixed, kv@fixed-speed on heterogeneous, kv@gpu-only on tiered); a kvgate policy may be given as the scorer's YAML,
+    /// kv@no-pd are added on pd-mixed, kv@fixed-speed on heterogeneous, kv@gpu-only on tiered,
+    /// kv@no-adapters, lora-affinity and lora-affinity@lora-first on adapters); a kvgate policy
+    /// may be given as the scorer's YAML,
     /// e.g. "{name: kv, decode_weight: 0.2}".
     #[arg(long, num_args = 1.., default_values_t = ["all".to_string()])]
     routers: Vec<String>,
@@ -174,6 +179,9 @@ fn main() -> anyhow::Result<()> {
         }
         if w.offload_blocks > 0 && all {
             names.extend(TIERED_VARIANTS.iter().map(|s| s.to_string()));
+        }
+        if w.max_loras > 0 && all {
+            names.extend(ADAPTER_VARIANTS.iter().map(|s| s.to_string()));
         }
         let config = ClusterConfig::for_workload(&w, args.pods);
         for r in &names {
