@@ -99,6 +99,7 @@ on_every_path!(
         a_scorer_answering_garbage_is_treated_as_down,
         a_pod_killed_costs_no_request_that_had_not_started,
         a_pick_that_refuses_connections_is_retried_on_its_fallback_and_the_booking_follows,
+        an_adapters_requests_follow_the_pod_holding_it_and_spread_when_it_is_full,
     ],
     alone: [a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable],
 );
@@ -140,16 +141,24 @@ async fn scorer_metric(scorer: &ScorerProcess, name: &str) -> u64 {
 }
 
 async fn stack(path: Path, n: usize, envoy_flags: &[&str]) -> Stack {
-    stack_at(path, n, envoy_flags, "0.02", "").await
+    stack_at(path, n, envoy_flags, "0.02", "", &[]).await
 }
 
-/// `n` pods at `time_scale` (wall seconds per simulated second), a scorer (with `extra`
-/// configuration) and Envoy.
-async fn stack_at(path: Path, n: usize, envoy_flags: &[&str], time_scale: &str, extra: &str) -> Stack {
+/// `n` pods at `time_scale` (wall seconds per simulated second) started with `pod_args`, a
+/// scorer (with `extra` configuration) and Envoy.
+async fn stack_at(
+    path: Path,
+    n: usize,
+    envoy_flags: &[&str],
+    time_scale: &str,
+    extra: &str,
+    pod_args: &[&str],
+) -> Stack {
     let tokenizer = qwen3_tokenizer();
     let mut pods = Vec::new();
     for i in 0..n {
-        let args = ["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", time_scale, "--model", MODEL];
+        let mut args = vec!["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", time_scale, "--model", MODEL];
+        args.extend_from_slice(pod_args);
         pods.push(Sim::start(&format!("pod-{i}"), &args).await);
     }
     let mut config = format!(
@@ -538,8 +547,67 @@ async fn hostile_requests_get_clean_answers(path: Path) {
     assert_eq!(s.routed().await, 3, "the huge string, the body at the limit, and this");
 }
 
+/// A completion for LoRA adapter `model`: a prompt of its own (no prefix shared with any other).
+fn for_adapter(model: &str, seed: &str, words: usize, max_tokens: u32) -> Value {
+    json!({"model": model, "prompt": text(seed, words), "max_tokens": max_tokens})
+}
+
+async fn an_adapters_requests_follow_the_pod_holding_it_and_spread_when_it_is_full(path: Path) {
+    // Pods holding one adapter at a time, 50 ms to load one (vLLM's --max-loras 1).
+    let lora = ["--lora-module", "sql", "--lora-module", "law", "--max-loras", "1", "--lora-load-ms", "50"];
+    let s = stack_at(path, 3, &[], "0.5", "lora_adapters: [sql, law]\n", &lora).await;
+    for p in &s.pods {
+        s.scorer.wait_pod(&p.pod_id, Duration::from_secs(10), |p| p["adapters"]["max_lora"] == 1).await;
+    }
+    // One after another, each with its own prompt (no prefix to follow): sql stays where it
+    // is loaded.
+    let mut served = Vec::new();
+    for i in 0..4 {
+        let a = send(&s.envoy, "/v1/completions", &for_adapter("sql", &format!("sql {i}"), 60, 4), &[]).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        served.push(a.pod.expect("x-kvgate-pod"));
+        s.scorer.wait_idle(Duration::from_secs(10)).await;
+    }
+    assert!(served.iter().all(|p| p == &served[0]), "sql follows the pod holding it: {served:?}");
+    let home = served[0].clone();
+
+    // While a long sql request holds home's only slot, sql joins it there and law, which
+    // would wait for the slot, goes elsewhere.
+    let envoy_url = s.envoy.url.clone();
+    let long = tokio::spawn(async move {
+        let body = for_adapter("sql", "a long sql answer", 60, 600);
+        reqwest::Client::new().post(format!("{envoy_url}/v1/completions")).json(&body).send().await.unwrap()
+    });
+    s.scorer.wait_pod(&home, Duration::from_secs(10), |p| p["inflight_requests"] == 1).await;
+    let joins = send(&s.envoy, "/v1/completions", &for_adapter("sql", "sql beside it", 60, 4), &[]).await;
+    assert_eq!(joins.pod.as_deref(), Some(home.as_str()), "{}", joins.body);
+    let law = send(&s.envoy, "/v1/completions", &for_adapter("law", "a law question", 60, 4), &[]).await;
+    assert_eq!(law.status, 200, "{}", law.body);
+    assert_ne!(law.pod.as_deref(), Some(home.as_str()), "law is not queued behind sql's slot");
+
+    // A crowd of long sql prompts at once: home takes the first, then the queue there
+    // outweighs loading sql on a free pod.
+    let crowd = (0..8).map(|i| {
+        let envoy_url = s.envoy.url.clone();
+        tokio::spawn(async move {
+            let body = for_adapter("sql", &format!("long sql prompt {i}"), 1500, 4);
+            let r =
+                reqwest::Client::new().post(format!("{envoy_url}/v1/completions")).json(&body).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            r.headers()["x-kvgate-pod"].to_str().unwrap().to_string()
+        })
+    });
+    let mut spread: Vec<String> = futures::future::join_all(crowd).await.into_iter().map(Result::unwrap).collect();
+    assert!(spread.contains(&home), "{spread:?}");
+    spread.sort();
+    spread.dedup();
+    assert!(spread.len() >= 2, "sql spreads once the pod holding it is full: {spread:?}");
+    assert_eq!(long.await.unwrap().status(), 200);
+    assert_eq!(s.failed_open().await, 0);
+}
+
 async fn a_pod_killed_mid_stream_fails_cleanly_and_is_avoided(path: Path) {
-    let mut s = stack_at(path, 2, &[], "1", "").await;
+    let mut s = stack_at(path, 2, &[], "1", "", &[]).await;
     // A long generation in real time (≈ 6 ms per token): plenty of time to kill its pod.
     let body = json!({"model": MODEL, "prompt": text("A long story", 50), "max_tokens": 2000, "stream": true});
     let response =
@@ -753,7 +821,7 @@ async fn a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable(path:
     // capacity is 8 requests at once, a quarter of it kept for premium requests.
     let admission = "admission: {max_inflight_requests: 4, max_queued_prefill_tokens: 1200, headroom: 0.25, \
                      max_wait_ms: 20000, queue_limit: 64, objectives: {premium: 10, batch: -1}}\n";
-    let s = stack_at(path, 2, &["--scorer-timeout-ms", "1000"], "1", admission).await;
+    let s = stack_at(path, 2, &["--scorer-timeout-ms", "1000"], "1", admission, &[]).await;
     let client = reqwest::Client::new();
     let url = format!("{}/v1/completions", s.envoy.url);
     let body = |tag: &str, i: usize, max_tokens: u32| json!({"prompt": text(&format!("{tag} request {i} with its own long context"), 120), "max_tokens": max_tokens, "stream": true});
