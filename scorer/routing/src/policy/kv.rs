@@ -49,9 +49,9 @@
 //! where every adapter slot holds another adapter, until the soonest of them drains (vLLM
 //! passes such a request over meanwhile). Both are seconds, put in tokens of prefill at
 //! `prefill_tokens_per_second`. An adapter already running or waiting on some pod is
-//! charged, beside the miss, for taking a slot on another ([`second_slot_seconds`]): on the
-//! cluster simulator's `adapters` workload, adapters spread over pods held the slots the
-//! rarer ones waited for (p90 at 0.7× its rate 0.9 s without, 0.5 s with).
+//! charged, beside the miss, for taking a slot on another ([`second_slot_seconds`]): spread
+//! over pods, adapters held the slots the rarer ones waited for (the cluster simulator's
+//! `adapters` workload; docs/design/placement.md).
 //! Optional busy thresholds drop pods that report too long a queue or too full a cache
 //! (unless every pod is busy, then all stay eligible).
 
