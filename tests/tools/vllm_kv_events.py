@@ -64,6 +64,42 @@ def describe(kv, batch):
     return {"ts": batch.ts, "data_parallel_rank": batch.data_parallel_rank, "events": events}
 
 
+def write_fixture(kv, batches, built_by, out_path):
+    """Publishes `batches` (vLLM's own structs) with vLLM's unmodified ZmqEventPublisher,
+    receives them on a SUB socket and writes the messages as a fixture file to `out_path`;
+    `built_by` says who built the events, for the file's `produced_by`."""
+    # The publisher records its settings in a KVEventsConfig; the stand-in module's holds them.
+    kv.KVEventsConfig = types.SimpleNamespace
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    port = sub.bind_to_random_port("tcp://127.0.0.1")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    publisher = kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://127.0.0.1:{port}", topic="kv-events")
+    # The slow joiner: a bound SUB forwards its subscription once it is polled.
+    deadline = time.time() + 1.0
+    while time.time() < deadline:
+        sub.poll(50)
+    for batch in batches:
+        publisher.publish(batch)
+    messages = []
+    decoder = msgspec.msgpack.Decoder()
+    for _ in batches:
+        if not sub.poll(10_000):
+            raise SystemExit("no message from the publisher within 10 s")
+        topic, seq, payload = sub.recv_multipart()
+        messages.append({"topic_hex": topic.hex(), "seq": int.from_bytes(seq, "big"), "payload_hex": payload.hex(),
+                         "payload_decoded_untyped": repr(decoder.decode(payload))})
+    publisher.shutdown()
+    out = {
+        "produced_by": f"vLLM 0.33.0 vllm/distributed/kv_events.py ZmqEventPublisher (unmodified), msgspec "
+                       f"{msgspec.__version__}, pyzmq {zmq.__version__}; {built_by}",
+        "frames": "each message is [topic, seq (8 bytes big-endian), payload (msgpack KVEventBatch)]",
+        "messages": messages,
+    }
+    with open(out_path, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+
+
 def emit(obj):
     print(json.dumps(obj), flush=True)
 

@@ -14,14 +14,8 @@ scheduler publishes connector events in the same batch as the KV cache manager's
 """
 
 import argparse
-import json
-import time
-import types
 
-import msgspec
-import zmq
-
-from vllm_kv_events import load_vllm_kv_events
+from vllm_kv_events import load_vllm_kv_events, write_fixture
 
 A, B, C = 1234605616436508552, 17357102489901502592, 42
 
@@ -52,38 +46,8 @@ def main():
     parser.add_argument("out")
     args = parser.parse_args()
     kv = load_vllm_kv_events(args.kv_events)
-    # The publisher records its settings in a KVEventsConfig; the stand-in module's holds them.
-    kv.KVEventsConfig = types.SimpleNamespace
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    port = sub.bind_to_random_port("tcp://127.0.0.1")
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    publisher = kv.ZmqEventPublisher(data_parallel_rank=0, endpoint=f"tcp://127.0.0.1:{port}", topic="kv-events")
-    # The slow joiner: a bound SUB forwards its subscription once it is polled.
-    deadline = time.time() + 1.0
-    while time.time() < deadline:
-        sub.poll(50)
-    sent = batches(kv)
-    for batch in sent:
-        publisher.publish(batch)
-    messages = []
-    decoder = msgspec.msgpack.Decoder()
-    for _ in sent:
-        if not sub.poll(10_000):
-            raise SystemExit("no message from the publisher within 10 s")
-        topic, seq, payload = sub.recv_multipart()
-        messages.append({"topic_hex": topic.hex(), "seq": int.from_bytes(seq, "big"), "payload_hex": payload.hex(),
-                         "payload_decoded_untyped": repr(decoder.decode(payload))})
-    publisher.shutdown()
-    out = {
-        "produced_by": f"vLLM 0.33.0 vllm/distributed/kv_events.py ZmqEventPublisher (unmodified), msgspec "
-                       f"{msgspec.__version__}, pyzmq {zmq.__version__}; events as the OffloadingConnector builds "
-                       f"them (tests/tools/vllm_offload_fixture.py)",
-        "frames": "each message is [topic, seq (8 bytes big-endian), payload (msgpack KVEventBatch)]",
-        "messages": messages,
-    }
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
+    write_fixture(kv, batches(kv), "events as the OffloadingConnector builds them (tests/tools/vllm_offload_fixture.py)",
+                  args.out)
 
 
 if __name__ == "__main__":

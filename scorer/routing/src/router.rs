@@ -930,6 +930,27 @@ mod tests {
     }
 
     #[test]
+    fn an_adapters_blocks_as_vllm_publishes_them_serve_its_requests_only() {
+        // vLLM 0.33's engine stores "sql"'s blocks and the base model's of the same 8 tokens
+        // (block size 4), then evicts the second block of each.
+        let mut r = Router::new(&RouterConfig { block_size: 4, ..test_config(u32::MAX) });
+        let pod = r.add_pod(Role::Both, true);
+        let tokens: Vec<u32> = (1..=8).collect();
+        let found = |r: &mut Router, lora: Option<&str>| {
+            let mut c = Vec::new();
+            sequence_hashes(root_hash(lora, None), &tokens, 4, &mut c);
+            let request = RouteRequest { adapter: lora.map(AdapterId::of), ..RouteRequest::new("q", &c, 9, Some(1)) };
+            r.route(&request, 0.0).unwrap().decode.cached_tokens
+        };
+        for (batch, cached) in [(0, 8), (1, 4)] {
+            let payload = kvgate_test_harness::vllm_fixture_payload("vllm-0.33.0-lora-kv-events.json", batch);
+            r.apply_events(pod, &crate::events::decode_batch(&payload).unwrap());
+            assert_eq!((found(&mut r, Some("sql")), found(&mut r, None)), (cached, cached), "batch {batch}");
+            assert_eq!(found(&mut r, Some("law")), 0, "another adapter's blocks are not these");
+        }
+    }
+
+    #[test]
     fn a_prompt_held_offloaded_is_loaded_not_recomputed() {
         use crate::events::Tier;
         let c = chain(1, 512);

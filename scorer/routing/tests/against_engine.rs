@@ -20,9 +20,9 @@ const BS: usize = 4;
 
 fn keys(rng: &mut StdRng) -> HashKeys {
     match rng.random_range(0..6) {
-        0 => HashKeys { lora_name: Some("sql".into()), cache_salt: None },
-        1 => HashKeys { lora_name: None, cache_salt: Some("tenant-9".into()) },
-        2 => HashKeys { lora_name: Some("sql".into()), cache_salt: Some("tenant-9".into()) },
+        0 => HashKeys { lora_name: Some("sql".into()), lora_id: Some(1), cache_salt: None },
+        1 => HashKeys { cache_salt: Some("tenant-9".into()), ..HashKeys::default() },
+        2 => HashKeys { lora_name: Some("sql".into()), lora_id: Some(1), cache_salt: Some("tenant-9".into()) },
         _ => HashKeys::default(),
     }
 }

@@ -56,6 +56,9 @@ pub fn block_hash(parent: &EngineBlockHash, tokens: &[u32], extra: &[&str]) -> E
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct HashKeys {
     pub lora_name: Option<String>,
+    /// vLLM's id of that adapter (1, 2, … in the order the server loaded them): events carry
+    /// it, block hashes do not.
+    pub lora_id: Option<u32>,
     pub cache_salt: Option<String>,
 }
 

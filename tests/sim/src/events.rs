@@ -11,7 +11,7 @@
 //! Block hashes are msgpack integers (vLLM's default, the low 8 bytes of the digest,
 //! up to `u64::MAX`) or 32-byte `bin` (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
 
-use crate::cache::{CacheChange, EngineBlockHash};
+use crate::cache::{CacheChange, EngineBlockHash, HashKeys};
 
 /// How events are laid out (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -51,14 +51,7 @@ impl EventEncoder {
                 CacheChange::Stored { hashes, parent, token_ids, keys, first_index } => {
                     let extra: Vec<Vec<&str>> = (0..hashes.len()).map(|i| keys.for_block(first_index + i)).collect();
                     let has_extra = extra.iter().any(|k| !k.is_empty());
-                    self.block_stored(
-                        &mut w,
-                        hashes,
-                        parent.as_ref(),
-                        token_ids,
-                        keys.lora_name.as_deref(),
-                        has_extra.then_some(&extra),
-                    );
+                    self.block_stored(&mut w, hashes, parent.as_ref(), token_ids, keys, has_extra.then_some(&extra));
                 }
                 CacheChange::Removed { hash } => self.block_removed(&mut w, std::slice::from_ref(hash)),
                 CacheChange::Offloaded { hash } => self.offload_placeholder(&mut w, hash),
@@ -103,7 +96,7 @@ impl EventEncoder {
         hashes: &[EngineBlockHash],
         parent: Option<&EngineBlockHash>,
         token_ids: &[u32],
-        lora_name: Option<&str>,
+        keys: &HashKeys,
         extra_keys: Option<&Vec<Vec<&str>>>,
     ) {
         let field = |w: &mut Writer, name: &str| {
@@ -136,11 +129,14 @@ impl EventEncoder {
         field(w, "block_size");
         w.uint(self.block_size as u64);
         field(w, "lora_id");
-        w.nil();
+        match keys.lora_id {
+            Some(id) => w.uint(u64::from(id)),
+            None => w.nil(),
+        }
         field(w, "medium");
         w.str("GPU");
         field(w, "lora_name");
-        match lora_name {
+        match &keys.lora_name {
             Some(name) => w.str(name),
             None => w.nil(),
         }
@@ -343,7 +339,6 @@ impl Writer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cache::HashKeys;
 
     fn hash_from_u64(v: u64) -> EngineBlockHash {
         let mut d = [0u8; 32];

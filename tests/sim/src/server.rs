@@ -60,14 +60,17 @@ pub struct PodInfo {
 }
 
 impl PodInfo {
-    /// The LoRA adapter a request's `model` names (`None` for the base model or no
+    /// The LoRA adapter a request's `model` names and its id (1, 2, … in the order of
+    /// `--lora-module`, as vLLM numbers adapters it loads; `None` for the base model or no
     /// `model`); an unknown name is a 404, as in vLLM.
-    fn resolve_model(&self, model: Option<&str>) -> Result<Option<String>, ApiError> {
+    fn resolve_model(&self, model: Option<&str>) -> Result<Option<(String, u32)>, ApiError> {
         match model {
             None => Ok(None),
             Some(m) if m == self.model => Ok(None),
-            Some(m) if self.lora_modules.iter().any(|l| l == m) => Ok(Some(m.to_string())),
-            Some(m) => Err(ApiError::new(StatusCode::NOT_FOUND, format!("The model `{m}` does not exist."))),
+            Some(m) => match self.lora_modules.iter().position(|l| l == m) {
+                Some(i) => Ok(Some((m.to_string(), i as u32 + 1))),
+                None => Err(ApiError::new(StatusCode::NOT_FOUND, format!("The model `{m}` does not exist."))),
+            },
         }
     }
 }
@@ -206,7 +209,7 @@ fn job(
     common: &Common,
     max_completion_tokens: Option<u32>,
 ) -> Result<Job, ApiError> {
-    let lora_name = state.pod.resolve_model(common.model.as_deref())?;
+    let (lora_name, lora_id) = state.pod.resolve_model(common.model.as_deref())?.unzip();
     if common.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request("kvgate-sim supports only n = 1"));
     }
@@ -246,7 +249,7 @@ fn job(
         max_tokens,
         stream: common.stream,
         include_usage: common.stream_options.as_ref().is_some_and(|o| o.include_usage),
-        keys: HashKeys { lora_name, cache_salt: common.cache_salt.clone() },
+        keys: HashKeys { lora_name, lora_id, cache_salt: common.cache_salt.clone() },
         kv_transfer,
         kv_transfer_params: params,
         prefiller: headers.get("x-prefiller-host-port").and_then(|v| v.to_str().ok()).map(str::to_owned),

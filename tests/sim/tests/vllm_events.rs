@@ -151,8 +151,8 @@ async fn topic_and_connect_mode_work_like_vllm() {
 
 #[tokio::test]
 async fn lora_and_cache_salt_are_hashed_and_announced() {
-    let sim =
-        Sim::start("pod-lora", &["--lora-module", "sql-adapter", "--hash-seed", "1", "--time-scale", "0.01"]).await;
+    let args = ["--lora-module", "law", "--lora-module", "sql-adapter", "--hash-seed", "1", "--time-scale", "0.01"];
+    let sim = Sim::start("pod-lora", &args).await;
     let sub = vllm_subscriber(NEW, &sim.events, 3, &[]);
     let prompt = sized("lambda", 40);
     let base = serde_json::json!({"prompt": prompt, "max_tokens": 1});
@@ -167,6 +167,7 @@ async fn lora_and_cache_salt_are_hashed_and_announced() {
     let (plain, adapter, salt) = (stored[0], stored[1], stored[2]);
     assert!(plain["lora_name"].is_null() && plain["extra_keys"].is_null());
     assert_eq!(adapter["lora_name"], "sql-adapter");
+    assert_eq!((&plain["lora_id"], &adapter["lora_id"]), (&Value::Null, &serde_json::json!(2)), "ids in load order");
     assert_eq!(adapter["extra_keys"], serde_json::json!([["sql-adapter"], ["sql-adapter"]]));
     assert_eq!(salt["extra_keys"], serde_json::json!([["tenant-7"], null]), "the salt seeds the first block only");
     assert_eq!(plain["token_ids"], adapter["token_ids"]);
