@@ -25,7 +25,7 @@ pub enum KvEvent<'a> {
     /// Consecutive full blocks were cached: `token_ids` holds all their tokens.
     BlockStored(BlockStored<'a>),
     /// Cached blocks were evicted.
-    BlockRemoved { block_hashes: Vec<EngineHash>, tier: Tier },
+    BlockRemoved { block_hashes: Vec<EngineHash>, tier: Tier, group: u32 },
     /// The engine dropped its whole cache.
     AllBlocksCleared,
     /// An event type this version of kvgate does not know (newer engines); skipped.
@@ -43,9 +43,37 @@ pub enum Tier {
     Cpu,
     /// `medium` `"STORAGE"`: offloaded to the pod's disk or object store.
     Storage,
-    /// Another KV-cache group (hybrid models), a `REMOTE` locality (a tier shared by pods,
-    /// not this pod's) or an unknown medium: not indexed.
+    /// Another KV-cache group offloaded, a `REMOTE` locality (a tier shared by pods, not
+    /// this pod's) or an unknown medium: not indexed.
     Other,
+}
+
+/// What kind of layers a KV-cache group serves (`kv_cache_spec_kind`): a hybrid model keeps
+/// one group per kind, and a prefix is cached only as far as every group serves it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupKind {
+    /// Full attention (MLA too): the whole prefix's blocks are needed.
+    FullAttention,
+    /// Sliding-window attention over this many tokens: only the blocks of the last window
+    /// before the hit are needed.
+    SlidingWindow(u32),
+    /// Mamba state: one block, at the hit.
+    Mamba,
+    /// A kind kvgate does not model (chunked local attention, encoder-only, …).
+    Other,
+}
+
+impl GroupKind {
+    fn parse(kind: Option<&str>, sliding_window: Option<u64>) -> Self {
+        match (kind, sliding_window) {
+            (None | Some("full_attention" | "mla_attention"), _) => GroupKind::FullAttention,
+            (Some("sliding_window" | "sliding_window_mla"), Some(w)) if w > 0 => {
+                GroupKind::SlidingWindow(u32::try_from(w).unwrap_or(u32::MAX))
+            }
+            (Some("mamba"), _) => GroupKind::Mamba,
+            _ => GroupKind::Other,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -61,6 +89,9 @@ pub struct BlockStored<'a> {
     /// identifiers, prompt-embedding digests): such blocks never match a text request.
     pub opaque_extra_keys: bool,
     pub tier: Tier,
+    /// The KV-cache group (`group_idx`; 0 when absent) and its kind.
+    pub group: u32,
+    pub group_kind: GroupKind,
 }
 
 impl BlockStored<'_> {
@@ -130,6 +161,8 @@ struct Fields<'a> {
     first_block_extra: Vec<&'a str>,
     opaque_extra_keys: bool,
     group_idx: Option<u64>,
+    spec_kind: Option<&'a str>,
+    sliding_window: Option<u64>,
     locality: Option<&'a str>,
 }
 
@@ -143,6 +176,8 @@ enum Field {
     LoraName,
     ExtraKeys,
     GroupIdx,
+    SpecKind,
+    SlidingWindow,
     Locality,
     Ignored,
 }
@@ -158,8 +193,8 @@ const STORED_ORDER: [Field; 12] = [
     Field::LoraName,
     Field::ExtraKeys,
     Field::GroupIdx,
-    Field::Ignored, // kv_cache_spec_kind
-    Field::Ignored, // kv_cache_spec_sliding_window
+    Field::SpecKind,
+    Field::SlidingWindow,
     Field::Locality,
 ];
 const REMOVED_ORDER: [Field; 4] = [Field::BlockHashes, Field::Medium, Field::GroupIdx, Field::Locality];
@@ -174,6 +209,8 @@ fn field_by_name(name: &str) -> Field {
         "lora_name" => Field::LoraName,
         "extra_keys" => Field::ExtraKeys,
         "group_idx" => Field::GroupIdx,
+        "kv_cache_spec_kind" => Field::SpecKind,
+        "kv_cache_spec_sliding_window" => Field::SlidingWindow,
         "locality" => Field::Locality,
         _ => Field::Ignored,
     }
@@ -243,6 +280,8 @@ fn read_field<'a>(r: &mut Reader<'a>, field: Field, f: &mut Fields<'a>) -> Resul
         Field::Medium => f.medium = if r.try_nil()? { None } else { Some(r.str()?) },
         Field::LoraName => f.lora_name = if r.try_nil()? { None } else { Some(r.str()?) },
         Field::GroupIdx => f.group_idx = if r.try_nil()? { None } else { Some(r.uint()?) },
+        Field::SpecKind => f.spec_kind = if r.try_nil()? { None } else { Some(r.str()?) },
+        Field::SlidingWindow => f.sliding_window = if r.try_nil()? { None } else { Some(r.uint()?) },
         Field::Locality => f.locality = if r.try_nil()? { None } else { Some(r.str()?) },
         Field::ExtraKeys => read_extra_keys(r, f)?,
         Field::Ignored => r.skip()?,
@@ -288,9 +327,12 @@ fn read_hash(r: &mut Reader<'_>) -> Result<EngineHash, DecodeError> {
 }
 
 fn finish<'a>(kind: &'a str, f: Fields<'a>) -> Result<KvEvent<'a>, DecodeError> {
-    let tier = match (f.medium, f.group_idx, f.locality) {
-        (_, Some(1..), _) | (_, _, Some("REMOTE")) => Tier::Other,
+    let group = u32::try_from(f.group_idx.unwrap_or(0)).unwrap_or(u32::MAX);
+    let tier = match (f.medium, group, f.locality) {
+        (_, _, Some("REMOTE")) => Tier::Other,
         (None | Some("GPU"), _, _) => Tier::Gpu,
+        // Offloaded blocks are indexed for the first group only.
+        (_, 1.., _) => Tier::Other,
         (Some("CPU"), _, _) => Tier::Cpu,
         (Some("STORAGE"), _, _) => Tier::Storage,
         _ => Tier::Other,
@@ -320,10 +362,12 @@ fn finish<'a>(kind: &'a str, f: Fields<'a>) -> Result<KvEvent<'a>, DecodeError> 
                 first_block_extra: f.first_block_extra,
                 opaque_extra_keys: f.opaque_extra_keys,
                 tier,
+                group,
+                group_kind: GroupKind::parse(f.spec_kind, f.sliding_window),
             }))
         }
         "BlockRemoved" => match f.block_hashes {
-            Some(block_hashes) => Ok(KvEvent::BlockRemoved { block_hashes, tier }),
+            Some(block_hashes) => Ok(KvEvent::BlockRemoved { block_hashes, tier, group }),
             None => shape("BlockRemoved needs block_hashes"),
         },
         "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
@@ -356,7 +400,11 @@ mod tests {
         assert_eq!(
             batch.events,
             vec![
-                KvEvent::BlockRemoved { block_hashes: vec![EngineHash(17357102489901502592)], tier: Tier::Gpu },
+                KvEvent::BlockRemoved {
+                    block_hashes: vec![EngineHash(17357102489901502592)],
+                    tier: Tier::Gpu,
+                    group: 0
+                },
                 KvEvent::AllBlocksCleared
             ]
         );
@@ -398,7 +446,7 @@ mod tests {
         let third = fixture("vllm-0.33.0-offload-kv-events.json", 2);
         assert_eq!(
             decode_batch(&third).unwrap().events,
-            vec![KvEvent::BlockRemoved { block_hashes: vec![EngineHash(42)], tier: Tier::Cpu }]
+            vec![KvEvent::BlockRemoved { block_hashes: vec![EngineHash(42)], tier: Tier::Cpu, group: 0 }]
         );
     }
 
@@ -421,16 +469,17 @@ mod tests {
                 None => ev.push(0xc0),
             }
             match &decode_batch(&batch_with(&ev)).unwrap().events[0] {
-                KvEvent::BlockRemoved { tier, .. } => *tier,
+                KvEvent::BlockRemoved { tier, group, .. } => (*tier, *group),
                 other => panic!("{other:?}"),
             }
         };
-        assert_eq!(removed("GPU", 0, None), Tier::Gpu);
-        assert_eq!(removed("CPU", 0, Some("LOCAL")), Tier::Cpu);
-        assert_eq!(removed("STORAGE", 0, None), Tier::Storage);
-        assert_eq!(removed("CPU", 0, Some("REMOTE")), Tier::Other, "a shared tier is not the pod's");
-        assert_eq!(removed("GPU", 1, None), Tier::Other, "another KV-cache group");
-        assert_eq!(removed("NVME", 0, None), Tier::Other);
+        assert_eq!(removed("GPU", 0, None), (Tier::Gpu, 0));
+        assert_eq!(removed("CPU", 0, Some("LOCAL")), (Tier::Cpu, 0));
+        assert_eq!(removed("STORAGE", 0, None), (Tier::Storage, 0));
+        assert_eq!(removed("CPU", 0, Some("REMOTE")).0, Tier::Other, "a shared tier is not the pod's");
+        assert_eq!(removed("GPU", 1, None), (Tier::Gpu, 1), "another KV-cache group of the GPU cache");
+        assert_eq!(removed("CPU", 1, None).0, Tier::Other, "another group's offloaded blocks");
+        assert_eq!(removed("NVME", 0, None).0, Tier::Other);
     }
 
     #[test]
@@ -471,7 +520,11 @@ mod tests {
         assert_eq!(batch.data_parallel_rank, None);
         assert_eq!(
             batch.events[0],
-            KvEvent::BlockRemoved { block_hashes: vec![EngineHash(u64::MAX - 1), EngineHash(5)], tier: Tier::Gpu }
+            KvEvent::BlockRemoved {
+                block_hashes: vec![EngineHash(u64::MAX - 1), EngineHash(5)],
+                tier: Tier::Gpu,
+                group: 0
+            }
         );
         // {"type": "BlockRemoved", "block_hashes": [bin32], "medium": "CPU"}
         let mut ev = vec![0x83];
@@ -484,7 +537,7 @@ mod tests {
         fixstr(&mut ev, "CPU");
         let payload = batch_with(&ev);
         match &decode_batch(&payload).unwrap().events[0] {
-            KvEvent::BlockRemoved { block_hashes, tier } => {
+            KvEvent::BlockRemoved { block_hashes, tier, .. } => {
                 assert_eq!(block_hashes, &vec![EngineHash::from_bytes(&[9u8; 32])]);
                 assert_eq!(*tier, Tier::Cpu);
             }

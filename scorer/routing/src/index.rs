@@ -2,7 +2,7 @@
 //! pods' own KV events.
 //!
 //! Per tier (the GPU cache, and the host-memory and storage tiers a KV connector offloads
-//! to) two structures:
+//! to), and per further KV-cache group of a hybrid model's GPU cache, two structures:
 //! - [`BlockHolders`]: `SequenceHash → pods` (a 64-bit mask per shard of 64 pods), so matching
 //!   a request costs one lookup per block of its prompt whatever the number of pods;
 //! - per pod, a map `EngineHash → SequenceHash`, so a `BlockRemoved`, which names only the
@@ -15,14 +15,18 @@
 //! the same way when it carries its tokens (vLLM's `self_describing_kv_events`); by default
 //! it names only engine hashes, which are resolved through what the pod's tiers already hold
 //! (the block was announced on the GPU when it was computed) and counted as unresolved
-//! otherwise. Blocks of another KV-cache group or a remote tier, of a different block size,
-//! or with extra keys kvgate cannot reproduce are counted and not indexed. Removing a pod's
+//! otherwise. A hybrid model's engine keeps a KV-cache group per kind of layer (full
+//! attention, sliding window, mamba) and announces each group's blocks apart: a prefix is
+//! cached on such a pod only as far as vLLM's hybrid coordinator would serve it from every
+//! group ([`KvIndex::hybrid_prefix`]). Offloaded blocks of other groups, blocks of a remote
+//! tier, of a different block size, or with extra keys kvgate cannot reproduce are counted
+//! and not indexed. Removing a pod's
 //! last engine entry for a sequence hash clears that pod's bit; should two different engine
 //! hashes of one pod map to the same sequence hash (an engine hashing inputs kvgate
 //! ignores), the first removal clears it early — an under-estimate, which can only cost
 //! affinity, never misroute to a pod lacking the block.
 
-use crate::events::{BlockStored, EventBatch, KvEvent, Tier};
+use crate::events::{BlockStored, EventBatch, GroupKind, KvEvent, Tier};
 use crate::hash::{EngineHash, SequenceHash, chain, root_hash};
 use crate::holders::BlockHolders;
 use crate::pod_set::{PodId, PodMap, PodSet};
@@ -204,7 +208,72 @@ impl PodBlocks {
 #[derive(Default)]
 struct PodCache {
     tiers: [PodBlocks; 3],
+    /// GPU blocks of its KV-cache groups after the first (a hybrid model's), by group − 1.
+    groups: Vec<PodBlocks>,
+    /// The kind of each of its KV-cache groups, by group (as its events announced them).
+    kinds: Vec<GroupKind>,
     stats: PodIndexStats,
+}
+
+impl PodCache {
+    /// The blocks of `target`.
+    fn blocks(&mut self, target: Target) -> &mut PodBlocks {
+        match target {
+            Target::Tier(slot) => &mut self.tiers[slot],
+            Target::Group(group) => {
+                let at = group as usize - 1;
+                if self.groups.len() <= at {
+                    self.groups.resize_with(at + 1, PodBlocks::default);
+                }
+                &mut self.groups[at]
+            }
+        }
+    }
+}
+
+/// A sliding window's (or mamba's) hit within the first `max` blocks: scanning from the
+/// right, where the first run of `needed` consecutive blocks the group holds ends; failing
+/// that, the run it holds from the first block (vLLM's `SlidingWindowManager` and
+/// `MambaManager`).
+fn rightmost_run(max: usize, needed: usize, held: impl Fn(usize) -> bool) -> usize {
+    let mut run = 0;
+    for i in (0..max).rev() {
+        if held(i) {
+            run += 1;
+            if run >= needed {
+                return i + run;
+            }
+        } else {
+            run = 0;
+        }
+    }
+    run
+}
+
+/// The pods holding blocks of `target`: `tiers` by tier, `groups` by KV-cache group − 1.
+fn holders_of<'a>(
+    tiers: &'a mut [BlockHolders; 3],
+    groups: &'a mut Vec<BlockHolders>,
+    target: Target,
+) -> &'a mut BlockHolders {
+    match target {
+        Target::Tier(slot) => &mut tiers[slot],
+        Target::Group(group) => {
+            let at = group as usize - 1;
+            if groups.len() <= at {
+                groups.resize_with(at + 1, BlockHolders::default);
+            }
+            &mut groups[at]
+        }
+    }
+}
+
+/// Where a store or a removal goes: a tier of the first KV-cache group, or the GPU blocks
+/// of another group.
+#[derive(Clone, Copy, PartialEq)]
+enum Target {
+    Tier(usize),
+    Group(u32),
 }
 
 /// A pod's match of a request: leading blocks in its GPU cache, then the blocks right after
@@ -222,13 +291,15 @@ pub struct KvIndex {
     config: IndexConfig,
     /// Per tier (the order of [`TIERS`]), the pods holding each block.
     holders: [BlockHolders; 3],
+    /// Per KV-cache group after the first (by group − 1), the pods holding each GPU block.
+    group_holders: Vec<BlockHolders>,
     pods: PodMap<PodCache>,
 }
 
 impl KvIndex {
     pub fn new(block_size: usize, config: IndexConfig) -> Self {
         assert!(block_size > 0, "block_size must be positive");
-        Self { block_size, config, holders: Default::default(), pods: PodMap::default() }
+        Self { block_size, config, holders: Default::default(), group_holders: Vec::new(), pods: PodMap::default() }
     }
 
     pub fn config(&self) -> &IndexConfig {
@@ -258,17 +329,23 @@ impl KvIndex {
     /// Bytes the index holds in its tables, from their capacities: hash-map slots (key,
     /// value and a control byte each) and order queues.
     pub fn memory_bytes(&self) -> usize {
-        let pods: usize = self.pods.iter().flat_map(|(_, p)| &p.tiers).map(PodBlocks::memory_bytes).sum();
-        pods + self.holders.iter().map(BlockHolders::memory_bytes).sum::<usize>()
+        let pods: usize =
+            self.pods.iter().flat_map(|(_, p)| p.tiers.iter().chain(&p.groups)).map(PodBlocks::memory_bytes).sum();
+        pods + self.holders.iter().chain(&self.group_holders).map(BlockHolders::memory_bytes).sum::<usize>()
     }
 
     pub fn stats(&self, pod: PodId) -> PodIndexStats {
         self.pods.get(pod).map(|p| p.stats).unwrap_or_default()
     }
 
-    /// The slot of `tier` if the index keeps it.
-    fn indexed(&self, tier: Tier) -> Option<usize> {
-        tier_slot(tier).filter(|&slot| slot == 0 || self.config.offload.max_blocks_per_pod > 0)
+    /// Where the index keeps blocks of `tier` in KV-cache `group`, if it keeps them.
+    fn indexed(&self, tier: Tier, group: u32) -> Option<Target> {
+        match (tier, group) {
+            (Tier::Gpu, 1..) => Some(Target::Group(group)),
+            _ => tier_slot(tier)
+                .filter(|&slot| slot == 0 || self.config.offload.max_blocks_per_pod > 0)
+                .map(Target::Tier),
+        }
     }
 
     /// Applies one decoded batch of `pod`'s events.
@@ -276,15 +353,16 @@ impl KvIndex {
         for event in &batch.events {
             match event {
                 KvEvent::BlockStored(stored) => self.store(pod, stored),
-                KvEvent::BlockRemoved { block_hashes, tier } => {
-                    let Some(slot) = self.indexed(*tier) else { continue };
+                KvEvent::BlockRemoved { block_hashes, tier, group } => {
+                    let Some(target) = self.indexed(*tier, *group) else { continue };
+                    let holders = holders_of(&mut self.holders, &mut self.group_holders, target);
                     let cache = self.pods.get_mut(pod);
                     for &h in block_hashes {
-                        let known = cache.tiers[slot].remove(&mut self.holders[slot], pod, h);
-                        match (known, slot) {
+                        let known = cache.blocks(target).remove(holders, pod, h);
+                        match (known, target) {
                             (false, _) => cache.stats.unknown_removals += 1,
-                            (true, 0) => cache.stats.removed_blocks += 1,
-                            (true, _) => cache.stats.offload_removed_blocks += 1,
+                            (true, Target::Tier(1..)) => cache.stats.offload_removed_blocks += 1,
+                            (true, _) => cache.stats.removed_blocks += 1,
                         }
                     }
                 }
@@ -301,22 +379,32 @@ impl KvIndex {
 
     fn store(&mut self, pod: PodId, stored: &BlockStored<'_>) {
         let n = stored.block_hashes.len() as u64;
-        let slot = self.indexed(stored.tier).filter(|_| !stored.opaque_extra_keys);
+        let target = self.indexed(stored.tier, stored.group).filter(|_| !stored.opaque_extra_keys);
         let (block_size, cap) = (self.block_size, self.config.max_blocks_per_pod);
         let offload_cap = self.config.offload.max_blocks_per_pod;
         let cache = self.pods.get_mut(pod);
-        let Some(slot) = slot else {
+        let Some(target) = target else {
             cache.stats.ignored_blocks += n;
             return;
         };
-        // The sequence hash an engine hash stands for on this pod, from any tier.
-        let resolve = |cache: &PodCache, engine| cache.tiers.iter().find_map(|t| t.by_engine.get(&engine).copied());
-        let holders = &mut self.holders[slot];
+        if stored.tier == Tier::Gpu {
+            let group = stored.group as usize;
+            if cache.kinds.len() <= group {
+                cache.kinds.resize(group + 1, GroupKind::FullAttention);
+            }
+            cache.kinds[group] = stored.group_kind;
+        }
+        // The sequence hash an engine hash stands for on this pod, from any tier or group (a
+        // hybrid model's groups hash the same blocks alike).
+        let resolve = |cache: &PodCache, engine| {
+            cache.tiers.iter().chain(&cache.groups).find_map(|t| t.by_engine.get(&engine).copied())
+        };
+        let holders = holders_of(&mut self.holders, &mut self.group_holders, target);
         if stored.is_placeholder() {
             for &engine in &stored.block_hashes {
                 match resolve(cache, engine) {
                     Some(seq) => {
-                        cache.tiers[slot].insert(holders, pod, engine, seq);
+                        cache.blocks(target).insert(holders, pod, engine, seq);
                         cache.stats.offloaded_blocks += 1;
                     }
                     None => cache.stats.unresolved_offloads += 1,
@@ -342,24 +430,72 @@ impl KvIndex {
             };
             for (i, &engine) in stored.block_hashes.iter().enumerate() {
                 parent = chain(parent, &stored.token_ids[i * block_size..(i + 1) * block_size]);
-                cache.tiers[slot].insert(holders, pod, engine, parent);
+                cache.blocks(target).insert(holders, pod, engine, parent);
             }
-            if slot == 0 {
-                cache.stats.stored_blocks += n;
-            } else {
-                cache.stats.offloaded_blocks += n;
+            match target {
+                Target::Tier(1..) => cache.stats.offloaded_blocks += n,
+                _ => cache.stats.stored_blocks += n,
             }
         }
-        let cap = if slot == 0 { cap } else { offload_cap };
-        cache.stats.cap_evictions += cache.tiers[slot].enforce_cap(holders, pod, cap);
+        let cap = if matches!(target, Target::Tier(1..)) { offload_cap } else { cap };
+        cache.stats.cap_evictions += cache.blocks(target).enforce_cap(holders, pod, cap);
     }
 
-    /// Forgets everything `pod` holds, in every tier (`AllBlocksCleared`, a restarted engine,
-    /// a sequence gap that could not be replayed, a pod that left).
+    /// Forgets everything `pod` holds, in every tier and group (`AllBlocksCleared`, a
+    /// restarted engine, a sequence gap that could not be replayed, a pod that left).
     pub fn clear_pod(&mut self, pod: PodId) {
         let cache = self.pods.get_mut(pod);
         for (tier, holders) in cache.tiers.iter_mut().zip(&mut self.holders) {
             tier.clear(holders, pod);
+        }
+        for (group, holders) in cache.groups.iter_mut().zip(&mut self.group_holders) {
+            group.clear(holders, pod);
+        }
+        cache.kinds.clear();
+    }
+
+    /// Whether `pod` announced blocks of more than one KV-cache group, or of layers other
+    /// than full attention (a hybrid or sliding-window model): its cached prefix is then
+    /// [`KvIndex::hybrid_prefix`], not its first group's leading blocks.
+    pub fn is_hybrid(&self, pod: PodId) -> bool {
+        self.pods
+            .get(pod)
+            .is_some_and(|p| p.kinds.len() > 1 || p.kinds.first().is_some_and(|k| *k != GroupKind::FullAttention))
+    }
+
+    /// The leading blocks of `chain` that hybrid `pod` serves from every KV-cache group, as
+    /// vLLM's hybrid coordinator finds them (`HybridKVCacheCoordinator.find_longest_cache_hit`
+    /// in vLLM 0.33): from at most `max_blocks` (vLLM computes at least the prompt's last
+    /// token), each group cuts the hit to where it holds what it needs there — full
+    /// attention its prefix (the first group's is `full_blocks`), a sliding window the blocks
+    /// of its last window before the hit (or a run from the first block), mamba the block at
+    /// the hit — until no group cuts it further.
+    pub fn hybrid_prefix(&self, chain: &[SequenceHash], pod: PodId, full_blocks: usize, max_blocks: usize) -> usize {
+        let Some(cache) = self.pods.get(pod) else { return 0 };
+        let mut hit = max_blocks.min(chain.len());
+        if cache.kinds.is_empty() {
+            return hit.min(full_blocks);
+        }
+        loop {
+            let mut cut = hit;
+            for (group, kind) in cache.kinds.iter().enumerate() {
+                let holders = if group == 0 { Some(&self.holders[0]) } else { self.group_holders.get(group - 1) };
+                let Some(holders) = holders else { return 0 };
+                let held = |i: usize| holders.holds(chain[i], pod);
+                cut = match *kind {
+                    GroupKind::SlidingWindow(window) => {
+                        let needed = (window as usize).saturating_sub(1).div_ceil(self.block_size).max(1);
+                        rightmost_run(cut, needed, held)
+                    }
+                    GroupKind::Mamba => rightmost_run(cut, 1, held),
+                    GroupKind::FullAttention | GroupKind::Other if group == 0 => cut.min(full_blocks),
+                    GroupKind::FullAttention | GroupKind::Other => (0..cut).take_while(|&i| held(i)).count(),
+                };
+            }
+            if cut == hit {
+                return hit;
+            }
+            hit = cut;
         }
     }
 
@@ -418,6 +554,8 @@ mod tests {
             first_block_extra: vec![],
             opaque_extra_keys: false,
             tier: Tier::Gpu,
+            group: 0,
+            group_kind: GroupKind::FullAttention,
         })
     }
 
@@ -426,7 +564,11 @@ mod tests {
     }
 
     fn removed<'a>(engine: &[u64]) -> KvEvent<'a> {
-        KvEvent::BlockRemoved { block_hashes: engine.iter().map(|&h| EngineHash(h)).collect(), tier: Tier::Gpu }
+        KvEvent::BlockRemoved {
+            block_hashes: engine.iter().map(|&h| EngineHash(h)).collect(),
+            tier: Tier::Gpu,
+            group: 0,
+        }
     }
 
     fn chain_of(tokens: &[u32]) -> Vec<SequenceHash> {
@@ -539,6 +681,8 @@ mod tests {
             first_block_extra: vec![],
             opaque_extra_keys: false,
             tier,
+            group: 0,
+            group_kind: GroupKind::FullAttention,
         })
     }
 
@@ -577,7 +721,10 @@ mod tests {
         assert_eq!((s.stored_blocks, s.offloaded_blocks, s.removed_blocks), (3, 3, 2));
         assert_eq!(idx.stats(pods[1]).offloaded_blocks, 2);
         // An eviction from the CPU tier.
-        idx.apply(pods[0], &batch(vec![KvEvent::BlockRemoved { block_hashes: vec![EngineHash(11)], tier: Tier::Cpu }]));
+        idx.apply(
+            pods[0],
+            &batch(vec![KvEvent::BlockRemoved { block_hashes: vec![EngineHash(11)], tier: Tier::Cpu, group: 0 }]),
+        );
         assert_eq!(runs(&idx, &T)[0], (1, cpu(0)));
         assert_eq!(idx.stats(pods[0]).offload_removed_blocks, 1);
         // Clearing the pod clears its tiers too.
@@ -602,7 +749,7 @@ mod tests {
         idx.apply(pods[0], &batch(vec![KvEvent::BlockStored(child.clone()), KvEvent::BlockStored(child)]));
         assert_eq!(runs(&idx, &T)[0], (0, cpu(2)));
         // Re-announced twice (vLLM's connector re-announces shared blocks): two removals.
-        let cpu_removed = || KvEvent::BlockRemoved { block_hashes: vec![EngineHash(11)], tier: Tier::Cpu };
+        let cpu_removed = || KvEvent::BlockRemoved { block_hashes: vec![EngineHash(11)], tier: Tier::Cpu, group: 0 };
         idx.apply(pods[0], &batch(vec![cpu_removed()]));
         assert_eq!(runs(&idx, &T)[0], (0, cpu(2)));
         idx.apply(pods[0], &batch(vec![cpu_removed()]));
@@ -637,5 +784,76 @@ mod tests {
         let mut out = Vec::new();
         idx.longest_prefixes(&chain, &all(&idx), &mut out);
         assert_eq!(out, vec![1]);
+    }
+
+    /// A store of `engine` blocks (tokens 1.. in order, from the first block) in `group`.
+    fn stored_in<'a>(group: u32, kind: GroupKind, engine: &[u64], tokens: &[u32]) -> KvEvent<'a> {
+        let KvEvent::BlockStored(s) = stored(engine, None, tokens) else { unreachable!() };
+        KvEvent::BlockStored(BlockStored { group, group_kind: kind, ..s })
+    }
+
+    fn removed_in<'a>(group: u32, engine: &[u64]) -> KvEvent<'a> {
+        KvEvent::BlockRemoved { block_hashes: engine.iter().map(|&h| EngineHash(h)).collect(), tier: Tier::Gpu, group }
+    }
+
+    #[test]
+    fn a_hybrid_pod_serves_a_prefix_only_as_far_as_every_group_holds_what_it_needs() {
+        let (mut idx, pods) = index(1, 100);
+        let pod = pods[0];
+        let tokens: Vec<u32> = (1..=24).collect();
+        let c = chain_of(&tokens);
+        let engine: Vec<u64> = (10..16).collect();
+        // Six blocks in the full-attention group and in a sliding window of 9 tokens (the
+        // last two blocks of 4 before a hit).
+        let window = GroupKind::SlidingWindow(9);
+        idx.apply(
+            pod,
+            &batch(vec![
+                stored_in(0, GroupKind::FullAttention, &engine, &tokens),
+                stored_in(1, window, &engine, &tokens),
+            ]),
+        );
+        assert!(idx.is_hybrid(pod));
+        let hit = |idx: &KvIndex, max| {
+            let mut out = Vec::new();
+            idx.longest_prefixes(&c, &all(idx), &mut out);
+            idx.hybrid_prefix(&c, pod, out[0] as usize, max)
+        };
+        assert_eq!(hit(&idx, 6), 6);
+        assert_eq!(hit(&idx, 5), 5, "at most what vLLM may serve (the last token is computed)");
+        // The window group freed and evicted the blocks behind its window: still a hit.
+        idx.apply(pod, &batch(vec![removed_in(1, &engine[..4])]));
+        assert_eq!(hit(&idx, 6), 6);
+        assert_eq!(idx.stats(pod).removed_blocks, 4);
+        // Its last block gone too: no two consecutive blocks, no run from the first: nothing,
+        // though the full-attention group holds all six.
+        idx.apply(pod, &batch(vec![removed_in(1, &engine[5..])]));
+        assert_eq!(hit(&idx, 6), 0);
+        // Blocks 0–2 back in the window group: a hit ends after blocks 1–2.
+        idx.apply(pod, &batch(vec![stored_in(1, window, &engine[..3], &tokens[..12])]));
+        assert_eq!(hit(&idx, 6), 3);
+        // A mamba group holding only block 1's state cuts it to 2, where the window's blocks
+        // 0–1 serve it too (the groups agree after two rounds).
+        idx.apply(pod, &batch(vec![stored_in(2, GroupKind::Mamba, &engine[..2], &tokens[..8])]));
+        idx.apply(pod, &batch(vec![removed_in(2, &engine[..1])]));
+        assert_eq!(hit(&idx, 6), 2);
+        // The first group's blocks are not the other groups': removing its block 1 cuts the
+        // prefix to block 0, where mamba holds no state: nothing.
+        idx.apply(pod, &batch(vec![removed(&engine[1..2])]));
+        assert_eq!(hit(&idx, 6), 0);
+        // Cleared: nothing, and no longer known as hybrid until it says so again.
+        idx.apply(pod, &batch(vec![KvEvent::AllBlocksCleared]));
+        assert!(!idx.is_hybrid(pod));
+        assert_eq!(hit(&idx, 6), 0);
+    }
+
+    #[test]
+    fn the_rightmost_run_is_vllms_sliding_window_search() {
+        let held = |set: &'static [usize]| move |i: usize| set.contains(&i);
+        assert_eq!(rightmost_run(6, 2, held(&[0, 1, 2, 4, 5])), 6);
+        assert_eq!(rightmost_run(6, 2, held(&[0, 1, 2, 4])), 3);
+        assert_eq!(rightmost_run(6, 3, held(&[0, 1, 3, 4])), 2, "no run of 3: the run from the first block");
+        assert_eq!(rightmost_run(6, 3, held(&[1, 3, 4])), 0);
+        assert_eq!(rightmost_run(4, 1, held(&[1, 5])), 2, "mamba: the rightmost block within the hit");
     }
 }

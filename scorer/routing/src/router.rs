@@ -683,7 +683,12 @@ impl Router {
                     Some(cached) => (cached, 0, 0),
                     None => {
                         let overlap = |o: &[u32]| o.get(p.index()).copied().unwrap_or(0);
-                        let indexed = overlap(&self.overlap).max(overlap(&self.approx_overlap));
+                        let mut indexed = overlap(&self.overlap).max(overlap(&self.approx_overlap));
+                        if self.index.is_hybrid(p) {
+                            // A hybrid model's groups: vLLM computes at least the last token.
+                            let max_blocks = (request.prompt_tokens.saturating_sub(1) / self.block_size) as usize;
+                            indexed = self.index.hybrid_prefix(request.chain, p, indexed as usize, max_blocks) as u32;
+                        }
                         let blocks = indexed.max(self.load.inflight_prefix(p, request.chain) as u32);
                         let cached = tokens(blocks);
                         // Blocks past the GPU prefix the pod holds offloaded: loaded, not computed.
@@ -874,6 +879,8 @@ mod tests {
             first_block_extra: vec![],
             opaque_extra_keys: false,
             tier,
+            group: 0,
+            group_kind: crate::events::GroupKind::FullAttention,
         };
         r.apply_events(
             pod,
@@ -948,6 +955,26 @@ mod tests {
             assert_eq!((found(&mut r, Some("sql")), found(&mut r, None)), (cached, cached), "batch {batch}");
             assert_eq!(found(&mut r, Some("law")), 0, "another adapter's blocks are not these");
         }
+    }
+
+    #[test]
+    fn a_hybrid_models_prefix_as_vllm_publishes_its_groups_counts_as_far_as_its_window_serves_it() {
+        // vLLM 0.33's engine of a hybrid model stores 4 blocks (of 4 tokens) in its
+        // full-attention group and its sliding-window group (9 tokens: 2 blocks), then the
+        // window group evicts blocks 0 and 1, then block 3.
+        let mut r = Router::new(&RouterConfig { block_size: 4, ..test_config(u32::MAX) });
+        let pod = r.add_pod(Role::Both, true);
+        let tokens: Vec<u32> = (1..=17).collect();
+        let mut c = Vec::new();
+        sequence_hashes(root_hash(None, None), &tokens, 4, &mut c);
+        for (batch, cached) in [(0, 16), (1, 16), (2, 0)] {
+            let payload = kvgate_test_harness::vllm_fixture_payload("vllm-0.33.0-hybrid-kv-events.json", batch);
+            r.apply_events(pod, &crate::events::decode_batch(&payload).unwrap());
+            let routed = r.route(&RouteRequest::new(&format!("q{batch}"), &c, 17, Some(1)), 0.0).unwrap();
+            assert_eq!(routed.decode.cached_tokens, cached, "batch {batch}");
+            r.report(&format!("q{batch}"), Lifecycle::Done, false, 0.0).unwrap();
+        }
+        assert_eq!(r.index().stats(pod).removed_blocks, 3);
     }
 
     #[test]
