@@ -100,6 +100,17 @@ def write_fixture(kv, batches, built_by, out_path):
         f.write("\n")
 
 
+def fixture_main(doc, batches, built_by):
+    """The command line of a fixture script: `--kv-events PATH OUT`, `batches(kv)` built from
+    vLLM's module, published and written as `write_fixture` does."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--kv-events", required=True)
+    parser.add_argument("out")
+    args = parser.parse_args()
+    kv = load_vllm_kv_events(args.kv_events)
+    write_fixture(kv, batches(kv), built_by, args.out)
+
+
 def emit(obj):
     print(json.dumps(obj), flush=True)
 

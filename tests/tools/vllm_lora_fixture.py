@@ -13,9 +13,7 @@ blocks beside the base model's blocks of the same tokens; the next evicts one of
     python vllm_lora_fixture.py --kv-events ~/.cache/kvgate/vllm/0.33.0/kv_events.py OUT.json
 """
 
-import argparse
-
-from vllm_kv_events import load_vllm_kv_events, write_fixture
+from vllm_kv_events import fixture_main
 
 ADAPTER_A, ADAPTER_B = 9020408081234567890, 14123456789012345678
 BASE_A, BASE_B = 1234605616436508552, 17357102489901502592
@@ -33,15 +31,5 @@ def batches(kv):
     ]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kv-events", required=True)
-    parser.add_argument("out")
-    args = parser.parse_args()
-    kv = load_vllm_kv_events(args.kv_events)
-    write_fixture(kv, batches(kv), "events as the engine builds them for a LoRA adapter (tests/tools/vllm_lora_fixture.py)",
-                  args.out)
-
-
 if __name__ == "__main__":
-    main()
+    fixture_main(__doc__, batches, "events as the engine builds them for a LoRA adapter (tests/tools/vllm_lora_fixture.py)")

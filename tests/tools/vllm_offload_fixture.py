@@ -13,9 +13,7 @@ scheduler publishes connector events in the same batch as the KV cache manager's
     python vllm_offload_fixture.py --kv-events ~/.cache/kvgate/vllm/0.33.0/kv_events.py OUT.json
 """
 
-import argparse
-
-from vllm_kv_events import load_vllm_kv_events, write_fixture
+from vllm_kv_events import fixture_main
 
 A, B, C = 1234605616436508552, 17357102489901502592, 42
 
@@ -40,15 +38,5 @@ def batches(kv):
     ]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kv-events", required=True)
-    parser.add_argument("out")
-    args = parser.parse_args()
-    kv = load_vllm_kv_events(args.kv_events)
-    write_fixture(kv, batches(kv), "events as the OffloadingConnector builds them (tests/tools/vllm_offload_fixture.py)",
-                  args.out)
-
-
 if __name__ == "__main__":
-    main()
+    fixture_main(__doc__, batches, "events as the OffloadingConnector builds them (tests/tools/vllm_offload_fixture.py)")

@@ -114,12 +114,12 @@ impl PodAdapters {
         }
     }
 
-    /// How the pod stands for a request of `adapter`, given the
-    /// adapters of the requests booked there (`in_flight`), and `unknown_seconds` for how
-    /// long an adapter the pod reports holds its slot when no booking explains it (routed by
-    /// someone else; one this router routed there and has no booking of has drained since
-    /// the report). The engine gives slots in order of arrival: the booked adapters, by
-    /// their first booking, after the unexplained ones, fill the slots; the rest wait.
+    /// How the pod stands for a request of `adapter`, given the adapters of the requests
+    /// booked there (`in_flight`), and `unknown_seconds` for how long an adapter the pod
+    /// reports holds its slot when no booking explains it (routed by someone else; one this
+    /// router routed there and has no booking of has drained since the report). The engine
+    /// gives slots in order of arrival: the booked adapters, by their first booking, after
+    /// the unexplained ones, fill the slots; the rest wait.
     pub fn fit(&self, adapter: AdapterId, in_flight: &[AdapterLoad], unknown_seconds: f64) -> AdapterFit {
         let Some(reported) = self.reported.as_ref().filter(|r| r.max_loras > 0) else {
             return AdapterFit::Unlimited;
