@@ -32,6 +32,7 @@ fn store_block(i: usize) -> Vec<u8> {
         token_ids: tokens,
         keys: HashKeys::default(),
         first_index: i,
+        group: None,
     };
     let encoder =
         EventEncoder { format: EventFormat::Map, hashes: HashFormat::U64, block_size: BS, data_parallel_rank: Some(0) };
@@ -273,6 +274,7 @@ async fn an_event_flood_is_bounded_and_every_lost_batch_is_counted() {
         token_ids: tokens.clone(),
         keys: HashKeys::default(),
         first_index: 0,
+        group: None,
     };
     let encoder =
         EventEncoder { format: EventFormat::Map, hashes: HashFormat::U64, block_size: BS, data_parallel_rank: Some(0) };

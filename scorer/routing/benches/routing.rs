@@ -44,6 +44,7 @@ fn store(encoder: &EventEncoder, router: &mut Router, pod: PodId, tokens: &[u32]
         token_ids: tokens.to_vec(),
         keys: HashKeys::default(),
         first_index: 0,
+        group: None,
     };
     let payload = encoder.encode_batch(0.0, &[change]);
     router.apply_events(pod, &decode_batch(&payload).expect("valid"));
@@ -206,11 +207,13 @@ fn main() {
                 token_ids: tokens,
                 keys: HashKeys::default(),
                 first_index: 0,
+                group: None,
             });
         }
         payloads.push(encoder.encode_batch(0.0, &changes));
-        let removed: Vec<CacheChange> =
-            (0..32).map(|k| CacheChange::Removed { hash: engine_hash(5_000_000_000 + b * 32 + k) }).collect();
+        let removed: Vec<CacheChange> = (0..32)
+            .map(|k| CacheChange::Removed { hash: engine_hash(5_000_000_000 + b * 32 + k), group: None })
+            .collect();
         payloads.push(encoder.encode_batch(0.0, &removed));
     }
     let events_per_round = 2_000 * 64u64; // 32 stored + 32 removed blocks per batch pair

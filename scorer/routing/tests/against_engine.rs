@@ -4,7 +4,10 @@
 //! seed) run a random workload with shared prefixes, LoRA adapters, cache salts, evictions
 //! and cache resets. Every step's cache changes are encoded exactly as vLLM publishes them,
 //! decoded by kvgate and applied to one index. At checkpoints, for random probe prompts, the
-//! index's per-pod prefix overlap must equal what each engine actually has cached.
+//! index's per-pod prefix overlap must equal what each engine actually has cached. As hybrid
+//! models (a sliding window beside full attention), the engines announce each KV-cache group
+//! apart, free the blocks their windows move past, and serve a prefix only as far as both
+//! groups hold it: the index's hybrid prefix must equal that too.
 
 use kvgate_routing::events::decode_batch;
 use kvgate_routing::hash::{root_hash, sequence_hashes};
@@ -27,7 +30,7 @@ fn keys(rng: &mut StdRng) -> HashKeys {
     }
 }
 
-fn run(format: EventFormat, hashes: HashFormat, seed: u64) {
+fn run(format: EventFormat, hashes: HashFormat, seed: u64, sliding_window: Option<usize>) {
     let mut rng = StdRng::seed_from_u64(seed);
     let encoder = EventEncoder { format, hashes, block_size: BS, data_parallel_rank: Some(0) };
     let mut engines: Vec<Engine> = (0..3)
@@ -39,6 +42,7 @@ fn run(format: EventFormat, hashes: HashFormat, seed: u64) {
                 max_num_batched_tokens: 64,
                 hash_seed: None, // random per engine: their hashes never agree with ours
                 filler_tokens: vec![7, 8, 9, 10, 11],
+                sliding_window,
                 ..Default::default()
             })
         })
@@ -62,7 +66,7 @@ fn run(format: EventFormat, hashes: HashFormat, seed: u64) {
         index.apply(pod, &batch);
     };
 
-    let mut checks = 0;
+    let (mut checks, mut cut_by_window) = (0, 0);
     for round in 0..400 {
         let e = rng.random_range(0..engines.len());
         let request = NewRequest {
@@ -94,8 +98,13 @@ fn run(format: EventFormat, hashes: HashFormat, seed: u64) {
                 let mut overlap = Vec::new();
                 index.longest_prefixes(&chain, &all, &mut overlap);
                 for (i, engine) in engines.iter().enumerate() {
+                    let mut cached = overlap[i] as usize;
+                    if index.is_hybrid(pods[i]) {
+                        cached = index.hybrid_prefix(&chain, pods[i], cached, chain.len());
+                        cut_by_window += usize::from(cached < overlap[i] as usize);
+                    }
                     assert_eq!(
-                        overlap[i] as usize,
+                        cached,
                         engine.cached_prefix_blocks(&probe, &k),
                         "round {round}, pod {i}, format {format:?}/{hashes:?}"
                     );
@@ -105,6 +114,10 @@ fn run(format: EventFormat, hashes: HashFormat, seed: u64) {
         }
     }
     assert!(checks >= 800);
+    if sliding_window.is_some() {
+        // The full-attention prefix alone would have been wrong this often.
+        assert!(cut_by_window > 50, "the windows cut {cut_by_window} prefixes");
+    }
     for (i, pod) in pods.iter().enumerate() {
         let stats = index.stats(*pod);
         assert!(stats.stored_blocks > 50 && stats.removed_blocks > 10, "pod {i} saw churn: {stats:?}");
@@ -114,15 +127,22 @@ fn run(format: EventFormat, hashes: HashFormat, seed: u64) {
 
 #[test]
 fn index_matches_engines_with_vllm_map_events() {
-    run(EventFormat::Map, HashFormat::U64, 1);
+    run(EventFormat::Map, HashFormat::U64, 1, None);
 }
 
 #[test]
 fn index_matches_engines_with_vllm_array_events() {
-    run(EventFormat::Array, HashFormat::U64, 2);
+    run(EventFormat::Array, HashFormat::U64, 2, None);
 }
 
 #[test]
 fn index_matches_engines_with_byte_hashes() {
-    run(EventFormat::Map, HashFormat::Bytes, 3);
+    run(EventFormat::Map, HashFormat::Bytes, 3, None);
+}
+
+#[test]
+fn index_matches_hybrid_engines_across_window_boundaries() {
+    // Windows of 2 and 4 blocks (9 and 14 tokens) over prompts of 5–59 tokens.
+    run(EventFormat::Map, HashFormat::U64, 4, Some(9));
+    run(EventFormat::Array, HashFormat::U64, 5, Some(14));
 }

@@ -127,7 +127,7 @@ impl KvAware {
                         }
                     }
                 }
-                CacheChange::Removed { hash } => {
+                CacheChange::Removed { hash, .. } => {
                     if let Some(holders) = self.index.get_mut(&hash.as_u64()) {
                         holders.retain(|h| h.worker != worker);
                         if holders.is_empty() {
@@ -160,6 +160,7 @@ mod tests {
             token_ids: tokens.to_vec(),
             keys: HashKeys::default(),
             first_index: 0,
+            group: None,
         }
     }
 
@@ -176,7 +177,7 @@ mod tests {
         assert_eq!(kv.load, vec![0, 10, 0]);
         // Evicting worker 1's second block caps it at one block: worker 2's two win.
         let second = hash_blocks(&root_hash(Some("0")), &doc, 16, &HashKeys::default())[1];
-        kv.kv_events(1, &[CacheChange::Removed { hash: second }]);
+        kv.kv_events(1, &[CacheChange::Removed { hash: second, group: None }]);
         assert_eq!(kv.route(&doc, 0.0), 2);
     }
 

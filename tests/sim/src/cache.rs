@@ -7,6 +7,8 @@
 //! free block loses its cache entry (→ `BlockRemoved`) only when the pool reuses it.
 //! As in vLLM, two requests computing the same prefix at once produce two physical blocks
 //! with the same hash: both are announced (`BlockStored`) and both are removed in time.
+//! A hybrid model's KV-cache groups share the pool: a block is cached under its hash and its
+//! group ([`KvGroup`]).
 
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -92,20 +94,31 @@ pub fn hash_blocks(root: &EngineBlockHash, tokens: &[u32], block_size: usize, ke
         .collect()
 }
 
+/// A KV-cache group of a hybrid model's engine (vLLM keeps one per kind of layer): its
+/// index, and its sliding window in tokens (`None`: full attention). An engine of one kind
+/// of layer announces its blocks without a group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KvGroup {
+    pub index: u32,
+    pub sliding_window: Option<u32>,
+}
+
 /// What the cache did, in the order it happened; the engine turns these into KV events.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CacheChange {
     /// Full blocks became cached: consecutive blocks of one request's sequence, the first
-    /// being block number `first_index` of that sequence (it decides the extra keys).
+    /// being block number `first_index` of that sequence (it decides the extra keys), in
+    /// `group` (a hybrid model's).
     Stored {
         hashes: Vec<EngineBlockHash>,
         parent: Option<EngineBlockHash>,
         token_ids: Vec<u32>,
         keys: HashKeys,
         first_index: usize,
+        group: Option<KvGroup>,
     },
     /// A cached block was evicted (reused for other data).
-    Removed { hash: EngineBlockHash },
+    Removed { hash: EngineBlockHash, group: Option<KvGroup> },
     /// The KV connector copied a block to host memory (vLLM's `OffloadingConnector`
     /// announces it by hash only: a placeholder `BlockStored` with medium CPU).
     Offloaded { hash: EngineBlockHash },
@@ -187,8 +200,8 @@ impl OffloadTier {
 pub struct BlockPool {
     block_size: usize,
     ref_count: Vec<u32>,
-    hash_of: Vec<Option<EngineBlockHash>>,
-    cached: HashMap<EngineBlockHash, Vec<BlockId>>,
+    hash_of: Vec<Option<(EngineBlockHash, Option<KvGroup>)>>,
+    cached: HashMap<(EngineBlockHash, Option<KvGroup>), Vec<BlockId>>,
     // Free queue as an intrusive doubly linked list: head is evicted first.
     prev: Vec<u32>,
     next: Vec<u32>,
@@ -241,17 +254,22 @@ impl BlockPool {
         1.0 - self.num_free as f64 / self.num_blocks() as f64
     }
 
-    /// Number of leading `hashes` that are cached.
-    pub fn longest_cached_prefix(&self, hashes: &[EngineBlockHash]) -> usize {
-        hashes.iter().take_while(|h| self.cached.contains_key(h)).count()
+    /// Number of leading `hashes` that are cached in `group`.
+    pub fn longest_cached_prefix(&self, hashes: &[EngineBlockHash], group: Option<KvGroup>) -> usize {
+        hashes.iter().take_while(|h| self.holds(h, group)).count()
     }
 
-    /// Takes a reference on the cached blocks of `hashes` (all must be cached).
-    pub fn touch(&mut self, hashes: &[EngineBlockHash]) -> Vec<BlockId> {
+    /// Whether block `hash` is cached in `group`.
+    pub fn holds(&self, hash: &EngineBlockHash, group: Option<KvGroup>) -> bool {
+        self.cached.contains_key(&(*hash, group))
+    }
+
+    /// Takes a reference on the cached blocks of `hashes` in `group` (all must be cached).
+    pub fn touch(&mut self, hashes: &[EngineBlockHash], group: Option<KvGroup>) -> Vec<BlockId> {
         hashes
             .iter()
             .map(|h| {
-                let block = self.cached[h][0];
+                let block = self.cached[&(*h, group)][0];
                 if self.ref_count[block as usize] == 0 {
                     self.unlink(block);
                 }
@@ -291,9 +309,10 @@ impl BlockPool {
         }
     }
 
-    /// Marks full blocks as cached. `blocks[i]` holds the data hashed as `hashes[i]`, block
-    /// number `first_index + i` of a sequence hashed with `keys`; `parent` is the hash before
-    /// `hashes[0]`; `token_ids` are their tokens.
+    /// Marks full blocks as cached in `group`. `blocks[i]` holds the data hashed as
+    /// `hashes[i]`, block number `first_index + i` of a sequence hashed with `keys`; `parent`
+    /// is the hash before `hashes[0]`; `token_ids` are their tokens.
+    #[allow(clippy::too_many_arguments)]
     pub fn cache_blocks(
         &mut self,
         blocks: &[BlockId],
@@ -302,6 +321,7 @@ impl BlockPool {
         token_ids: Vec<u32>,
         keys: &HashKeys,
         first_index: usize,
+        group: Option<KvGroup>,
     ) {
         debug_assert_eq!(blocks.len(), hashes.len());
         debug_assert_eq!(token_ids.len(), hashes.len() * self.block_size);
@@ -310,8 +330,8 @@ impl BlockPool {
         }
         for (&block, &hash) in blocks.iter().zip(hashes) {
             debug_assert!(self.hash_of[block as usize].is_none());
-            self.hash_of[block as usize] = Some(hash);
-            self.cached.entry(hash).or_default().push(block);
+            self.hash_of[block as usize] = Some((hash, group));
+            self.cached.entry((hash, group)).or_default().push(block);
         }
         self.changes.push(CacheChange::Stored {
             hashes: hashes.to_vec(),
@@ -319,6 +339,7 @@ impl BlockPool {
             token_ids,
             keys: keys.clone(),
             first_index,
+            group,
         });
     }
 
@@ -346,14 +367,14 @@ impl BlockPool {
     }
 
     fn evict(&mut self, block: BlockId) {
-        let Some(hash) = self.hash_of[block as usize].take() else { return };
-        if let Some(list) = self.cached.get_mut(&hash) {
+        let Some((hash, group)) = self.hash_of[block as usize].take() else { return };
+        if let Some(list) = self.cached.get_mut(&(hash, group)) {
             list.retain(|&b| b != block);
             if list.is_empty() {
-                self.cached.remove(&hash);
+                self.cached.remove(&(hash, group));
             }
         }
-        self.changes.push(CacheChange::Removed { hash });
+        self.changes.push(CacheChange::Removed { hash, group });
     }
 
     fn push_free(&mut self, block: BlockId) {
@@ -397,7 +418,7 @@ mod tests {
     fn cache_sequence(pool: &mut BlockPool, tokens: &[u32]) -> Vec<BlockId> {
         let hs = hashes(tokens);
         let blocks = pool.allocate(hs.len()).unwrap();
-        pool.cache_blocks(&blocks, &hs, None, tokens[..hs.len() * 4].to_vec(), &HashKeys::default(), 0);
+        pool.cache_blocks(&blocks, &hs, None, tokens[..hs.len() * 4].to_vec(), &HashKeys::default(), 0, None);
         blocks
     }
 
@@ -432,17 +453,17 @@ mod tests {
         let mut pool = BlockPool::new(8, 4);
         let tokens: Vec<u32> = (0..12).collect();
         let blocks = cache_sequence(&mut pool, &tokens);
-        assert_eq!(pool.longest_cached_prefix(&hashes(&tokens)), 3);
+        assert_eq!(pool.longest_cached_prefix(&hashes(&tokens), None), 3);
         let mut other: Vec<u32> = (0..8).collect();
         other.extend([99, 98, 97, 96]);
-        assert_eq!(pool.longest_cached_prefix(&hashes(&other)), 2);
-        let shared = pool.touch(&hashes(&other)[..2]);
+        assert_eq!(pool.longest_cached_prefix(&hashes(&other), None), 2);
+        let shared = pool.touch(&hashes(&other)[..2], None);
         assert_eq!(shared, blocks[..2]);
         assert_eq!(pool.num_free(), 5);
         pool.free(&blocks);
         pool.free(&shared);
         assert_eq!(pool.num_free(), 8);
-        assert_eq!(pool.longest_cached_prefix(&hashes(&tokens)), 3, "freed blocks stay cached");
+        assert_eq!(pool.longest_cached_prefix(&hashes(&tokens), None), 3, "freed blocks stay cached");
     }
 
     #[test]
@@ -456,9 +477,12 @@ mod tests {
         let c = pool.allocate(1).unwrap();
         // vLLM frees tail first: a's second block is evicted before its first.
         assert_eq!(c, vec![a[1]]);
-        assert_eq!(pool.take_changes(), vec![CacheChange::Removed { hash: hashes(&(0..8).collect::<Vec<_>>())[1] }]);
-        assert_eq!(pool.longest_cached_prefix(&hashes(&(0..8).collect::<Vec<_>>())), 1);
-        assert_eq!(pool.longest_cached_prefix(&hashes(&(100..108).collect::<Vec<_>>())), 2);
+        assert_eq!(
+            pool.take_changes(),
+            vec![CacheChange::Removed { hash: hashes(&(0..8).collect::<Vec<_>>())[1], group: None }]
+        );
+        assert_eq!(pool.longest_cached_prefix(&hashes(&(0..8).collect::<Vec<_>>()), None), 1);
+        assert_eq!(pool.longest_cached_prefix(&hashes(&(100..108).collect::<Vec<_>>()), None), 2);
         pool.free(&b);
         pool.free(&c);
     }
@@ -487,6 +511,6 @@ mod tests {
         pool.take_changes();
         assert_eq!(pool.reset(), Ok(()));
         assert_eq!(pool.take_changes(), vec![CacheChange::Cleared]);
-        assert_eq!(pool.longest_cached_prefix(&hashes(&[1, 2, 3, 4])), 0);
+        assert_eq!(pool.longest_cached_prefix(&hashes(&[1, 2, 3, 4]), None), 0);
     }
 }

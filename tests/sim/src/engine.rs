@@ -13,7 +13,8 @@
 //! server (`kvgate-sim`) and in an offline cluster simulator in virtual time.
 
 use crate::cache::{
-    BlockId, BlockPool, CacheChange, EngineBlockHash, HashKeys, OffloadTier, block_hash, hash_blocks, root_hash,
+    BlockId, BlockPool, CacheChange, EngineBlockHash, HashKeys, KvGroup, OffloadTier, block_hash, hash_blocks,
+    root_hash,
 };
 use crate::timing::{StepWork, TimingModel, prefill_pairs};
 use std::collections::{HashMap, VecDeque};
@@ -48,6 +49,10 @@ pub struct EngineConfig {
     /// Milliseconds a step takes longer for each adapter it brings onto the GPU (one not among
     /// the last `max_loras` it ran).
     pub lora_load_ms: f64,
+    /// Runs as a hybrid model (gpt-oss, Gemma 3): full attention beside sliding-window
+    /// attention over this many tokens, a KV-cache group each in the one pool, a prefix hit
+    /// only as far as both serve it (vLLM's hybrid coordinator). `None`: full attention only.
+    pub sliding_window: Option<usize>,
     /// Token ids the engine "generates", cycled (the text is filler; counts and timing are real).
     pub filler_tokens: Vec<u32>,
 }
@@ -65,6 +70,7 @@ impl Default for EngineConfig {
             timing: TimingModel::default(),
             max_loras: 0,
             lora_load_ms: 0.0,
+            sliding_window: None,
             filler_tokens: vec![0],
         }
     }
@@ -188,6 +194,9 @@ struct Sequence {
     /// Hashes of the full blocks of `tokens` computed so far (grows with the sequence).
     hashes: Vec<EngineBlockHash>,
     blocks: Vec<BlockId>,
+    /// A hybrid model's sliding-window group's blocks, by block number: `None` where the
+    /// window has moved past (freed, or skipped on a prefix hit).
+    window_blocks: Vec<Option<BlockId>>,
     /// Tokens whose KV is computed (or loaded).
     computed: usize,
     /// Leading blocks already registered in the cache (hit or stored by this sequence).
@@ -284,7 +293,65 @@ impl Engine {
 
     /// Full prompt blocks of `tokens` that are cached right now (what a perfect router sees).
     pub fn cached_prefix_blocks(&self, tokens: &[u32], keys: &HashKeys) -> usize {
-        self.pool.longest_cached_prefix(&hash_blocks(&self.root, tokens, self.config.block_size, keys))
+        let hashes = hash_blocks(&self.root, tokens, self.config.block_size, keys);
+        self.cache_hit(&hashes, hashes.len())
+    }
+
+    /// KV-cache groups: 2 for a hybrid model, else 1.
+    fn groups(&self) -> usize {
+        1 + usize::from(self.config.sliding_window.is_some())
+    }
+
+    /// The full-attention group, when the model is hybrid (else its blocks carry no group).
+    fn full_group(&self) -> Option<KvGroup> {
+        self.config.sliding_window.map(|_| KvGroup { index: 0, sliding_window: None })
+    }
+
+    /// The sliding-window group of a hybrid model.
+    fn window_group(&self) -> Option<KvGroup> {
+        self.config.sliding_window.map(|w| KvGroup { index: 1, sliding_window: Some(w as u32) })
+    }
+
+    /// Blocks of the sliding-window group a hit needs: those of its last window.
+    fn window_blocks_needed(&self) -> usize {
+        self.config.sliding_window.map_or(0, |w| w.saturating_sub(1).div_ceil(self.config.block_size).max(1))
+    }
+
+    /// Leading blocks of `hashes` (at most `max`) served from the cache: the full-attention
+    /// prefix; for a hybrid model, cut to where the window group holds the blocks of its last
+    /// window — the first such run scanning from the right, else its run from the first block
+    /// (vLLM 0.33's `SlidingWindowManager.find_longest_cache_hit`, one round for one full
+    /// and one other group).
+    fn cache_hit(&self, hashes: &[EngineBlockHash], max: usize) -> usize {
+        let full = self.pool.longest_cached_prefix(&hashes[..max], self.full_group());
+        let Some(group) = self.window_group() else { return full };
+        let needed = self.window_blocks_needed();
+        let mut run = 0;
+        for i in (0..full).rev() {
+            if !self.pool.holds(&hashes[i], Some(group)) {
+                run = 0;
+                continue;
+            }
+            run += 1;
+            if run == needed {
+                return i + run;
+            }
+        }
+        run
+    }
+
+    /// `n` new blocks for each KV-cache group: (full attention's, the window group's).
+    fn allocate_blocks(&mut self, n: usize) -> Option<(Vec<BlockId>, Vec<BlockId>)> {
+        let mut blocks = self.try_allocate(n * self.groups())?;
+        let window = blocks.split_off(n);
+        Some((blocks, window))
+    }
+
+    /// Returns all of a sequence's blocks to the pool.
+    fn free_blocks(pool: &mut BlockPool, seq: &mut Sequence) {
+        pool.free(&seq.blocks);
+        let window: Vec<BlockId> = seq.window_blocks.drain(..).flatten().collect();
+        pool.free(&window);
     }
 
     /// Queues a request; it is scheduled by the next steps.
@@ -305,7 +372,7 @@ impl Engine {
                 output,
             });
         }
-        let needed = (prompt + output).div_ceil(self.config.block_size);
+        let needed = (prompt + output).div_ceil(self.config.block_size) * self.groups();
         if needed > self.config.num_blocks {
             return Err(EngineError::TooManyBlocks { needed, available: self.config.num_blocks });
         }
@@ -322,6 +389,7 @@ impl Engine {
                 kv_transfer: request.kv_transfer,
                 hashes,
                 blocks: Vec::new(),
+                window_blocks: Vec::new(),
                 computed: 0,
                 registered: 0,
                 cached_tokens: None,
@@ -335,10 +403,10 @@ impl Engine {
 
     /// Drops a request (client went away); its blocks return to the pool, still cached.
     pub fn abort(&mut self, id: RequestId) -> bool {
-        let Some(seq) = self.seqs.remove(&id) else { return false };
+        let Some(mut seq) = self.seqs.remove(&id) else { return false };
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
-        self.pool.free(&seq.blocks);
+        Self::free_blocks(&mut self.pool, &mut seq);
         true
     }
 
@@ -405,9 +473,14 @@ impl Engine {
             }
             let n = (seq.tokens.len() - seq.computed).min(budget);
             let needed = (seq.computed + n).div_ceil(self.config.block_size).saturating_sub(seq.blocks.len());
-            match self.try_allocate(needed) {
-                Some(blocks) => {
-                    self.seqs.get_mut(&id).expect("running request exists").blocks.extend(blocks);
+            let hybrid = self.config.sliding_window.is_some();
+            match self.allocate_blocks(needed) {
+                Some((blocks, window)) => {
+                    let seq = self.seqs.get_mut(&id).expect("running request exists");
+                    seq.blocks.extend(blocks);
+                    if hybrid {
+                        seq.window_blocks.extend(window.into_iter().map(Some));
+                    }
                     budget -= n;
                     scheduled.push((id, n));
                     i += 1;
@@ -518,13 +591,18 @@ impl Engine {
     /// the pool cannot hold it yet.
     fn admit(&mut self, id: RequestId, budget: usize) -> Option<usize> {
         let bs = self.config.block_size;
+        let (full_group, window_group, window_needed) =
+            (self.full_group(), self.window_group(), self.window_blocks_needed());
         let seq = self.seqs.get_mut(&id).expect("waiting request exists");
         // A preempted request recomputes its generated tokens too: hash all full blocks.
         extend_hashes(seq, seq.tokens.len() / bs, &self.root, bs);
         // At least one token must be computed to sample from, so a fully cached prompt
         // recomputes its last block (vLLM does the same).
         let max_hit = (seq.tokens.len() - 1) / bs;
-        let hit = self.pool.longest_cached_prefix(&seq.hashes[..max_hit]);
+        let hashes = std::mem::take(&mut seq.hashes);
+        let hit = self.cache_hit(&hashes, max_hit);
+        let seq = self.seqs.get_mut(&id).expect("waiting request exists");
+        seq.hashes = hashes;
         let remote = seq.kv_transfer == KvTransfer::RemotePrefill;
         // The offload tier's blocks right after the GPU hit are loaded, not computed.
         let loaded = match &mut self.offload {
@@ -539,14 +617,26 @@ impl Engine {
             (hit * bs + budget).min(seq.tokens.len())
         };
         let needed = target.div_ceil(bs) - hit;
-        let touched = self.pool.touch(&seq.hashes[..hit]);
-        let Some(fresh) = self.pool.allocate(needed) else {
+        // The window group keeps only its last window's blocks before the hit.
+        let window_from = hit.saturating_sub(window_needed);
+        let touched = self.pool.touch(&seq.hashes[..hit], full_group);
+        let touched_window = if window_group.is_some() {
+            self.pool.touch(&seq.hashes[window_from..hit], window_group)
+        } else {
+            Vec::new()
+        };
+        let Some((fresh, fresh_window)) = self.allocate_blocks(needed) else {
             self.pool.free(&touched);
+            self.pool.free(&touched_window);
             return None;
         };
         let seq = self.seqs.get_mut(&id).expect("waiting request exists");
         seq.blocks = touched;
         seq.blocks.extend(fresh);
+        if window_group.is_some() {
+            seq.window_blocks = vec![None; window_from];
+            seq.window_blocks.extend(touched_window.into_iter().chain(fresh_window).map(Some));
+        }
         seq.computed = hit * bs;
         seq.registered = hit;
         let first_admission = seq.cached_tokens.is_none();
@@ -575,7 +665,7 @@ impl Engine {
     /// Pulled KV has arrived: all prompt tokens but the last count as computed, and the
     /// received full blocks are cached (announced like locally computed ones).
     fn complete_transfers(&mut self) {
-        let now = self.now;
+        let (now, bs, window) = (self.now, self.config.block_size, self.window_group());
         for &id in &self.running {
             let seq = self.seqs.get_mut(&id).expect("running request exists");
             if seq.transfer_done_at.is_some_and(|t| t <= now) {
@@ -585,7 +675,7 @@ impl Engine {
                     self.counters.transferred_tokens += (loaded - seq.computed.min(loaded)) as u64;
                 }
                 seq.computed = seq.computed.max(loaded);
-                register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, self.config.block_size, &self.root);
+                register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, bs, &self.root, window);
             }
         }
     }
@@ -594,11 +684,12 @@ impl Engine {
     /// when the whole sequence is computed, finishes it at its limit.
     fn advance(&mut self, id: RequestId, n: usize, outputs: &mut Vec<Output>) {
         let bs = self.config.block_size;
+        let window = self.window_group();
         let seq = self.seqs.get_mut(&id).expect("scheduled request exists");
         let prompt_computed = seq.prompt_len.saturating_sub(seq.computed).min(n);
         self.counters.prefill_tokens_computed += prompt_computed as u64;
         seq.computed += n;
-        register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, bs, &self.root);
+        register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, bs, &self.root, window);
         if seq.computed < seq.tokens.len() {
             return; // a prompt chunk; more to prefill
         }
@@ -608,11 +699,11 @@ impl Engine {
         self.counters.generation_tokens += 1;
         let mut finished = None;
         if seq.output_len() >= seq.max_tokens {
-            let seq = self.seqs.remove(&id).expect("scheduled request exists");
+            let mut seq = self.seqs.remove(&id).expect("scheduled request exists");
             self.running.retain(|&r| r != id);
             let kv_blocks = (seq.kv_transfer == KvTransfer::RemoteDecode)
                 .then(|| seq.blocks[..seq.prompt_len.div_ceil(bs).min(seq.blocks.len())].to_vec());
-            self.pool.free(&seq.blocks);
+            Self::free_blocks(&mut self.pool, &mut seq);
             self.counters.finished_requests += 1;
             finished = Some(Finished {
                 reason: FinishReason::Length,
@@ -629,7 +720,7 @@ impl Engine {
 
     fn preempt(&mut self, id: RequestId) {
         let seq = self.seqs.get_mut(&id).expect("preempted request exists");
-        self.pool.free(&seq.blocks);
+        Self::free_blocks(&mut self.pool, seq);
         seq.blocks.clear();
         seq.computed = 0;
         seq.registered = 0;
@@ -653,27 +744,41 @@ fn extend_hashes(seq: &mut Sequence, full: usize, root: &EngineBlockHash, bs: us
 }
 
 /// Registers the sequence's computed full blocks that are not cached yet (→ `BlockStored`),
-/// and offloads them when there is an offload tier.
+/// in each KV-cache group, and offloads them when there is an offload tier. A hybrid model's
+/// window group (`window`) then frees the blocks its window has moved past: the pool evicts
+/// them first (vLLM's `SlidingWindowManager.remove_skipped_blocks`).
 fn register_full_blocks(
     pool: &mut BlockPool,
     offload: Option<&mut OffloadTier>,
     seq: &mut Sequence,
     bs: usize,
     root: &EngineBlockHash,
+    window: Option<KvGroup>,
 ) {
     let full = seq.computed.min(seq.tokens.len()) / bs;
-    if full <= seq.registered {
-        return;
+    if full > seq.registered {
+        extend_hashes(seq, full, root, bs);
+        let start = seq.registered;
+        let parent = start.checked_sub(1).map(|p| seq.hashes[p]);
+        let token_ids = seq.tokens[start * bs..full * bs].to_vec();
+        let full_group = window.map(|_| KvGroup { index: 0, sliding_window: None });
+        let hashes = &seq.hashes[start..full];
+        pool.cache_blocks(&seq.blocks[start..full], hashes, parent, token_ids.clone(), &seq.keys, start, full_group);
+        if window.is_some() {
+            let blocks: Vec<BlockId> = seq.window_blocks[start..full].iter().flatten().copied().collect();
+            debug_assert_eq!(blocks.len(), full - start, "blocks are computed inside their window");
+            pool.cache_blocks(&blocks, hashes, parent, token_ids, &seq.keys, start, window);
+        }
+        if let Some(tier) = offload {
+            tier.store(&seq.hashes[start..full], pool.changes_mut());
+        }
+        seq.registered = full;
     }
-    extend_hashes(seq, full, root, bs);
-    let start = seq.registered;
-    let parent = start.checked_sub(1).map(|p| seq.hashes[p]);
-    let token_ids = seq.tokens[start * bs..full * bs].to_vec();
-    pool.cache_blocks(&seq.blocks[start..full], &seq.hashes[start..full], parent, token_ids, &seq.keys, start);
-    if let Some(tier) = offload {
-        tier.store(&seq.hashes[start..full], pool.changes_mut());
+    if let Some(w) = window.and_then(|g| g.sliding_window) {
+        let skipped = (seq.computed + 1).saturating_sub(w as usize) / bs;
+        let out_of_window: Vec<BlockId> = seq.window_blocks.iter_mut().take(skipped).filter_map(Option::take).collect();
+        pool.free(&out_of_window);
     }
-    seq.registered = full;
 }
 
 #[cfg(test)]
@@ -925,6 +1030,57 @@ mod tests {
         assert_eq!(e.add_request(request(vec![], 1)), Err(EngineError::EmptyPrompt));
         assert_eq!(e.add_request(request(vec![1], 0)), Err(EngineError::NoOutput));
         assert!(matches!(e.add_request(request(vec![1; 15], 10)), Err(EngineError::TooLong { requested: 25, .. })));
+    }
+
+    #[test]
+    fn a_hybrid_model_serves_a_prefix_only_while_its_window_group_holds_the_last_window() {
+        // Block size 4, a sliding window of 9 tokens (its last 2 blocks before a hit), a
+        // pool of 14 blocks: a 24-token prompt takes 12 of them, 6 in each group.
+        let hybrid = || Engine::new(EngineConfig { sliding_window: Some(9), num_blocks: 14, ..config() });
+        let a: Vec<u32> = (1..=24).collect();
+        let cached = |e: &mut Engine, prompt: &[u32]| {
+            e.add_request(request(prompt.to_vec(), 1)).unwrap();
+            let (done, changes) = run(e);
+            (done.values().next().unwrap().cached_tokens, changes)
+        };
+        let mut e = hybrid();
+        let (first, stored) = cached(&mut e, &a);
+        assert_eq!(first, 0);
+        let groups: Vec<Option<u32>> = stored
+            .iter()
+            .filter_map(|c| match c {
+                CacheChange::Stored { hashes, group, .. } if hashes.len() == 6 => Some(group.map(|g| g.index)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(groups, vec![Some(0), Some(1)], "both groups store the prompt's 6 blocks, announced apart");
+        // Again at once: both groups still hold it (the window's freed blocks stay cached).
+        assert_eq!(cached(&mut hybrid_after(&a), &a).0, 20, "5 blocks: the last token is computed");
+        // An unrelated prompt needs 4 blocks: the 2 never used, then the window blocks freed
+        // first (those the window moved past while prefilling: 3, then 2).
+        let (_, evicted) = cached(&mut e, &[90, 91, 92, 93, 94, 95, 96, 97]);
+        let removed: Vec<(u64, Option<u32>)> = evicted
+            .iter()
+            .filter_map(|c| match c {
+                CacheChange::Removed { hash, group } => Some((hash.as_u64(), group.map(|g| g.index))),
+                _ => None,
+            })
+            .collect();
+        let a_hashes = hash_blocks(&root_hash(Some("0")), &a, 4, &HashKeys::default());
+        assert_eq!(removed, vec![(a_hashes[3].as_u64(), Some(1)), (a_hashes[2].as_u64(), Some(1))]);
+        // All 6 blocks still serve a 25-token prompt (the window holds blocks 4 and 5); the
+        // 24-token one, which computes its last token, hits at most 5: the window's run
+        // there is broken at block 3, and the first run from the right is blocks 0–1.
+        assert_eq!(e.cached_prefix_blocks(&a, &HashKeys::default()), 6);
+        assert_eq!(cached(&mut e, &a).0, 8, "2 blocks, though the first group holds 5 of them");
+
+        /// A hybrid engine that has just served `prompt`.
+        fn hybrid_after(prompt: &[u32]) -> Engine {
+            let mut e = Engine::new(EngineConfig { sliding_window: Some(9), num_blocks: 14, ..config() });
+            e.add_request(request(prompt.to_vec(), 1)).unwrap();
+            run(&mut e);
+            e
+        }
     }
 
     #[test]

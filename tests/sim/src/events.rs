@@ -11,7 +11,7 @@
 //! Block hashes are msgpack integers (vLLM's default, the low 8 bytes of the digest,
 //! up to `u64::MAX`) or 32-byte `bin` (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
 
-use crate::cache::{CacheChange, EngineBlockHash, HashKeys};
+use crate::cache::{CacheChange, EngineBlockHash, HashKeys, KvGroup};
 
 /// How events are laid out (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -48,12 +48,13 @@ impl EventEncoder {
         w.array_len(changes.len());
         for change in changes {
             match change {
-                CacheChange::Stored { hashes, parent, token_ids, keys, first_index } => {
+                CacheChange::Stored { hashes, parent, token_ids, keys, first_index, group } => {
                     let extra: Vec<Vec<&str>> = (0..hashes.len()).map(|i| keys.for_block(first_index + i)).collect();
                     let has_extra = extra.iter().any(|k| !k.is_empty());
-                    self.block_stored(&mut w, hashes, parent.as_ref(), token_ids, keys, has_extra.then_some(&extra));
+                    let extra = has_extra.then_some(&extra);
+                    self.block_stored(&mut w, hashes, parent.as_ref(), token_ids, keys, extra, *group);
                 }
-                CacheChange::Removed { hash } => self.block_removed(&mut w, std::slice::from_ref(hash)),
+                CacheChange::Removed { hash, group } => self.block_removed(&mut w, std::slice::from_ref(hash), *group),
                 CacheChange::Offloaded { hash } => self.offload_placeholder(&mut w, hash),
                 CacheChange::OffloadRemoved { hash } => self.offload_removed(&mut w, hash),
                 CacheChange::Cleared => match self.format {
@@ -98,15 +99,19 @@ impl EventEncoder {
         token_ids: &[u32],
         keys: &HashKeys,
         extra_keys: Option<&Vec<Vec<&str>>>,
+        group: Option<KvGroup>,
     ) {
         let field = |w: &mut Writer, name: &str| {
             if self.format == EventFormat::Map {
                 w.str(name);
             }
         };
+        // A hybrid model's group, annotated as vLLM's KV cache manager does: its index, kind
+        // and window (the window omitted, as msgspec omits defaults, for full attention).
+        let group_fields = group.map_or(0, |g| 2 + usize::from(g.sliding_window.is_some()));
         match self.format {
-            // type + 7 fields without defaults + extra_keys when present.
-            EventFormat::Map => w.map16_len(8 + usize::from(extra_keys.is_some())),
+            // type + 7 fields without defaults + extra_keys when present + the group's.
+            EventFormat::Map => w.map16_len(8 + usize::from(extra_keys.is_some()) + group_fields),
             // tag + the 11 fields of vLLM 0.23's BlockStored.
             EventFormat::Array => w.array_len(12),
         }
@@ -140,10 +145,32 @@ impl EventEncoder {
             Some(name) => w.str(name),
             None => w.nil(),
         }
-        if self.format == EventFormat::Map && extra_keys.is_none() {
-            return;
+        if self.format == EventFormat::Array || extra_keys.is_some() {
+            field(w, "extra_keys");
+            self.extra_keys(w, extra_keys);
         }
-        field(w, "extra_keys");
+        match (group, self.format) {
+            (Some(g), _) => {
+                field(w, "group_idx");
+                w.uint(u64::from(g.index));
+                field(w, "kv_cache_spec_kind");
+                w.str(if g.sliding_window.is_some() { "sliding_window" } else { "full_attention" });
+                match g.sliding_window {
+                    Some(window) => {
+                        field(w, "kv_cache_spec_sliding_window");
+                        w.uint(u64::from(window));
+                    }
+                    None if self.format == EventFormat::Array => w.nil(),
+                    None => {}
+                }
+            }
+            // group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window (0.23 writes them all).
+            (None, EventFormat::Array) => (0..3).for_each(|_| w.nil()),
+            (None, EventFormat::Map) => {}
+        }
+    }
+
+    fn extra_keys(&self, w: &mut Writer, extra_keys: Option<&Vec<Vec<&str>>>) {
         match extra_keys {
             Some(per_block) => {
                 w.array_len(per_block.len());
@@ -158,24 +185,22 @@ impl EventEncoder {
             }
             None => w.nil(),
         }
-        // group_idx, kv_cache_spec_kind, kv_cache_spec_sliding_window (0.23 writes them all).
-        for _ in 0..3 {
-            if self.format == EventFormat::Array {
-                w.nil();
-            }
-        }
     }
 
-    fn block_removed(&self, w: &mut Writer, hashes: &[EngineBlockHash]) {
+    fn block_removed(&self, w: &mut Writer, hashes: &[EngineBlockHash], group: Option<KvGroup>) {
         match self.format {
             EventFormat::Map => {
-                w.map_len(3);
+                w.map_len(3 + usize::from(group.is_some()));
                 w.str("type");
                 w.str("BlockRemoved");
                 w.str("block_hashes");
                 self.hashes(w, hashes);
                 w.str("medium");
                 w.str("GPU");
+                if let Some(g) = group {
+                    w.str("group_idx");
+                    w.uint(u64::from(g.index));
+                }
             }
             EventFormat::Array => {
                 // tag, block_hashes, medium, group_idx (vLLM 0.23).
@@ -183,7 +208,10 @@ impl EventEncoder {
                 w.str("BlockRemoved");
                 self.hashes(w, hashes);
                 w.str("GPU");
-                w.nil();
+                match group {
+                    Some(g) => w.uint(u64::from(g.index)),
+                    None => w.nil(),
+                }
             }
         }
     }
@@ -362,9 +390,10 @@ mod tests {
                     token_ids: vec![1, 2, 3, 4, 5, 6, 7, 8],
                     keys: HashKeys::default(),
                     first_index: 0,
+                    group: None,
                 }],
             ),
-            (1700000001.25, vec![CacheChange::Removed { hash: b }, CacheChange::Cleared]),
+            (1700000001.25, vec![CacheChange::Removed { hash: b, group: None }, CacheChange::Cleared]),
         ]
     }
 
@@ -401,9 +430,29 @@ mod tests {
     }
 
     #[test]
+    fn hybrid_model_events_are_byte_identical_to_vllm_0_33s_engine() {
+        let blocks = [1234605616436508552, 17357102489901502592, 42, 9020408081234567890].map(hash_from_u64);
+        let full = KvGroup { index: 0, sliding_window: None };
+        let window = KvGroup { index: 1, sliding_window: Some(9) };
+        let stored = |group| CacheChange::Stored {
+            hashes: blocks.to_vec(),
+            parent: None,
+            token_ids: (1..=16).collect(),
+            keys: HashKeys::default(),
+            first_index: 0,
+            group: Some(group),
+        };
+        let fixture = |i| fixture("vllm-0.33.0-hybrid-kv-events.json", i);
+        let enc = encoder(EventFormat::Map);
+        assert_eq!(enc.encode_batch(1700000000.5, &[stored(full), stored(window)]), fixture(0));
+        let evicted = [CacheChange::Removed { hash: blocks[3], group: Some(window) }];
+        assert_eq!(enc.encode_batch(1700000002.5, &evicted), fixture(2));
+    }
+
+    #[test]
     fn bytes_hashes_are_bin32() {
         let enc = EventEncoder { hashes: HashFormat::Bytes, ..encoder(EventFormat::Map) };
-        let payload = enc.encode_batch(0.0, &[CacheChange::Removed { hash: EngineBlockHash([7; 32]) }]);
+        let payload = enc.encode_batch(0.0, &[CacheChange::Removed { hash: EngineBlockHash([7; 32]), group: None }]);
         let mut expected = vec![0xc4, 32];
         expected.extend([7u8; 32]);
         assert!(payload.windows(34).any(|w| w == expected.as_slice()));

@@ -45,6 +45,10 @@ struct Args {
     /// Model milliseconds a step takes longer for each adapter it loads onto the GPU.
     #[arg(long, default_value_t = 0.0)]
     lora_load_ms: f64,
+    /// Run as a hybrid model (gpt-oss, Gemma 3): sliding-window attention over this many
+    /// tokens beside full attention, a KV-cache group each, announced apart in the events.
+    #[arg(long)]
+    sliding_window: Option<usize>,
     /// P/D role: `prefill` pods serve `do_remote_decode` legs, `decode` pods
     /// `do_remote_prefill` legs, `both` either.
     #[arg(long, value_enum, default_value_t = Role::Both)]
@@ -191,6 +195,7 @@ async fn main() -> anyhow::Result<()> {
         timing,
         max_loras: args.max_loras,
         lora_load_ms: args.lora_load_ms,
+        sliding_window: args.sliding_window,
         filler_tokens,
     });
 

@@ -177,3 +177,25 @@ async fn lora_and_cache_salt_are_hashed_and_announced() {
     let unknown = sim.post("/v1/completions", &serde_json::json!({"prompt": "x", "model": "nope"})).await;
     assert_eq!(unknown.status(), 404);
 }
+
+#[tokio::test]
+async fn a_hybrid_models_groups_are_announced_as_vllm_annotates_them() {
+    let sim = Sim::start("pod-hybrid", &["--sliding-window", "32", "--time-scale", "0.01"]).await;
+    let sub = vllm_subscriber(NEW, &sim.events, 1, &[]);
+    sim.post_json("/v1/completions", &completion(&sized("mu", 100), 1)).await;
+    let batch = sub.next(Duration::from_secs(20));
+    let stored = of_type(std::slice::from_ref(&batch), "BlockStored");
+    assert_eq!(stored.len(), 2, "one store per KV-cache group: {batch}");
+    let (full, window) = (stored[0], stored[1]);
+    assert_eq!(
+        (&full["group_idx"], &full["kv_cache_spec_kind"]),
+        (&serde_json::json!(0), &serde_json::json!("full_attention"))
+    );
+    assert!(full["kv_cache_spec_sliding_window"].is_null());
+    assert_eq!(window["group_idx"], 1);
+    assert_eq!(
+        (&window["kv_cache_spec_kind"], &window["kv_cache_spec_sliding_window"]),
+        (&serde_json::json!("sliding_window"), &serde_json::json!(32))
+    );
+    assert_eq!(hashes(full), hashes(window), "the groups cache the same blocks");
+}
