@@ -309,20 +309,12 @@ impl BlockPool {
         }
     }
 
-    /// Marks full blocks as cached in `group`. `blocks[i]` holds the data hashed as
-    /// `hashes[i]`, block number `first_index + i` of a sequence hashed with `keys`; `parent`
-    /// is the hash before `hashes[0]`; `token_ids` are their tokens.
-    #[allow(clippy::too_many_arguments)]
-    pub fn cache_blocks(
-        &mut self,
-        blocks: &[BlockId],
-        hashes: &[EngineBlockHash],
-        parent: Option<EngineBlockHash>,
-        token_ids: Vec<u32>,
-        keys: &HashKeys,
-        first_index: usize,
-        group: Option<KvGroup>,
-    ) {
+    /// Marks full blocks as cached, as `stored` (a [`CacheChange::Stored`]) announces them:
+    /// `blocks[i]` holds the data hashed as its `hashes[i]`, in its group.
+    pub fn cache_blocks(&mut self, blocks: &[BlockId], stored: CacheChange) {
+        let CacheChange::Stored { hashes, token_ids, group, .. } = &stored else {
+            unreachable!("only stores cache blocks")
+        };
         debug_assert_eq!(blocks.len(), hashes.len());
         debug_assert_eq!(token_ids.len(), hashes.len() * self.block_size);
         if blocks.is_empty() {
@@ -330,17 +322,10 @@ impl BlockPool {
         }
         for (&block, &hash) in blocks.iter().zip(hashes) {
             debug_assert!(self.hash_of[block as usize].is_none());
-            self.hash_of[block as usize] = Some((hash, group));
-            self.cached.entry((hash, group)).or_default().push(block);
+            self.hash_of[block as usize] = Some((hash, *group));
+            self.cached.entry((hash, *group)).or_default().push(block);
         }
-        self.changes.push(CacheChange::Stored {
-            hashes: hashes.to_vec(),
-            parent,
-            token_ids,
-            keys: keys.clone(),
-            first_index,
-            group,
-        });
+        self.changes.push(stored);
     }
 
     /// Drops every cache entry, as `reset_prefix_cache` does. Refused (returns the number
@@ -418,7 +403,15 @@ mod tests {
     fn cache_sequence(pool: &mut BlockPool, tokens: &[u32]) -> Vec<BlockId> {
         let hs = hashes(tokens);
         let blocks = pool.allocate(hs.len()).unwrap();
-        pool.cache_blocks(&blocks, &hs, None, tokens[..hs.len() * 4].to_vec(), &HashKeys::default(), 0, None);
+        let stored = CacheChange::Stored {
+            hashes: hs.clone(),
+            parent: None,
+            token_ids: tokens[..hs.len() * 4].to_vec(),
+            keys: HashKeys::default(),
+            first_index: 0,
+            group: None,
+        };
+        pool.cache_blocks(&blocks, stored);
         blocks
     }
 

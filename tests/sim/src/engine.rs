@@ -760,14 +760,19 @@ fn register_full_blocks(
         extend_hashes(seq, full, root, bs);
         let start = seq.registered;
         let parent = start.checked_sub(1).map(|p| seq.hashes[p]);
-        let token_ids = seq.tokens[start * bs..full * bs].to_vec();
-        let full_group = window.map(|_| KvGroup { index: 0, sliding_window: None });
-        let hashes = &seq.hashes[start..full];
-        pool.cache_blocks(&seq.blocks[start..full], hashes, parent, token_ids.clone(), &seq.keys, start, full_group);
+        let stored = |group| CacheChange::Stored {
+            hashes: seq.hashes[start..full].to_vec(),
+            parent,
+            token_ids: seq.tokens[start * bs..full * bs].to_vec(),
+            keys: seq.keys.clone(),
+            first_index: start,
+            group,
+        };
+        pool.cache_blocks(&seq.blocks[start..full], stored(window.map(|_| KvGroup { index: 0, sliding_window: None })));
         if window.is_some() {
             let blocks: Vec<BlockId> = seq.window_blocks[start..full].iter().flatten().copied().collect();
             debug_assert_eq!(blocks.len(), full - start, "blocks are computed inside their window");
-            pool.cache_blocks(&blocks, hashes, parent, token_ids, &seq.keys, start, window);
+            pool.cache_blocks(&blocks, stored(window));
         }
         if let Some(tier) = offload {
             tier.store(&seq.hashes[start..full], pool.changes_mut());

@@ -11,7 +11,7 @@
 //! Block hashes are msgpack integers (vLLM's default, the low 8 bytes of the digest,
 //! up to `u64::MAX`) or 32-byte `bin` (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
 
-use crate::cache::{CacheChange, EngineBlockHash, HashKeys, KvGroup};
+use crate::cache::{CacheChange, EngineBlockHash, KvGroup};
 
 /// How events are laid out (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -48,12 +48,7 @@ impl EventEncoder {
         w.array_len(changes.len());
         for change in changes {
             match change {
-                CacheChange::Stored { hashes, parent, token_ids, keys, first_index, group } => {
-                    let extra: Vec<Vec<&str>> = (0..hashes.len()).map(|i| keys.for_block(first_index + i)).collect();
-                    let has_extra = extra.iter().any(|k| !k.is_empty());
-                    let extra = has_extra.then_some(&extra);
-                    self.block_stored(&mut w, hashes, parent.as_ref(), token_ids, keys, extra, *group);
-                }
+                CacheChange::Stored { .. } => self.block_stored(&mut w, change),
                 CacheChange::Removed { hash, group } => self.block_removed(&mut w, std::slice::from_ref(hash), *group),
                 CacheChange::Offloaded { hash } => self.offload_placeholder(&mut w, hash),
                 CacheChange::OffloadRemoved { hash } => self.offload_removed(&mut w, hash),
@@ -91,16 +86,12 @@ impl EventEncoder {
         }
     }
 
-    fn block_stored(
-        &self,
-        w: &mut Writer,
-        hashes: &[EngineBlockHash],
-        parent: Option<&EngineBlockHash>,
-        token_ids: &[u32],
-        keys: &HashKeys,
-        extra_keys: Option<&Vec<Vec<&str>>>,
-        group: Option<KvGroup>,
-    ) {
+    /// A [`CacheChange::Stored`] as vLLM's `BlockStored`.
+    fn block_stored(&self, w: &mut Writer, stored: &CacheChange) {
+        let CacheChange::Stored { hashes, parent, token_ids, keys, first_index, group } = stored else { return };
+        let (parent, group) = (parent.as_ref(), *group);
+        let extra: Vec<Vec<&str>> = (0..hashes.len()).map(|i| keys.for_block(first_index + i)).collect();
+        let extra_keys = extra.iter().any(|k| !k.is_empty()).then_some(&extra);
         let field = |w: &mut Writer, name: &str| {
             if self.format == EventFormat::Map {
                 w.str(name);
@@ -367,6 +358,7 @@ impl Writer {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::HashKeys;
 
     fn hash_from_u64(v: u64) -> EngineBlockHash {
         let mut d = [0u8; 32];
