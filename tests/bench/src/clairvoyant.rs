@@ -152,7 +152,7 @@ impl ClusterRouter for Clairvoyant {
                 best = (p, cost);
             }
         }
-        Choice { decode: best.0, prefill: None }
+        Choice::pod(best.0)
     }
 
     fn done(&mut self, _id: u64, _output_tokens: Option<u32>, _now: f64) {}
@@ -189,7 +189,7 @@ mod tests {
         let mut router = Clairvoyant::new(&[PodRole::Both, PodRole::Both], 1.0);
         let now = warm.now();
         let choice = router.route_seeing(&arrival(0, &prompt, 10), now, &[&cold, &warm]);
-        assert_eq!(choice, Choice { decode: 1, prefill: None }, "the warm pod computes nothing");
+        assert_eq!(choice, Choice::pod(1), "the warm pod computes nothing");
         assert!(warm.awaiting_first_token().next().is_none(), "a what-if leaves the engine as it was");
 
         // The warm pod has a queue of long unique prompts ahead of it: the cold pod answers first.
@@ -198,7 +198,7 @@ mod tests {
             submit(&mut warm, &other, 50);
         }
         let choice = router.route_seeing(&arrival(1, &prompt, 10), now, &[&cold, &warm]);
-        assert_eq!(choice, Choice { decode: 0, prefill: None });
+        assert_eq!(choice, Choice::pod(0));
         assert_eq!(warm.awaiting_first_token().count(), 8);
     }
 }

@@ -25,6 +25,16 @@ use std::collections::{BinaryHeap, HashMap};
 pub struct Choice {
     pub decode: usize,
     pub prefill: Option<usize>,
+    /// The prompt tokens the router expects the pod that computes it to have cached (routers
+    /// that predict it).
+    pub predicted_cached_tokens: Option<usize>,
+}
+
+impl Choice {
+    /// One pod, no prediction.
+    pub fn pod(decode: usize) -> Self {
+        Self { decode, prefill: None, predicted_cached_tokens: None }
+    }
 }
 
 /// A request (one turn) as it reaches the router.
@@ -128,6 +138,7 @@ impl ClusterConfig {
             offload_blocks: workload.offload_blocks,
             max_loras: workload.max_loras,
             lora_load_ms: workload.lora_load_ms,
+            sliding_window: workload.sliding_window,
             hash_seed: Some(HASH_SEED.into()),
             ..EngineConfig::default()
         };
@@ -159,6 +170,8 @@ pub struct RequestRecord {
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub output_tokens: usize,
+    /// What the router expected `cached_tokens` to be.
+    pub predicted_cached_tokens: Option<usize>,
     pub decode_pod: usize,
     pub prefill_pod: Option<usize>,
     /// The engine refused it (too long for a pod's cache).
@@ -356,6 +369,7 @@ impl Sim<'_> {
             prompt_tokens: prompt.len(),
             decode_pod: choice.decode,
             prefill_pod: choice.prefill,
+            predicted_cached_tokens: choice.predicted_cached_tokens,
             ..Default::default()
         });
         self.live.push(Live { session, turn, prompt, max_tokens: t.max_tokens, output: Vec::new() });

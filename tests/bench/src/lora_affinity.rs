@@ -131,7 +131,7 @@ impl ClusterRouter for LoraAffinity {
         for &h in &blocks {
             self.routed[pod].insert(h, self.tick);
         }
-        Choice { decode: pod, prefill: None }
+        Choice::pod(pod)
     }
 
     fn done(&mut self, _id: u64, _output_tokens: Option<u32>, _now: f64) {}

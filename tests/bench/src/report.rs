@@ -22,6 +22,8 @@ pub struct Summary {
     pub throughput_tokens_per_s: f64,
     /// Prompt tokens served from cache ÷ prompt tokens.
     pub prefix_hit_rate: f64,
+    /// The same, as the router predicted it when routing (routers that predict it).
+    pub predicted_hit_rate: Option<f64>,
     /// Requests per decoding pod: max ÷ mean (1 = perfectly even).
     pub imbalance: f64,
     /// The most requests one pod had in flight at once (arrival to finish): a pile-up.
@@ -51,6 +53,7 @@ impl Summary {
             .collect();
         let prompt: usize = done.iter().map(|r| r.prompt_tokens).sum();
         let cached: usize = done.iter().map(|r| r.cached_tokens).sum();
+        let predicted: Option<usize> = done.iter().map(|r| r.predicted_cached_tokens).sum();
         let output: usize = done.iter().map(|r| r.output_tokens).sum();
         let mut per_pod = vec![0usize; decode_pods.len()];
         for r in &run.requests {
@@ -72,6 +75,7 @@ impl Summary {
             itl_mean_ms: mean_of(&itl) * 1e3,
             throughput_tokens_per_s: if run.makespan > 0.0 { output as f64 / run.makespan } else { 0.0 },
             prefix_hit_rate: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
+            predicted_hit_rate: predicted.filter(|_| prompt > 0).map(|p| p as f64 / prompt as f64),
             imbalance: if mean > 0.0 { *per_pod.iter().max().unwrap_or(&0) as f64 / mean } else { 1.0 },
             peak_inflight: run.peak_inflight,
             preemptions: run.preemptions,
@@ -97,12 +101,12 @@ pub fn ms(v: f64) -> String {
 pub fn table(rows: &[&Summary]) -> String {
     let best = rows.iter().map(|r| r.ttft_p90_ms).fold(f64::INFINITY, f64::min);
     let mut out = String::from(
-        "| router | TTFT mean | p50 | p90 | p99 (ms) | ITL (ms) | tokens/s | prefix hits | imbalance | peak in flight on a pod | failed |\n|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| router | TTFT mean | p50 | p90 | p99 (ms) | ITL (ms) | tokens/s | prefix hits | predicted hits | imbalance | peak in flight on a pod | failed |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for r in rows {
         let p90 = if r.ttft_p90_ms == best { format!("**{}**", ms(r.ttft_p90_ms)) } else { ms(r.ttft_p90_ms) };
         out.push_str(&format!(
-            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.1} % | {:.2} | {} | {} |\n",
+            "| {} | {} | {} | {} | {} | {} | {:.0} | {:.1} % | {} | {:.2} | {} | {} |\n",
             r.router,
             ms(r.ttft_mean_ms),
             ms(r.ttft_p50_ms),
@@ -111,6 +115,7 @@ pub fn table(rows: &[&Summary]) -> String {
             ms(r.itl_mean_ms),
             r.throughput_tokens_per_s,
             r.prefix_hit_rate * 100.0,
+            r.predicted_hit_rate.map_or("–".to_string(), |p| format!("{:.1} %", p * 100.0)),
             r.imbalance,
             r.peak_inflight,
             r.failed

@@ -69,7 +69,15 @@ impl ClusterRouter for Kvgate {
             ..RouteRequest::new(&id, &self.chain, r.prompt.len() as u32, Some(r.max_tokens as u32))
         };
         let routed = self.router.route(&request, now).expect("the simulated pods are always healthy");
-        Choice { decode: routed.decode.pod.index(), prefill: routed.prefill.map(|p| p.pod.index()) }
+        Choice {
+            decode: routed.decode.pod.index(),
+            prefill: routed.prefill.map(|p| p.pod.index()),
+            // What the engine will report: its cached prefix and the blocks it loads.
+            predicted_cached_tokens: Some({
+                let computes = routed.prefill.unwrap_or(routed.decode);
+                (computes.cached_tokens + computes.offloaded_tokens) as usize
+            }),
+        }
     }
 
     fn route_seeing(&mut self, request: &Arrival<'_>, now: f64, engines: &[&Engine]) -> Choice {
@@ -284,6 +292,7 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
         Choice {
             decode: self.decode.pods[decode],
             prefill: prefill.zip(self.prefill.as_ref()).map(|(p, pool)| pool.pods[p]),
+            predicted_cached_tokens: None,
         }
     }
 

@@ -52,6 +52,9 @@ pub struct Workload {
     pub max_loras: usize,
     /// Milliseconds a step takes longer per adapter it loads onto the GPU.
     pub lora_load_ms: f64,
+    /// Pods run a hybrid model with sliding-window attention over this many tokens beside
+    /// full attention (a KV-cache group each), else `None`.
+    pub sliding_window: Option<usize>,
 }
 
 /// How one pod differs from the reference engine.
@@ -92,8 +95,18 @@ pub struct Params {
 }
 
 /// Every workload's name, in report order.
-pub const NAMES: [&str; 9] =
-    ["chat", "documents", "unique-long", "burst", "capacity", "tiered", "heterogeneous", "pd-mixed", "adapters"];
+pub const NAMES: [&str; 10] = [
+    "chat",
+    "documents",
+    "unique-long",
+    "burst",
+    "capacity",
+    "tiered",
+    "heterogeneous",
+    "pd-mixed",
+    "adapters",
+    "hybrid",
+];
 
 /// Builds workload `name`.
 pub fn build(name: &str, p: &Params) -> Option<Workload> {
@@ -110,6 +123,7 @@ pub fn build(name: &str, p: &Params) -> Option<Workload> {
         "heterogeneous" => heterogeneous(&mut g, p),
         "pd-mixed" => pd_mixed(&mut g, p),
         "adapters" => adapters(&mut g, p),
+        "hybrid" => hybrid(&mut g, p),
         _ => return None,
     })
 }
@@ -219,6 +233,7 @@ fn chat(g: &mut Gen, p: &Params) -> Workload {
         unlike: Vec::new(),
         max_loras: 0,
         lora_load_ms: 0.0,
+        sliding_window: None,
     }
 }
 
@@ -250,6 +265,7 @@ fn documents(g: &mut Gen, p: &Params) -> Workload {
         unlike: Vec::new(),
         max_loras: 0,
         lora_load_ms: 0.0,
+        sliding_window: None,
     }
 }
 
@@ -272,6 +288,7 @@ fn unique_long(g: &mut Gen, p: &Params) -> Workload {
         unlike: Vec::new(),
         max_loras: 0,
         lora_load_ms: 0.0,
+        sliding_window: None,
     }
 }
 
@@ -308,6 +325,7 @@ fn burst(g: &mut Gen, p: &Params, span: f64) -> Workload {
         unlike: Vec::new(),
         max_loras: 0,
         lora_load_ms: 0.0,
+        sliding_window: None,
     }
 }
 
@@ -332,6 +350,7 @@ fn capacity(g: &mut Gen, p: &Params) -> Workload {
         unlike: Vec::new(),
         max_loras: 0,
         lora_load_ms: 0.0,
+        sliding_window: None,
     }
 }
 
@@ -370,6 +389,7 @@ fn tiered(g: &mut Gen, p: &Params) -> Workload {
         unlike: Vec::new(),
         max_loras: 0,
         lora_load_ms: 0.0,
+        sliding_window: None,
     }
 }
 
@@ -399,6 +419,7 @@ fn heterogeneous(g: &mut Gen, p: &Params) -> Workload {
         unlike,
         max_loras: 0,
         lora_load_ms: 0.0,
+        sliding_window: None,
     }
 }
 
@@ -425,6 +446,7 @@ fn pd_mixed(g: &mut Gen, p: &Params) -> Workload {
         unlike: Vec::new(),
         max_loras: 0,
         lora_load_ms: 0.0,
+        sliding_window: None,
     }
 }
 
@@ -458,6 +480,41 @@ fn adapters(g: &mut Gen, p: &Params) -> Workload {
         unlike: Vec::new(),
         max_loras: 2,
         lora_load_ms: 30.0,
+        sliding_window: None,
+    }
+}
+
+/// A hybrid model's fleet (gpt-oss: sliding-window attention over 128 tokens beside full
+/// attention) on pods of an eighth of the reference cache: questions over shared documents
+/// as in `documents`, each after the document read up to a chunk of 512 tokens drawn at
+/// random (an agent's or a reader's place in it). A pod frees the window group's blocks of
+/// a document as its prefill moves past them, and the pool evicts those first: a prefix
+/// still cached in the full-attention group is served only as far back as the window group
+/// still holds the blocks of its last window.
+fn hybrid(g: &mut Gen, p: &Params) -> Workload {
+    let docs: Vec<Vec<u32>> = (0..4 * p.pods).map(|_| g.text_between(3000, 6000)).collect();
+    let n = scaled(p, 300 * p.pods);
+    let rate = 12.0 * p.pods as f64 * p.load;
+    let window = 128;
+    let sessions = poisson(g, n, rate, |g| {
+        let doc = &docs[g.zipf(docs.len(), 0.8)];
+        let read = (512 * g.between(2, doc.len() / 512)).min(doc.len());
+        (doc[..read].to_vec(), turn(g.text_between(20, 80), g.between(50, 150)))
+    });
+    Workload {
+        name: "hybrid",
+        description: format!(
+            "{n} questions (20–80 tokens) over {} shared documents of 3,000–6,000 tokens (Zipf 0.8), each read up to a random 512-token chunk, 50–150 output tokens, Poisson {rate}/s, on pods of 3,250 blocks running a hybrid model (a {window}-token sliding window beside full attention)",
+            docs.len()
+        ),
+        sessions,
+        num_blocks: 26_000 / 8,
+        prefill_pods: 0,
+        offload_blocks: 0,
+        unlike: Vec::new(),
+        max_loras: 0,
+        lora_load_ms: 0.0,
+        sliding_window: Some(window),
     }
 }
 

@@ -112,3 +112,12 @@ fn a_mixed_fleet_has_slower_pods_and_a_smaller_cache() {
     };
     assert!(itl(1) > 1.6 * itl(0), "slow {} vs fast {}", itl(1), itl(0));
 }
+
+#[test]
+fn on_hybrid_model_pods_kvgate_predicts_the_hit_rate_the_pods_report() {
+    let s = simulate("hybrid", "kv", 1);
+    let predicted = s.predicted_hit_rate.expect("kvgate predicts what it routes");
+    assert!(s.prefix_hit_rate > 0.5, "the documents are found: {}", s.prefix_hit_rate);
+    assert!((predicted - s.prefix_hit_rate).abs() < 0.02, "predicted {predicted}, reported {}", s.prefix_hit_rate);
+    assert_eq!(simulate("hybrid", "sglang-cache-aware", 1).predicted_hit_rate, None);
+}
