@@ -298,6 +298,11 @@ impl LoadTracker {
         self.requests.get(key).map(|r| (r.prompt_blocks.clone(), r.prompt_tokens))
     }
 
+    /// The LoRA adapter a booked request asks for.
+    pub fn booked_adapter(&self, key: &BookingKey) -> Option<AdapterId> {
+        self.requests.get(key).and_then(|r| r.adapter)
+    }
+
     /// Adds a request's load to its pod.
     fn insert(&mut self, key: BookingKey, mut req: Inflight) {
         let pod = self.pods.get_mut(req.pod);

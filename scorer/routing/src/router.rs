@@ -372,7 +372,7 @@ impl Router {
                 let key = BookingKey { origin, leg: *leg, request: request.clone() };
                 self.load.rebook(&key, *pod, *cached_tokens)?;
                 if let Some((chain, _)) = self.load.booked_prompt(&key) {
-                    self.record_routed(*pod, &chain, None, now);
+                    self.record_routed(*pod, &chain, self.load.booked_adapter(&key), now);
                 }
             }
         }
@@ -760,7 +760,7 @@ impl Router {
         let request = RouteRequest::new(request_id, &chain, prompt_tokens, None);
         let cached = self.candidates(&[pod], &request, now, None)[0].credited_tokens();
         self.load.rebook(&key, pod, cached)?;
-        self.record_routed(pod, &chain, None, now);
+        self.record_routed(pod, &chain, self.load.booked_adapter(&key), now);
         if let Some(shared) = &mut self.shared {
             shared.push(BookingUpdate::Moved { request: key.request, leg: Leg::Serve, pod, cached_tokens: cached });
         }
@@ -934,6 +934,26 @@ mod tests {
         // Base-model requests take no slot.
         let base = r.route(&RouteRequest::new("b", &chain(99, 64), 64, Some(8)), 0.0).unwrap();
         assert!(base.candidates.iter().all(|c| c.adapter == AdapterFit::Unlimited));
+    }
+
+    #[test]
+    fn a_request_served_elsewhere_takes_its_adapter_along() {
+        let mut r = router(u32::MAX);
+        let pods: Vec<PodId> = (0..2).map(|_| r.add_pod(Role::Both, true)).collect();
+        for &p in &pods {
+            r.reported_adapters(p, ReportedAdapters { max_loras: 1, ..ReportedAdapters::default() });
+        }
+        let sql = AdapterId::of("sql");
+        let c = chain(1, 64);
+        let ask = |id| RouteRequest { adapter: Some(sql), ..RouteRequest::new(id, &c, 64, Some(8)) };
+        let picked = r.route(&ask("a"), 0.0).unwrap().decode.pod;
+        let other = pods.into_iter().find(|p| *p != picked).unwrap();
+        // The proxy retried it on the other pod, where it ran and ended.
+        assert_eq!(r.served("a", other, 0.1), Ok(Some(picked)));
+        r.report("a", Lifecycle::Done, false, 0.2).unwrap();
+        let next = r.route(&ask("b"), 0.3).unwrap();
+        let fit = next.candidates.iter().find(|c| c.pod == other).unwrap().adapter;
+        assert_eq!(fit, AdapterFit::Free { load: false }, "sql was loaded where it ran");
     }
 
     #[test]
