@@ -293,13 +293,23 @@ pub struct KvIndex {
     holders: [BlockHolders; 3],
     /// Per KV-cache group after the first (by group − 1), the pods holding each GPU block.
     group_holders: Vec<BlockHolders>,
+    /// The pods whose groups make them hybrid ([`KvIndex::is_hybrid`]): a bit per pod, so
+    /// a decision on pods of one kind of layer pays nothing for the others.
+    hybrid: PodSet,
     pods: PodMap<PodCache>,
 }
 
 impl KvIndex {
     pub fn new(block_size: usize, config: IndexConfig) -> Self {
         assert!(block_size > 0, "block_size must be positive");
-        Self { block_size, config, holders: Default::default(), group_holders: Vec::new(), pods: PodMap::default() }
+        Self {
+            block_size,
+            config,
+            holders: Default::default(),
+            group_holders: Vec::new(),
+            hybrid: PodSet::default(),
+            pods: PodMap::default(),
+        }
     }
 
     pub fn config(&self) -> &IndexConfig {
@@ -393,6 +403,9 @@ impl KvIndex {
                 cache.kinds.resize(group + 1, GroupKind::FullAttention);
             }
             cache.kinds[group] = stored.group_kind;
+            if cache.kinds.len() > 1 || cache.kinds[0] != GroupKind::FullAttention {
+                self.hybrid.insert(pod);
+            }
         }
         // The sequence hash an engine hash stands for on this pod, from any tier or group (a
         // hybrid model's groups hash the same blocks alike).
@@ -452,15 +465,14 @@ impl KvIndex {
             group.clear(holders, pod);
         }
         cache.kinds.clear();
+        self.hybrid.remove(pod);
     }
 
     /// Whether `pod` announced blocks of more than one KV-cache group, or of layers other
     /// than full attention (a hybrid or sliding-window model): its cached prefix is then
     /// [`KvIndex::hybrid_prefix`], not its first group's leading blocks.
     pub fn is_hybrid(&self, pod: PodId) -> bool {
-        self.pods
-            .get(pod)
-            .is_some_and(|p| p.kinds.len() > 1 || p.kinds.first().is_some_and(|k| *k != GroupKind::FullAttention))
+        self.hybrid.contains(pod)
     }
 
     /// The leading blocks of `chain` that hybrid `pod` serves from every KV-cache group, as

@@ -300,7 +300,9 @@ impl Policy for KvPolicy {
 /// request holds it (0 while no pod is full, or the adapter is nowhere yet). Each slot an
 /// adapter holds serves only its own requests: spread over pods it holds several.
 fn second_slot_seconds(input: &RouteInput, candidates: &[Candidate]) -> f64 {
-    if !candidates.iter().any(|c| matches!(c.adapter, AdapterFit::Running | AdapterFit::Full { joins: true, .. })) {
+    if input.slot_seconds == 0.0
+        || !candidates.iter().any(|c| matches!(c.adapter, AdapterFit::Running | AdapterFit::Full { joins: true, .. }))
+    {
         return 0.0;
     }
     let limited = candidates.iter().filter(|c| c.adapter != AdapterFit::Unlimited).count();
