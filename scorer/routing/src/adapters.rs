@@ -33,6 +33,14 @@ pub struct ReportedAdapters {
     pub max_loras: u32,
 }
 
+impl ReportedAdapters {
+    /// From the adapter names the metric lists.
+    pub fn named<S: AsRef<str>>(running: &[S], waiting: &[S], max_loras: u32) -> Self {
+        let ids = |names: &[S]| names.iter().map(|n| AdapterId::of(n.as_ref())).collect();
+        Self { running: ids(running), waiting: ids(waiting), max_loras }
+    }
+}
+
 /// The requests of one adapter in flight on a pod.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdapterLoad {
@@ -169,11 +177,7 @@ mod tests {
 
     fn pod(running: &[&str], waiting: &[&str], max_loras: u32) -> PodAdapters {
         let mut p = PodAdapters::default();
-        p.reported(ReportedAdapters {
-            running: running.iter().map(|n| id(n)).collect(),
-            waiting: waiting.iter().map(|n| id(n)).collect(),
-            max_loras,
-        });
+        p.reported(ReportedAdapters::named(running, waiting, max_loras));
         p
     }
 

@@ -50,9 +50,10 @@ pub enum Tier {
 
 /// What kind of layers a KV-cache group serves (`kv_cache_spec_kind`): a hybrid model keeps
 /// one group per kind, and a prefix is cached only as far as every group serves it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum GroupKind {
     /// Full attention (MLA too): the whole prefix's blocks are needed.
+    #[default]
     FullAttention,
     /// Sliding-window attention over this many tokens: only the blocks of the last window
     /// before the hit are needed.

@@ -220,15 +220,17 @@ impl PodCache {
     fn blocks(&mut self, target: Target) -> &mut PodBlocks {
         match target {
             Target::Tier(slot) => &mut self.tiers[slot],
-            Target::Group(group) => {
-                let at = group as usize - 1;
-                if self.groups.len() <= at {
-                    self.groups.resize_with(at + 1, PodBlocks::default);
-                }
-                &mut self.groups[at]
-            }
+            Target::Group(group) => grown(&mut self.groups, group as usize - 1),
         }
     }
+}
+
+/// Item `at` of `items`, grown with defaults to hold it.
+fn grown<T: Default>(items: &mut Vec<T>, at: usize) -> &mut T {
+    if items.len() <= at {
+        items.resize_with(at + 1, T::default);
+    }
+    &mut items[at]
 }
 
 /// A sliding window's (or mamba's) hit within the first `max` blocks: scanning from the
@@ -258,13 +260,7 @@ fn holders_of<'a>(
 ) -> &'a mut BlockHolders {
     match target {
         Target::Tier(slot) => &mut tiers[slot],
-        Target::Group(group) => {
-            let at = group as usize - 1;
-            if groups.len() <= at {
-                groups.resize_with(at + 1, BlockHolders::default);
-            }
-            &mut groups[at]
-        }
+        Target::Group(group) => grown(groups, group as usize - 1),
     }
 }
 
@@ -293,23 +289,13 @@ pub struct KvIndex {
     holders: [BlockHolders; 3],
     /// Per KV-cache group after the first (by group − 1), the pods holding each GPU block.
     group_holders: Vec<BlockHolders>,
-    /// The pods whose groups make them hybrid ([`KvIndex::is_hybrid`]): a bit per pod, so
-    /// a decision on pods of one kind of layer pays nothing for the others.
-    hybrid: PodSet,
     pods: PodMap<PodCache>,
 }
 
 impl KvIndex {
     pub fn new(block_size: usize, config: IndexConfig) -> Self {
         assert!(block_size > 0, "block_size must be positive");
-        Self {
-            block_size,
-            config,
-            holders: Default::default(),
-            group_holders: Vec::new(),
-            hybrid: PodSet::default(),
-            pods: PodMap::default(),
-        }
+        Self { block_size, config, holders: Default::default(), group_holders: Vec::new(), pods: PodMap::default() }
     }
 
     pub fn config(&self) -> &IndexConfig {
@@ -398,14 +384,7 @@ impl KvIndex {
             return;
         };
         if stored.tier == Tier::Gpu {
-            let group = stored.group as usize;
-            if cache.kinds.len() <= group {
-                cache.kinds.resize(group + 1, GroupKind::FullAttention);
-            }
-            cache.kinds[group] = stored.group_kind;
-            if cache.kinds.len() > 1 || cache.kinds[0] != GroupKind::FullAttention {
-                self.hybrid.insert(pod);
-            }
+            *grown(&mut cache.kinds, stored.group as usize) = stored.group_kind;
         }
         // The sequence hash an engine hash stands for on this pod, from any tier or group (a
         // hybrid model's groups hash the same blocks alike).
@@ -465,14 +444,13 @@ impl KvIndex {
             group.clear(holders, pod);
         }
         cache.kinds.clear();
-        self.hybrid.remove(pod);
     }
 
     /// Whether `pod` announced blocks of more than one KV-cache group, or of layers other
     /// than full attention (a hybrid or sliding-window model): its cached prefix is then
     /// [`KvIndex::hybrid_prefix`], not its first group's leading blocks.
     pub fn is_hybrid(&self, pod: PodId) -> bool {
-        self.hybrid.contains(pod)
+        self.pods.get(pod).is_some_and(|p| !matches!(p.kinds.as_slice(), [] | [GroupKind::FullAttention]))
     }
 
     /// The leading blocks of `chain` that hybrid `pod` serves from every KV-cache group, as

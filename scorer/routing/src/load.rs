@@ -195,8 +195,6 @@ struct DecodeTerm {
     first_token_at: Option<f64>,
     /// Prompt blocks, the partial one included.
     prompt_blocks: u32,
-    adapter: Option<AdapterId>,
-    booked_at: f64,
 }
 
 #[derive(Default)]
@@ -320,8 +318,6 @@ impl LoadTracker {
             output_tokens: req.output_tokens,
             first_token_at: req.first_token_at,
             prompt_blocks: (req.prompt_blocks.len() + usize::from(req.partial_block)) as u32,
-            adapter: req.adapter,
-            booked_at: req.booked_at,
         });
         self.requests.insert(key, req);
     }
@@ -510,7 +506,8 @@ impl LoadTracker {
         out.clear();
         let Some(state) = self.pods.get(pod) else { return };
         let speed = self.decode_speed(pod);
-        for r in &state.decode {
+        // Off the common path (requests for an adapter only): read from the bookings.
+        for r in state.inflight.iter().filter_map(|key| self.requests.get(key)) {
             let Some(adapter) = r.adapter else { continue };
             let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * speed);
             let left = (f64::from(r.output_tokens) - generated).max(0.0) / speed;

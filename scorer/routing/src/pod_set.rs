@@ -29,12 +29,6 @@ impl PodSet {
         self.words[w] |= 1 << (pod.index() % 64);
     }
 
-    pub fn remove(&mut self, pod: PodId) {
-        if let Some(word) = self.words.get_mut(pod.index() / 64) {
-            *word &= !(1 << (pod.index() % 64));
-        }
-    }
-
     pub fn contains(&self, pod: PodId) -> bool {
         self.word(pod.index() / 64) & (1 << (pod.index() % 64)) != 0
     }
@@ -123,10 +117,6 @@ mod tests {
         assert_eq!(a.word(3), 1 << 8);
         assert_eq!(a.word(7), 0);
         assert_eq!((a.id_bound(), PodSet::default().id_bound()), (201, 0));
-        let mut b = a.clone();
-        b.remove(PodId(64));
-        b.remove(PodId(9999)); // never a member: nothing
-        assert!(!b.contains(PodId(64)) && b.contains(PodId(200)) && b.contains(PodId(63)));
     }
 
     #[test]

@@ -211,7 +211,10 @@ impl PodSpeeds {
 
     /// The mean of the pods' learned decode speeds, if learning is on and some pod has one.
     pub fn mean_decode_tokens_per_second(&self) -> Option<f64> {
-        let learned = self.pods.iter().filter_map(|(_, p)| self.learned_decode(p)).filter(|_| self.config.learn);
+        if !self.config.learn {
+            return None;
+        }
+        let learned = self.pods.iter().filter_map(|(_, p)| self.learned_decode(p));
         let (n, sum) = learned.fold((0usize, 0.0), |(n, sum), speed| (n + 1, sum + speed));
         (n > 0).then(|| sum / n as f64)
     }

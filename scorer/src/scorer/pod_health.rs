@@ -3,7 +3,7 @@
 
 use super::{Core, Scorer};
 use crate::scrape::PodAdapters;
-use kvgate_routing::adapters::{AdapterId, ReportedAdapters};
+use kvgate_routing::adapters::ReportedAdapters;
 use kvgate_routing::events::{EventBatch, KvEvent};
 use kvgate_routing::pod_set::PodId;
 use kvgate_routing::policy::ReportedLoad;
@@ -161,10 +161,7 @@ impl Scorer {
             Scrape::Answered { load, started_at, adapters } => {
                 if let Some(a) = &adapters {
                     a.running.iter().chain(&a.waiting).for_each(|name| self.learn_adapter(name));
-                    let ids = |names: &[String]| names.iter().map(|n| AdapterId::of(n)).collect();
-                    let reported =
-                        ReportedAdapters { running: ids(&a.running), waiting: ids(&a.waiting), max_loras: a.max_lora };
-                    core.router.reported_adapters(pod, reported);
+                    core.router.reported_adapters(pod, ReportedAdapters::named(&a.running, &a.waiting, a.max_lora));
                 }
                 core.pods.get_mut(pod).adapters = adapters;
                 let health = &mut core.health(pod);

@@ -122,12 +122,7 @@ impl ClusterRouter for Kvgate {
     }
 
     fn scraped_adapters(&mut self, pod: usize, adapters: &EngineAdapters) {
-        let ids = |names: &[String]| names.iter().map(|n| AdapterId::of(n)).collect();
-        let reported = ReportedAdapters {
-            running: ids(&adapters.running),
-            waiting: ids(&adapters.waiting),
-            max_loras: adapters.max_loras as u32,
-        };
+        let reported = ReportedAdapters::named(&adapters.running, &adapters.waiting, adapters.max_loras as u32);
         self.router.reported_adapters(PodId(pod as u32), reported);
     }
 }

@@ -599,10 +599,8 @@ impl Engine {
         // At least one token must be computed to sample from, so a fully cached prompt
         // recomputes its last block (vLLM does the same).
         let max_hit = (seq.tokens.len() - 1) / bs;
-        let hashes = std::mem::take(&mut seq.hashes);
-        let hit = self.cache_hit(&hashes, max_hit);
+        let hit = self.cache_hit(&self.seqs[&id].hashes, max_hit);
         let seq = self.seqs.get_mut(&id).expect("waiting request exists");
-        seq.hashes = hashes;
         let remote = seq.kv_transfer == KvTransfer::RemotePrefill;
         // The offload tier's blocks right after the GPU hit are loaded, not computed.
         let loaded = match &mut self.offload {
