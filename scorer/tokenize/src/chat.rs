@@ -8,10 +8,12 @@
 //! given as a list of parts is flattened into one string joined by `"\n"`, and tool-call
 //! arguments given as JSON strings are parsed into objects.
 
+use crate::anthropic::{Effort, TemplateTraits};
 use crate::{TokenizeError, pyjson};
 use minijinja::value::{Kwargs, Serde, Value as JValue};
 use minijinja::{Environment, Error as JError, ErrorKind};
 use serde_json::{Map, Value};
+use strum::VariantArray;
 
 /// Options of one chat rendering, named as in vLLM's chat-completions / tokenize requests.
 #[derive(Debug, Clone)]
@@ -24,11 +26,20 @@ pub struct ChatOptions {
     pub tools: Option<Value>,
     /// `chat_template_kwargs` of the request (e.g. `enable_thinking`).
     pub template_kwargs: Option<Map<String, Value>>,
+    /// `reasoning_effort` of the request: passed to the template, and, unless the request's
+    /// kwargs set `enable_thinking`, turning thinking on (any effort) or off (`"none"`).
+    pub reasoning_effort: Option<String>,
 }
 
 impl Default for ChatOptions {
     fn default() -> Self {
-        Self { add_generation_prompt: true, continue_final_message: false, tools: None, template_kwargs: None }
+        Self {
+            add_generation_prompt: true,
+            continue_final_message: false,
+            tools: None,
+            template_kwargs: None,
+            reasoning_effort: None,
+        }
     }
 }
 
@@ -37,6 +48,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    traits: TemplateTraits,
 }
 
 const TEMPLATE_NAME: &str = "chat";
@@ -59,7 +71,33 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| TokenizeError::Template(format!("chat template does not compile: {e:#}")))?;
-        Ok(Self { env, bos_token, eos_token })
+        let mut template = Self { env, bos_token, eos_token, traits: TemplateTraits::default() };
+        template.traits = template.probe_traits();
+        Ok(template)
+    }
+
+    /// What vLLM probes this template for before serving Messages requests.
+    pub fn traits(&self) -> TemplateTraits {
+        self.traits
+    }
+
+    /// vLLM's two probes: a conversation with a second system message (does the template
+    /// reject it?), and a greeting rendered with `reasoning_effort: "none"` against every
+    /// effort (does "none" change anything?).
+    fn probe_traits(&self) -> TemplateTraits {
+        let turn = |role: &str| serde_json::json!({"role": role, "content": "t"});
+        let interleaved = [turn("system"), turn("user"), turn("system"), turn("user")];
+        let no_prompt = ChatOptions { add_generation_prompt: false, ..ChatOptions::default() };
+        let requires_leading_system = self.render(&interleaved, &no_prompt).is_err();
+        let hi = [serde_json::json!({"role": "user", "content": "Hi"})];
+        let with_effort = |effort: &str| {
+            self.render(&hi, &ChatOptions { reasoning_effort: Some(effort.into()), ..ChatOptions::default() }).ok()
+        };
+        let disabled_thinking_is_low = match with_effort("none") {
+            None => true,
+            Some(none) => Effort::VARIANTS.iter().any(|e| with_effort(e.into()).as_ref() == Some(&none)),
+        };
+        TemplateTraits { requires_leading_system, disabled_thinking_is_low }
     }
 
     /// Renders `messages` (OpenAI chat format) to the prompt text vLLM would tokenize.
@@ -85,13 +123,21 @@ impl ChatTemplate {
             }
             values.push(template_value(message));
         }
+        // vLLM's kwargs: the request's, under the effort it asks for.
+        let effort_kwargs = options.reasoning_effort.as_ref().map(|effort| {
+            let mut kwargs = options.template_kwargs.clone().unwrap_or_default();
+            kwargs.insert("reasoning_effort".into(), effort.as_str().into());
+            kwargs.entry("enable_thinking").or_insert_with(|| (effort != "none").into());
+            kwargs
+        });
+        let kwargs = effort_kwargs.as_ref().or(options.template_kwargs.as_ref());
         let ctx = minijinja::context! {
             messages => values,
             add_generation_prompt => options.add_generation_prompt,
             tools => template_value(options.tools.as_ref().unwrap_or(&Value::Null)),
             bos_token => self.bos_token.as_str(),
             eos_token => self.eos_token.as_str(),
-            ..options.template_kwargs.as_ref().map(template_value).unwrap_or_default()
+            ..kwargs.map(template_value).unwrap_or_default()
         };
         let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| TokenizeError::Template(e.to_string()))?;
         let mut rendered =
@@ -132,7 +178,8 @@ fn normalise_message(message: &Value) -> Result<Option<Value>, TokenizeError> {
                 match part {
                     Value::String(s) => texts.push(s.as_str()),
                     Value::Object(p) => match (p.get("type").and_then(Value::as_str), p.get("text")) {
-                        (Some("text") | None, Some(Value::String(t))) => texts.push(t),
+                        // vLLM's text parts (the Responses API names its own).
+                        (Some("text" | "input_text" | "output_text") | None, Some(Value::String(t))) => texts.push(t),
                         (Some(kind), _) => {
                             return Err(TokenizeError::Request(format!("unsupported content part type '{kind}'")));
                         }

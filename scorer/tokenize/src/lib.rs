@@ -12,10 +12,12 @@
 //! a long-prompt routing decision. It is a release candidate, so `tests/parity_hf.rs` checks
 //! its ids (and our chat rendering) against HF transformers on a varied request set.
 
+pub mod anthropic;
 mod chat;
 mod pyjson;
 mod segments;
 
+pub use anthropic::{MessagesRequest, TemplateTraits};
 pub use chat::{ChatOptions, ChatTemplate};
 use segments::SegmentCache;
 pub use segments::{MIN_CACHED_BYTES, SegmentCacheStats};
@@ -153,6 +155,21 @@ impl Tokenizer {
 
     /// Token ids of a chat request: the rendered template, encoded without adding special
     /// tokens (vLLM's chat default; the template already contains them).
+    /// What this tokenizer's chat template makes vLLM do with Messages requests.
+    pub fn template_traits(&self) -> TemplateTraits {
+        match &self.kind {
+            Kind::Hf { chat: Some(template), .. } => template.traits(),
+            Kind::Hf { chat: None, .. } => TemplateTraits::default(),
+            Kind::Fallback => fallback_chat_template().traits(),
+        }
+    }
+
+    /// Renders and encodes an Anthropic Messages request as vLLM does.
+    pub fn encode_messages_request(&self, request: &MessagesRequest) -> Result<Vec<u32>, TokenizeError> {
+        let (messages, options) = request.to_chat(self.template_traits())?;
+        self.encode_chat(&messages, &options)
+    }
+
     pub fn encode_chat(&self, messages: &[Value], options: &ChatOptions) -> Result<Vec<u32>, TokenizeError> {
         let text = self.render_chat(messages, options)?;
         self.encode(&text, false)
@@ -217,10 +234,16 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
 
 /// ChatML: `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then the assistant header.
 fn fallback_render_chat(messages: &[Value], options: &ChatOptions) -> Result<String, TokenizeError> {
+    fallback_chat_template().render(messages, options)
+}
+
+fn fallback_chat_template() -> &'static ChatTemplate {
     const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
                           {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
-    // Compiling this tiny template per call costs microseconds; the fallback is for tests.
-    ChatTemplate::new(CHATML.into(), String::new(), String::new())?.render(messages, options)
+    static TEMPLATE: std::sync::LazyLock<ChatTemplate> = std::sync::LazyLock::new(|| {
+        ChatTemplate::new(CHATML.into(), String::new(), String::new()).expect("the ChatML template compiles")
+    });
+    &TEMPLATE
 }
 
 #[cfg(test)]

@@ -108,6 +108,7 @@ fn token_ids_equal_hf_transformers_on_qwen3() {
                 continue_final_message: case.get("continue_final_message").and_then(Value::as_bool).unwrap_or(false),
                 tools: case.get("tools").cloned(),
                 template_kwargs: case.get("chat_template_kwargs").and_then(|k| k.as_object().cloned()),
+                reasoning_effort: None,
             };
             let messages = case["messages"].as_array().unwrap();
             let text = tokenizer.render_chat(messages, &options).unwrap();

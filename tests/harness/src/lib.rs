@@ -30,12 +30,25 @@ pub fn venv_bin(name: &str) -> PathBuf {
     required(python().parent().expect("venv bin").join(name), name)
 }
 
-/// vLLM's own `kv_events.py` of release `version`, cached by `make setup`.
-pub fn vllm_kv_events(version: &str) -> PathBuf {
+/// Where `make setup` keeps what it reads out of vLLM release `version`'s wheel.
+fn vllm_cache(version: &str) -> PathBuf {
     let cache = std::env::var_os("KVGATE_CACHE")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/kvgate"));
-    required(cache.join("vllm").join(version).join("kv_events.py"), "vLLM's kv_events.py")
+    cache.join("vllm").join(version)
+}
+
+/// vLLM's own `kv_events.py` of release `version`, cached by `make setup`.
+pub fn vllm_kv_events(version: &str) -> PathBuf {
+    required(vllm_cache(version).join("kv_events.py"), "vLLM's kv_events.py")
+}
+
+/// The folder of vLLM release `version`'s sources that `make setup` extracts (its `vllm/...`
+/// files the rendering references run).
+pub fn vllm_sources(version: &str) -> PathBuf {
+    let dir = vllm_cache(version);
+    required(dir.join("vllm/entrypoints/anthropic/serving.py"), "vLLM's Messages-API sources");
+    dir
 }
 
 /// The real Qwen3 `tokenizer.json` fetched by `make setup`.
