@@ -19,7 +19,7 @@
 //!
 //! Also shared: which request paths are routed ([`Api`]), the first check of a request body
 //! ([`starts_as_object`]) and the scan of a response for its output size
-//! ([`completion_tokens`]).
+//! ([`output_tokens`]).
 
 pub mod lifecycle;
 mod wire;
@@ -28,32 +28,31 @@ pub use wire::*;
 
 use serde::{Deserialize, Serialize};
 
-/// The OpenAI APIs kvgate routes, by request path.
+/// The APIs kvgate routes (vLLM's OpenAI-compatible ones and Anthropic's Messages), by
+/// request path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Api {
     Completions,
     ChatCompletions,
+    /// Anthropic's Messages API (`/v1/messages`).
+    Messages,
 }
 
 impl Api {
+    /// Every routed API.
+    pub const ALL: [Api; 3] = [Api::Completions, Api::ChatCompletions, Api::Messages];
     /// Every routed path.
-    pub const PATHS: [&'static str; 2] = ["/v1/completions", "/v1/chat/completions"];
+    pub const PATHS: [&'static str; 3] = ["/v1/completions", "/v1/chat/completions", "/v1/messages"];
 
     /// The API of a request path (query string ignored); `None` for anything else.
     pub fn from_path(path: &str) -> Option<Api> {
-        match path.split('?').next().unwrap_or_default() {
-            "/v1/completions" => Some(Api::Completions),
-            "/v1/chat/completions" => Some(Api::ChatCompletions),
-            _ => None,
-        }
+        let path = path.split('?').next().unwrap_or_default();
+        Api::ALL.into_iter().find(|api| api.path() == path)
     }
 
     /// Its request path.
     pub fn path(self) -> &'static str {
-        match self {
-            Api::Completions => Api::PATHS[0],
-            Api::ChatCompletions => Api::PATHS[1],
-        }
+        Api::PATHS[self as usize]
     }
 
     /// Its name in metrics.
@@ -61,6 +60,7 @@ impl Api {
         match self {
             Api::Completions => "completions",
             Api::ChatCompletions => "chat",
+            Api::Messages => "messages",
         }
     }
 }
@@ -73,12 +73,16 @@ pub fn starts_as_object(body: &[u8]) -> bool {
     body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
 }
 
-/// The last `"completion_tokens": N` in a response chunk (usage of a non-streaming answer, or
-/// the usage chunk of a stream).
-pub fn completion_tokens(chunk: &[u8]) -> Option<u32> {
-    const KEY: &[u8] = b"\"completion_tokens\"";
-    let at = chunk.windows(KEY.len()).rposition(|w| w == KEY)?;
-    let rest = &chunk[at + KEY.len()..];
+/// The output size a response chunk reports: its last `"completion_tokens": N` (OpenAI usage,
+/// of a non-streaming answer or a stream's usage chunk) or `"output_tokens": N` (Anthropic
+/// usage; a stream's `message_delta` carries the final count).
+pub fn output_tokens(chunk: &[u8]) -> Option<u32> {
+    const KEYS: [&[u8]; 2] = [b"\"completion_tokens\"", b"\"output_tokens\""];
+    let (at, key) = KEYS
+        .iter()
+        .filter_map(|key| Some((chunk.windows(key.len()).rposition(|w| w == *key)?, key)))
+        .max_by_key(|(at, _)| *at)?;
+    let rest = &chunk[at + key.len()..];
     let rest = rest.iter().position(|b| !b.is_ascii_whitespace() && *b != b':').map(|i| &rest[i..])?;
     let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
     std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
@@ -86,7 +90,7 @@ pub fn completion_tokens(chunk: &[u8]) -> Option<u32> {
 
 /// Request id of the routed request (the filter forwards or generates `x-request-id`).
 pub const HEADER_REQUEST_ID: &str = "x-request-id";
-/// The client's API path (`/v1/completions` or `/v1/chat/completions`).
+/// The client's API path (one of [`Api::PATHS`]).
 pub const HEADER_API_PATH: &str = "x-kvgate-api-path";
 /// The request's objective (the Gateway API Inference Extension's InferenceObjective
 /// convention), which sets its priority under overload; forwarded from the client.
@@ -251,6 +255,7 @@ mod tests {
     fn paths_map_to_apis() {
         assert_eq!(Api::from_path("/v1/completions"), Some(Api::Completions));
         assert_eq!(Api::from_path("/v1/chat/completions?x=1"), Some(Api::ChatCompletions));
+        assert_eq!(Api::from_path("/v1/messages"), Some(Api::Messages));
         assert_eq!(Api::from_path("/v1/embeddings"), None);
         assert!(Api::PATHS.iter().all(|p| Api::from_path(p).is_some_and(|api| api.path() == *p)));
     }
@@ -266,12 +271,20 @@ mod tests {
     #[test]
     fn usage_is_found_in_chunks() {
         assert_eq!(
-            completion_tokens(br#"{"usage":{"prompt_tokens":9,"completion_tokens":42,"total_tokens":51}}"#),
+            output_tokens(br#"{"usage":{"prompt_tokens":9,"completion_tokens":42,"total_tokens":51}}"#),
             Some(42)
         );
-        assert_eq!(completion_tokens(b"data: {\"usage\": {\"completion_tokens\" : 7}}\n\ndata: [DONE]"), Some(7));
-        assert_eq!(completion_tokens(b"data: {\"choices\":[]}"), None);
-        assert_eq!(completion_tokens(b"\"completion_tokens\":"), None);
+        assert_eq!(output_tokens(b"data: {\"usage\": {\"completion_tokens\" : 7}}\n\ndata: [DONE]"), Some(7));
+        assert_eq!(output_tokens(b"data: {\"choices\":[]}"), None);
+        assert_eq!(output_tokens(b"\"completion_tokens\":"), None);
+        // Anthropic's: the usage of a whole message, and a stream's start (1) then delta (12).
+        assert_eq!(output_tokens(br#"{"usage":{"input_tokens":9,"output_tokens":5}}"#), Some(5));
+        let stream =
+            b"event: message_start\ndata: {\"message\":{\"usage\":{\"input_tokens\":9,\"output_tokens\":1}}}\n\n\
+            event: message_delta\ndata: {\"delta\":{},\"usage\":{\"output_tokens\":12}}\n\n";
+        assert_eq!(output_tokens(stream), Some(12));
+        // Quoted in generated text, the key is escaped and does not count.
+        assert_eq!(output_tokens(br#"{"delta":{"text":"\"output_tokens\": 3"}}"#), None);
     }
 
     #[test]

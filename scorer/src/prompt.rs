@@ -1,9 +1,9 @@
-//! From an OpenAI request body to what routing needs: the prompt's token ids as the engine
+//! From a request body (OpenAI completions or chat, Anthropic messages) to what routing needs: the prompt's token ids as the engine
 //! will see them, the adapter and salt that seed its block hashes, and its output budget.
 
 use kvgate_route_api::Api;
 use kvgate_route_api::{NOT_AN_OBJECT, starts_as_object};
-use kvgate_tokenize::{ChatOptions, Tokenizer};
+use kvgate_tokenize::{ChatOptions, MessagesRequest, Tokenizer};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -40,6 +40,7 @@ struct Body {
     cache_salt: Option<String>,
     tools: Option<Value>,
     chat_template_kwargs: Option<Map<String, Value>>,
+    reasoning_effort: Option<String>,
     add_generation_prompt: Option<bool>,
     #[serde(default)]
     continue_final_message: bool,
@@ -60,10 +61,13 @@ pub fn extract(
         return Err(PromptError(NOT_AN_OBJECT.into()));
     }
     // One parse, straight into the fields routing reads (the rest of the body is skipped).
-    let body: Body = serde_json::from_slice(body).map_err(|e| match e.classify() {
-        serde_json::error::Category::Data => PromptError(format!("invalid request: {e}")),
-        _ => PromptError(format!("request body is not valid JSON: {e}")),
-    })?;
+    if api == Api::Messages {
+        let request: MessagesRequest = parse(body)?;
+        let tokens = tokenizer.encode_messages_request(&request).map_err(|e| PromptError(e.to_string()))?;
+        let max_tokens = u32::try_from(request.max_tokens).unwrap_or(u32::MAX);
+        return info(tokens, Some(request.model), request.cache_salt, Some(max_tokens), lora_adapters);
+    }
+    let body: Body = parse(body)?;
     let tokens = match api {
         Api::Completions => {
             let add_special = body.add_special_tokens.unwrap_or(true);
@@ -90,21 +94,35 @@ pub fn extract(
                 continue_final_message: body.continue_final_message,
                 tools: body.tools,
                 template_kwargs: body.chat_template_kwargs,
+                reasoning_effort: body.reasoning_effort,
             };
             let text = tokenizer.render_chat(&messages, &options).map_err(|e| PromptError(e.to_string()))?;
             encode(tokenizer, &text, body.add_special_tokens.unwrap_or(false))?
         }
+        Api::Messages => unreachable!("read above"),
     };
+    info(tokens, body.model, body.cache_salt, body.max_completion_tokens.or(body.max_tokens), lora_adapters)
+}
+
+fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, PromptError> {
+    serde_json::from_slice(body).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => PromptError(format!("invalid request: {e}")),
+        _ => PromptError(format!("request body is not valid JSON: {e}")),
+    })
+}
+
+fn info(
+    tokens: Vec<u32>,
+    model: Option<String>,
+    cache_salt: Option<String>,
+    max_output_tokens: Option<u32>,
+    lora_adapters: &[String],
+) -> Result<PromptInfo, PromptError> {
     if tokens.is_empty() {
         return Err(PromptError("the prompt is empty".into()));
     }
-    let lora_name = body.model.filter(|m| lora_adapters.iter().any(|a| a == m));
-    Ok(PromptInfo {
-        tokens,
-        lora_name,
-        cache_salt: body.cache_salt,
-        max_output_tokens: body.max_completion_tokens.or(body.max_tokens),
-    })
+    let lora_name = model.filter(|m| lora_adapters.iter().any(|a| a == m));
+    Ok(PromptInfo { tokens, lora_name, cache_salt, max_output_tokens })
 }
 
 fn encode(tokenizer: &Tokenizer, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
@@ -142,6 +160,21 @@ mod tests {
         let base =
             fallback(Api::ChatCompletions, r#"{"messages": [{"role": "user", "content": "hi"}], "model": "base"}"#);
         assert_eq!(base.unwrap().lora_name, None);
+        let messages = fallback(
+            Api::Messages,
+            r#"{"model": "sql", "max_tokens": 5, "system": "S", "messages": [{"role": "user", "content": "hi"}],
+                "cache_salt": "t2"}"#,
+        )
+        .unwrap();
+        let same_chat = fallback(
+            Api::ChatCompletions,
+            r#"{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]}"#,
+        )
+        .unwrap();
+        assert_eq!(messages.tokens, same_chat.tokens);
+        assert_eq!(messages.max_output_tokens, Some(5));
+        assert_eq!(messages.lora_name.as_deref(), Some("sql"));
+        assert_eq!(messages.cache_salt.as_deref(), Some("t2"));
     }
 
     #[test]
@@ -156,6 +189,11 @@ mod tests {
             (Api::ChatCompletions, r#"{"prompt": "x"}"#, "'messages' is required"),
             (Api::ChatCompletions, r#"{"messages": []}"#, "must not be empty"),
             (Api::ChatCompletions, r#"{"messages": [{"role": "user", "content": 1}]}"#, "content"),
+            (Api::Messages, r#"{"messages": [{"role": "user", "content": "x"}]}"#, "missing field `model`"),
+            (Api::Messages, r#"{"model": "m", "messages": [{"role": "user", "content": "x"}]}"#, "`max_tokens`"),
+            (Api::Messages, r#"{"model": "m", "max_tokens": 0, "messages": []}"#, "must be positive"),
+            (Api::Messages, r#"{"model": "m", "max_tokens": 9, "messages": []}"#, "must not be empty"),
+            (Api::Messages, r#"{"model": "m", "max_tokens": 9, "messages": [{"role": "user"}]}"#, "`content`"),
         ] {
             let err = fallback(api, body).expect_err(body).to_string();
             assert!(err.contains(needle), "{body}: {err}");

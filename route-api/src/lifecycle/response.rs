@@ -1,13 +1,13 @@
 //! What a response says of its request, as a proxy or a picker sees it pass.
 
-use crate::{LifecycleEvent, completion_tokens};
+use crate::{LifecycleEvent, output_tokens};
 
 /// How a request ended, for its last report.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct End {
     /// `Done`, or `Cancelled`.
     pub event: LifecycleEvent,
-    /// Completion tokens, when the response carried `usage`.
+    /// Output tokens, when the response carried `usage`.
     pub output_tokens: Option<u32>,
 }
 
@@ -34,7 +34,7 @@ impl ResponseWatch {
 
     /// A body chunk passed; true if it holds the first token.
     pub fn body(&mut self, chunk: &[u8], end_of_stream: bool) -> bool {
-        if let Some(n) = completion_tokens(chunk) {
+        if let Some(n) = output_tokens(chunk) {
             self.output_tokens = Some(n);
         }
         self.complete |= end_of_stream;

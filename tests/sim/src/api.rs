@@ -95,6 +95,7 @@ pub struct ChatRequest {
     pub max_completion_tokens: Option<u32>,
     pub tools: Option<Value>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    pub reasoning_effort: Option<String>,
     #[serde(default = "yes")]
     pub add_generation_prompt: bool,
     #[serde(default)]
@@ -118,6 +119,7 @@ pub struct TokenizeRequest {
     pub continue_final_message: bool,
     pub tools: Option<Value>,
     pub chat_template_kwargs: Option<Map<String, Value>>,
+    pub reasoning_effort: Option<String>,
     #[serde(default)]
     pub return_token_strs: bool,
 }

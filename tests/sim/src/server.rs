@@ -1,4 +1,5 @@
-//! The HTTP face of a simulated vLLM pod: vLLM's OpenAI-compatible API, `/tokenize`,
+//! The HTTP face of a simulated vLLM pod: vLLM's OpenAI-compatible API and its Anthropic
+//! Messages API (`/v1/messages`), `/tokenize`,
 //! `/metrics` in vLLM's Prometheus names, `/health`, `/v1/models`, `/reset_prefix_cache`,
 //! plus `GET /sim/requests` (the last requests served, without prompts) for tests.
 
@@ -16,7 +17,7 @@ use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use kvgate_sim::cache::HashKeys;
 use kvgate_sim::engine::{KvTransfer, NewRequest, Usage};
-use kvgate_tokenize::{ChatOptions, Tokenizer};
+use kvgate_tokenize::{ChatOptions, MessagesRequest, Tokenizer};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 use std::collections::{HashMap, VecDeque};
@@ -26,6 +27,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio_stream::wrappers::UnboundedReceiverStream;
+
+mod messages;
 
 /// Which side of prefill/decode disaggregation the pod serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -116,6 +119,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/messages", post(anthropic_messages))
         .route("/tokenize", post(tokenize))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
@@ -189,10 +193,24 @@ async fn chat_completions(
         continue_final_message: req.continue_final_message,
         tools: req.tools,
         template_kwargs: req.chat_template_kwargs,
+        reasoning_effort: req.reasoning_effort,
     };
     let text = state.tokenizer.render_chat(&messages, &options).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let prompt = encode(&state.tokenizer, &text, req.add_special_tokens)?;
     let job = job(&state, &headers, "chat.completions", vec![prompt], &req.common, req.max_completion_tokens)?;
+    Ok(run_job(state.clone(), job).await)
+}
+
+/// `POST /v1/messages`: the request rendered as vLLM renders it (see `kvgate_tokenize::anthropic`).
+async fn anthropic_messages(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: MessagesRequest = parse_body(&body)?;
+    let common: Common = parse_body(&body)?;
+    let prompt = state.tokenizer.encode_messages_request(&req).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let job = job(&state, &headers, "messages", vec![prompt], &common, None)?;
     Ok(run_job(state.clone(), job).await)
 }
 
@@ -315,7 +333,9 @@ async fn run_job(state: Arc<AppState>, job: Job) -> Response {
         receivers.into_iter().enumerate().map(|(i, rx)| UnboundedReceiverStream::new(rx).map(move |e| (i, e))),
     );
     let job = Arc::new(job);
-    if job.stream {
+    if job.stream && job.endpoint == "messages" {
+        Sse::new(messages::events(state, job, merged, started)).into_response()
+    } else if job.stream {
         let events = sse_events(state, job, merged, created, started);
         Sse::new(events).into_response()
     } else {
@@ -329,7 +349,10 @@ async fn run_job(state: Arc<AppState>, job: Job) -> Response {
             return ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "the engine stopped").into_response();
         }
         record(&state, &job, &choices, started);
-        let body = final_body(&state, &job, &choices, created);
+        let body = match job.endpoint {
+            "messages" => messages::body(&state, &job, &choices[0]),
+            _ => final_body(&state, &job, &choices, created),
+        };
         Json(body).into_response()
     }
 }
@@ -516,6 +539,7 @@ async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Result<Jso
                 continue_final_message: req.continue_final_message,
                 tools: req.tools,
                 template_kwargs: req.chat_template_kwargs,
+                reasoning_effort: req.reasoning_effort,
             };
             let text =
                 state.tokenizer.render_chat(&messages, &options).map_err(|e| ApiError::bad_request(e.to_string()))?;
