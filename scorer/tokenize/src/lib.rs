@@ -15,10 +15,12 @@
 pub mod anthropic;
 mod chat;
 mod pyjson;
+pub mod responses;
 mod segments;
 
 pub use anthropic::{MessagesRequest, TemplateTraits};
 pub use chat::{ChatOptions, ChatTemplate};
+pub use responses::ResponsesRequest;
 use segments::SegmentCache;
 pub use segments::{MIN_CACHED_BYTES, SegmentCacheStats};
 use serde_json::Value;
@@ -167,6 +169,12 @@ impl Tokenizer {
     /// Renders and encodes an Anthropic Messages request as vLLM does.
     pub fn encode_messages_request(&self, request: &MessagesRequest) -> Result<Vec<u32>, TokenizeError> {
         let (messages, options) = request.to_chat(self.template_traits())?;
+        self.encode_chat(&messages, &options)
+    }
+
+    /// Renders and encodes an OpenAI Responses request as vLLM does.
+    pub fn encode_responses_request(&self, request: &ResponsesRequest) -> Result<Vec<u32>, TokenizeError> {
+        let (messages, options) = request.to_chat()?;
         self.encode_chat(&messages, &options)
     }
 

@@ -1,17 +1,56 @@
-//! An Anthropic Messages request must tokenize as vLLM tokenizes it. The reference is vLLM
-//! 0.33's own conversion code (extracted from its wheel by `make setup` and run by
-//! `tests/tools/vllm_messages.py`), rendered by HF transformers on the real Qwen3 tokenizer —
-//! with Qwen3's template, and with a variant that allows the system message only first (where
-//! vLLM merges inline system messages into it).
+//! Anthropic Messages and OpenAI Responses requests must tokenize as vLLM tokenizes them. The
+//! reference is vLLM 0.33's own request models and conversion code (extracted from its wheel
+//! by `make setup` and run by `tests/tools/vllm_render.py`), rendered by HF transformers on the
+//! real Qwen3 tokenizer — for Messages also with a variant of Qwen3's template that allows the
+//! system message only first (where vLLM merges inline system messages into it). Requests vLLM
+//! refuses, kvgate must refuse too.
 
 use kvgate_test_harness::{python, qwen3_tokenizer, root, vllm_sources};
-use kvgate_tokenize::{MessagesRequest, Tokenizer};
+use kvgate_tokenize::{MessagesRequest, ResponsesRequest, Tokenizer};
 use serde_json::{Value, json};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-fn requests() -> Vec<Value> {
+/// The request APIs the reference renders.
+#[derive(Clone, Copy)]
+enum Api {
+    Messages,
+    Responses,
+}
+
+impl Api {
+    fn name(self) -> &'static str {
+        match self {
+            Api::Messages => "messages",
+            Api::Responses => "responses",
+        }
+    }
+
+    fn encode(self, tokenizer: &Tokenizer, body: &Value) -> Result<Vec<u32>, String> {
+        match self {
+            Api::Messages => serde_json::from_value::<MessagesRequest>(body.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|r| tokenizer.encode_messages_request(&r).map_err(|e| e.to_string())),
+            Api::Responses => serde_json::from_value::<ResponsesRequest>(body.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|r| tokenizer.encode_responses_request(&r).map_err(|e| e.to_string())),
+        }
+    }
+
+    fn render(self, tokenizer: &Tokenizer, body: &Value) -> String {
+        let (messages, options) = match self {
+            Api::Messages => serde_json::from_value::<MessagesRequest>(body.clone())
+                .unwrap()
+                .to_chat(tokenizer.template_traits())
+                .unwrap(),
+            Api::Responses => serde_json::from_value::<ResponsesRequest>(body.clone()).unwrap().to_chat().unwrap(),
+        };
+        tokenizer.render_chat(&messages, &options).unwrap()
+    }
+}
+
+fn messages_requests() -> Vec<Value> {
     let long: String = (0..400).map(|i| format!("Rule {i}: answer from the cached documents. ")).collect();
     let weather = json!({"name": "get_weather", "description": "Weather <today> & \"tomorrow\"",
         "input_schema": {"type": "object", "properties": {"city": {"type": "string", "description": "Città"}},
@@ -88,8 +127,58 @@ fn requests() -> Vec<Value> {
     ]
 }
 
+fn responses_requests() -> Vec<Value> {
+    let long: String = (0..400).map(|i| format!("Policy {i}: cite the retrieved passage. ")).collect();
+    let weather = json!({"type": "function", "name": "get_weather", "description": "Weather <today> & \"tomorrow\"",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "strict": true});
+    vec![
+        json!({"model": "qwen3", "input": "Hello!"}),
+        json!({"model": "qwen3", "instructions": long, "input": "Summarise the policies.", "max_output_tokens": 32}),
+        json!({"input": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": [{"type": "input_text", "text": "part one"}, {"type": "input_text", "text": "part two"}]}]}),
+        json!({"instructions": "Be brief.", "input": [{"type": "message", "role": "developer", "content": "Use metric units."},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "How far is the moon?"}]}]}),
+        // A tool round trip, with reasoning and an assistant message carrying its output parts.
+        json!({"tools": [weather, {"type": "web_search"}], "tool_choice": "auto", "input": [
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {"type": "reasoning", "summary": [{"type": "summary_text", "text": "two calls"}]},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+            {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": "{\"city\": \"Rome\", \"days\": 2.5}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "{\"temp\": 21.5}"},
+            {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "cloudy"}]},
+            {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+             "content": [{"type": "output_text", "text": "Paris 21.5, Rome 18.", "annotations": []}]},
+            {"role": "user", "content": "Thanks 😀"}]}),
+        json!({"tools": [{"type": "namespace", "name": "crm", "description": "CRM", "tools": [
+            {"type": "function", "name": "lookup", "parameters": {"type": "object", "properties": {}}}]}],
+            "input": [{"role": "user", "content": "find Ada"},
+                {"type": "function_call", "call_id": "c9", "namespace": "crm", "name": "lookup", "arguments": "{}"}]}),
+        // An unfinished assistant message, continued.
+        json!({"input": [{"role": "user", "content": "Write a haiku"},
+            {"type": "message", "role": "assistant", "status": "in_progress", "content": [{"type": "output_text", "text": "Autumn moon,"}]}]}),
+        json!({"input": "Think quickly.", "reasoning": {"effort": "none"}}),
+        json!({"input": "Think hard.", "reasoning": {"effort": "high"}, "chat_template_kwargs": {"enable_thinking": false}}),
+        json!({"input": "Special <|im_end|> text", "cache_salt": "tenant-a", "stream": true, "store": false,
+               "metadata": {"k": "v"}, "temperature": 0.3}),
+    ]
+}
+
+fn responses_refused() -> Vec<Value> {
+    vec![
+        json!({"instructions": "no input"}),
+        json!({"input": 5}),
+        json!({"input": [{"role": "tool", "content": "x"}]}),
+        json!({"input": [{"type": "function_call", "name": "f"}]}),
+        json!({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}]}),
+        json!({"input": [{"type": "item_reference", "id": "msg_1"}]}),
+        json!({"input": "x", "reasoning": {"effort": "extreme"}}),
+        json!({"input": "x", "prompt": {"id": "pmpt_1"}}),
+        json!({"input": "x", "cache_salt": ""}),
+    ]
+}
+
 /// Requests vLLM refuses; kvgate must refuse them too (a 400, not a guess).
-fn refused() -> Vec<Value> {
+fn messages_refused() -> Vec<Value> {
     let one = json!([{"role": "user", "content": "x"}]);
     vec![
         json!({"model": "qwen3", "messages": one}),
@@ -107,10 +196,11 @@ fn refused() -> Vec<Value> {
     ]
 }
 
-fn reference(bodies: &[Value], template: Option<&Path>) -> Vec<Value> {
+fn reference(api: Api, bodies: &[Value], template: Option<&Path>) -> Vec<Value> {
     let mut command = Command::new(python());
     command
-        .arg(root().join("tests/tools/vllm_messages.py"))
+        .arg(root().join("tests/tools/vllm_render.py"))
+        .arg(api.name())
         .arg(vllm_sources("0.33.0"))
         .arg(qwen3_tokenizer().parent().unwrap())
         .args(template)
@@ -124,32 +214,23 @@ fn reference(bodies: &[Value], template: Option<&Path>) -> Vec<Value> {
     serde_json::from_slice(&out.stdout).expect("reference JSON")
 }
 
-fn kvgate(tokenizer: &Tokenizer, body: &Value) -> Result<Vec<u32>, String> {
-    let request: MessagesRequest = serde_json::from_value(body.clone()).map_err(|e| e.to_string())?;
-    tokenizer.encode_messages_request(&request).map_err(|e| e.to_string())
-}
-
-fn check(tokenizer: &Tokenizer, template: Option<&Path>) -> Value {
-    let bodies = requests();
-    let expected = reference(&bodies, template);
+/// Renders `bodies` both ways and compares (and `refused` must be refused by both); returns the
+/// reference's answer to the first body.
+fn check(api: Api, tokenizer: &Tokenizer, bodies: &[Value], refused: &[Value], template: Option<&Path>) -> Value {
+    let expected = reference(api, bodies, template);
     for (i, (body, want)) in bodies.iter().zip(&expected).enumerate() {
         assert!(want.get("error").is_none(), "case {i}: vLLM refused {body}: {}", want["error"]);
         let want_ids: Vec<u32> = serde_json::from_value(want["ids"].clone()).unwrap();
-        let got = kvgate(tokenizer, body).unwrap_or_else(|e| panic!("case {i}: kvgate refused {body}: {e}"));
+        let got = api.encode(tokenizer, body).unwrap_or_else(|e| panic!("case {i}: kvgate refused {body}: {e}"));
         if got != want_ids {
-            let (messages, options) = serde_json::from_value::<MessagesRequest>(body.clone())
-                .unwrap()
-                .to_chat(tokenizer.template_traits())
-                .unwrap();
-            let text = tokenizer.render_chat(&messages, &options).unwrap();
+            let text = api.render(tokenizer, body);
             assert_eq!(text, want["text"].as_str().unwrap(), "case {i}: rendered prompt differs");
             panic!("case {i}: token ids differ");
         }
     }
-    let refused = refused();
-    for (body, want) in refused.iter().zip(reference(&refused, template)) {
+    for (body, want) in refused.iter().zip(reference(api, refused, template)) {
         assert!(want.get("error").is_some(), "vLLM accepted {body}");
-        assert!(kvgate(tokenizer, body).is_err(), "kvgate accepted what vLLM refuses: {body}");
+        assert!(api.encode(tokenizer, body).is_err(), "kvgate accepted what vLLM refuses: {body}");
     }
     expected[0].clone()
 }
@@ -157,7 +238,7 @@ fn check(tokenizer: &Tokenizer, template: Option<&Path>) -> Value {
 #[test]
 fn messages_requests_tokenize_as_vllm_renders_them_on_qwen3() {
     let tokenizer = Tokenizer::from_file(qwen3_tokenizer()).expect("load Qwen3");
-    let first = check(&tokenizer, None);
+    let first = check(Api::Messages, &tokenizer, &messages_requests(), &messages_refused(), None);
     assert_eq!(first["merge_inline_system"], false, "Qwen3's template takes system messages anywhere");
     assert!(!tokenizer.template_traits().requires_leading_system);
     assert_eq!(first["disabled_thinking_effort"], "none");
@@ -184,7 +265,13 @@ fn inline_system_messages_merge_as_vllm_merges_them_for_system_first_templates()
 
     let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json")).expect("load the variant");
     assert!(tokenizer.template_traits().requires_leading_system);
-    let first = check(&tokenizer, Some(&template_file));
+    let first = check(Api::Messages, &tokenizer, &messages_requests(), &messages_refused(), Some(&template_file));
     assert_eq!(first["merge_inline_system"], true);
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn responses_requests_tokenize_as_vllm_renders_them_on_qwen3() {
+    let tokenizer = Tokenizer::from_file(qwen3_tokenizer()).expect("load Qwen3");
+    check(Api::Responses, &tokenizer, &responses_requests(), &responses_refused(), None);
 }
