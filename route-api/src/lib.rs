@@ -28,21 +28,23 @@ pub use wire::*;
 
 use serde::{Deserialize, Serialize};
 
-/// The APIs kvgate routes (vLLM's OpenAI-compatible ones and Anthropic's Messages), by
-/// request path.
+/// The APIs kvgate routes (vLLM's OpenAI-compatible ones, OpenAI's Responses and Anthropic's
+/// Messages), by request path.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Api {
     Completions,
     ChatCompletions,
     /// Anthropic's Messages API (`/v1/messages`).
     Messages,
+    /// OpenAI's Responses API (`/v1/responses`).
+    Responses,
 }
 
 impl Api {
     /// Every routed API.
-    pub const ALL: [Api; 3] = [Api::Completions, Api::ChatCompletions, Api::Messages];
+    pub const ALL: [Api; 4] = [Api::Completions, Api::ChatCompletions, Api::Messages, Api::Responses];
     /// Every routed path.
-    pub const PATHS: [&'static str; 3] = ["/v1/completions", "/v1/chat/completions", "/v1/messages"];
+    pub const PATHS: [&'static str; 4] = ["/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/responses"];
 
     /// The API of a request path (query string ignored); `None` for anything else.
     pub fn from_path(path: &str) -> Option<Api> {
@@ -61,6 +63,7 @@ impl Api {
             Api::Completions => "completions",
             Api::ChatCompletions => "chat",
             Api::Messages => "messages",
+            Api::Responses => "responses",
         }
     }
 }
@@ -74,8 +77,8 @@ pub fn starts_as_object(body: &[u8]) -> bool {
 }
 
 /// The output size a response chunk reports: its last `"completion_tokens": N` (OpenAI usage,
-/// of a non-streaming answer or a stream's usage chunk) or `"output_tokens": N` (Anthropic
-/// usage; a stream's `message_delta` carries the final count).
+/// of a non-streaming answer or a stream's usage chunk) or `"output_tokens": N` (Anthropic and
+/// Responses usage; a stream's `message_delta` or `response.completed` carries the final count).
 pub fn output_tokens(chunk: &[u8]) -> Option<u32> {
     const KEYS: [&[u8]; 2] = [b"\"completion_tokens\"", b"\"output_tokens\""];
     let (at, key) = KEYS
@@ -256,6 +259,7 @@ mod tests {
         assert_eq!(Api::from_path("/v1/completions"), Some(Api::Completions));
         assert_eq!(Api::from_path("/v1/chat/completions?x=1"), Some(Api::ChatCompletions));
         assert_eq!(Api::from_path("/v1/messages"), Some(Api::Messages));
+        assert_eq!(Api::from_path("/v1/responses"), Some(Api::Responses));
         assert_eq!(Api::from_path("/v1/embeddings"), None);
         assert!(Api::PATHS.iter().all(|p| Api::from_path(p).is_some_and(|api| api.path() == *p)));
     }

@@ -1,9 +1,10 @@
-//! From a request body (OpenAI completions or chat, Anthropic messages) to what routing needs: the prompt's token ids as the engine
+//! From a request body (OpenAI completions, chat or responses, Anthropic messages) to what
+//! routing needs: the prompt's token ids as the engine
 //! will see them, the adapter and salt that seed its block hashes, and its output budget.
 
 use kvgate_route_api::Api;
 use kvgate_route_api::{NOT_AN_OBJECT, starts_as_object};
-use kvgate_tokenize::{ChatOptions, MessagesRequest, Tokenizer};
+use kvgate_tokenize::{ChatOptions, MessagesRequest, ResponsesRequest, Tokenizer};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -67,6 +68,11 @@ pub fn extract(
         let max_tokens = u32::try_from(request.max_tokens).unwrap_or(u32::MAX);
         return info(tokens, Some(request.model), request.cache_salt, Some(max_tokens), lora_adapters);
     }
+    if api == Api::Responses {
+        let request: ResponsesRequest = parse(body)?;
+        let tokens = tokenizer.encode_responses_request(&request).map_err(|e| PromptError(e.to_string()))?;
+        return info(tokens, request.model, request.cache_salt, request.max_output_tokens, lora_adapters);
+    }
     let body: Body = parse(body)?;
     let tokens = match api {
         Api::Completions => {
@@ -99,7 +105,7 @@ pub fn extract(
             let text = tokenizer.render_chat(&messages, &options).map_err(|e| PromptError(e.to_string()))?;
             encode(tokenizer, &text, body.add_special_tokens.unwrap_or(false))?
         }
-        Api::Messages => unreachable!("read above"),
+        Api::Messages | Api::Responses => unreachable!("read above"),
     };
     info(tokens, body.model, body.cache_salt, body.max_completion_tokens.or(body.max_tokens), lora_adapters)
 }
@@ -175,6 +181,12 @@ mod tests {
         assert_eq!(messages.max_output_tokens, Some(5));
         assert_eq!(messages.lora_name.as_deref(), Some("sql"));
         assert_eq!(messages.cache_salt.as_deref(), Some("t2"));
+        let responses =
+            fallback(Api::Responses, r#"{"model": "sql", "max_output_tokens": 6, "instructions": "S", "input": "hi"}"#)
+                .unwrap();
+        assert_eq!(responses.tokens, same_chat.tokens);
+        assert_eq!(responses.max_output_tokens, Some(6));
+        assert_eq!(responses.lora_name.as_deref(), Some("sql"));
     }
 
     #[test]
@@ -194,6 +206,8 @@ mod tests {
             (Api::Messages, r#"{"model": "m", "max_tokens": 0, "messages": []}"#, "must be positive"),
             (Api::Messages, r#"{"model": "m", "max_tokens": 9, "messages": []}"#, "must not be empty"),
             (Api::Messages, r#"{"model": "m", "max_tokens": 9, "messages": [{"role": "user"}]}"#, "`content`"),
+            (Api::Responses, r#"{"instructions": "x"}"#, "missing field `input`"),
+            (Api::Responses, r#"{"input": "x", "previous_response_id": "r1"}"#, "previous_response_id"),
         ] {
             let err = fallback(api, body).expect_err(body).to_string();
             assert!(err.contains(needle), "{body}: {err}");

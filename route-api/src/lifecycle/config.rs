@@ -41,7 +41,8 @@ pub struct ProxyConfig {
     pub scorer_timeout_ms: u64,
     pub failure_mode: FailureMode,
     /// Request paths routed by the scorer (exact match, query string ignored), among
-    /// `/v1/completions` and `/v1/chat/completions`; other traffic passes untouched.
+    /// `/v1/completions`, `/v1/chat/completions`, `/v1/messages` and `/v1/responses`; other
+    /// traffic passes untouched.
     pub paths: Vec<String>,
     /// Header naming the chosen pod for Envoy's `override_host` load-balancing policy.
     pub destination_header: String,

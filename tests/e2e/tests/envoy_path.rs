@@ -100,7 +100,7 @@ on_every_path!(
         a_pod_killed_costs_no_request_that_had_not_started,
         a_pick_that_refuses_connections_is_retried_on_its_fallback_and_the_booking_follows,
         an_adapters_requests_follow_the_pod_holding_it_and_spread_when_it_is_full,
-        anthropic_messages_route_with_prefix_affinity_and_malformed_ones_get_400,
+        messages_and_responses_route_with_prefix_affinity_and_malformed_ones_get_400,
     ],
     alone: [a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable],
 );
@@ -351,41 +351,58 @@ fn anthropic_message(system: &str, question: &str, stream: bool) -> Value {
            "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}]})
 }
 
-/// The cached prompt tokens an Anthropic answer reports (a stream's, in its `message_delta`).
-fn cache_read_tokens(answer: &Answer) -> u64 {
-    let usage_line = answer.body.lines().rev().find(|l| l.contains("\"usage\"")).unwrap_or(&answer.body);
-    let json: Value = serde_json::from_str(usage_line.trim_start_matches("data: ")).expect("usage JSON");
-    json["usage"]["cache_read_input_tokens"].as_u64().expect("usage.cache_read_input_tokens")
+/// An OpenAI Responses request (`/v1/responses`) with instructions and one question.
+fn openai_response(instructions: &str, question: &str, stream: bool) -> Value {
+    json!({"model": MODEL, "max_output_tokens": 4, "stream": stream, "instructions": instructions,
+           "input": [{"role": "user", "content": [{"type": "input_text", "text": question}]}]})
 }
 
-async fn anthropic_messages_route_with_prefix_affinity_and_malformed_ones_get_400(path: Path) {
+/// The cached prompt tokens an answer of either API reports (a stream's, in its last event
+/// with usage: `message_delta`, `response.completed`).
+fn cached_prompt_tokens(answer: &Answer) -> u64 {
+    let usage_line = answer.body.lines().rev().find(|l| l.contains("\"usage\"")).unwrap_or(&answer.body);
+    let json: Value = serde_json::from_str(usage_line.trim_start_matches("data: ")).expect("usage JSON");
+    let usage = if json["response"].is_object() { &json["response"]["usage"] } else { &json["usage"] };
+    let cached = usage["cache_read_input_tokens"].as_u64().or(usage["input_tokens_details"]["cached_tokens"].as_u64());
+    cached.unwrap_or_else(|| panic!("no cached tokens in {usage}"))
+}
+
+async fn messages_and_responses_route_with_prefix_affinity_and_malformed_ones_get_400(path: Path) {
     let s = stack(path, 3, &[]).await;
     let mut homes = Vec::new();
     for topic in ["harbor logistics", "tax law", "orbital mechanics"] {
         let system = text(&format!("You answer questions on {topic}"), 220);
         let mut served = Vec::new();
-        for i in 0..3 {
-            let stream = i % 2 == 1;
-            let a = send(&s.envoy, "/v1/messages", &anthropic_message(&system, &format!("question {i}"), stream), &[])
-                .await;
-            assert_eq!(a.status, 200, "{}", a.body);
-            if stream {
-                assert!(
-                    a.body.contains("event: message_delta") && a.body.contains("event: message_stop"),
-                    "{}",
-                    a.body
-                );
+        // The two APIs in turn, streamed and not: one conversation prefix, one pod.
+        for i in 0..4 {
+            let (api, body) = match i {
+                0 => ("/v1/messages", anthropic_message(&system, "question 0", false)),
+                1 => ("/v1/responses", openai_response(&system, "question 1", true)),
+                2 => ("/v1/messages", anthropic_message(&system, "question 2", true)),
+                _ => ("/v1/responses", openai_response(&system, "question 3", false)),
+            };
+            let a = send(&s.envoy, api, &body, &[]).await;
+            assert_eq!(a.status, 200, "{api}: {}", a.body);
+            match i {
+                1 => assert!(a.body.contains("event: response.completed"), "{}", a.body),
+                2 => assert!(a.body.contains("event: message_stop"), "{}", a.body),
+                _ => {}
             }
             if i > 0 {
-                assert!(cache_read_tokens(&a) > 600, "served from the prefix cache: {}", a.body);
+                assert!(
+                    cached_prompt_tokens(&a) > 600,
+                    "{api} served from the prefix cache on {:?} after {served:?}: {}",
+                    a.pod,
+                    a.body
+                );
             }
             served.push(a.pod.expect("x-kvgate-pod"));
             s.scorer.wait_idle(Duration::from_secs(5)).await;
         }
         assert!(served.iter().all(|p| p == &served[0]), "{topic}: {served:?}");
-        // The same conversation asked on the chat API renders the same prompt: same pod, cached.
+        // The same conversation on the chat API renders the same prompt: same pod, cached.
         let same = send(&s.envoy, "/v1/chat/completions", &chat(&system, "question 9", false), &[]).await;
-        assert_eq!(same.pod.as_ref(), Some(&served[0]), "one index for both APIs");
+        assert_eq!(same.pod.as_ref(), Some(&served[0]), "one index for every API");
         assert!(cached_tokens(&same) > 600, "{}", same.body);
         s.scorer.wait_idle(Duration::from_secs(5)).await;
         homes.push(served[0].clone());
@@ -393,34 +410,46 @@ async fn anthropic_messages_route_with_prefix_affinity_and_malformed_ones_get_40
     homes.sort();
     homes.dedup();
     assert!(homes.len() >= 2, "different prefixes spread across pods: {homes:?}");
-    assert_eq!(s.routed().await, 12);
-    // Every request ended (done, with its output reported) before the next was sent.
+    assert_eq!(s.routed().await, 15);
+    // Every request ended (reported done) before the next was sent.
     for p in s.scorer.pods().await {
         assert_eq!(p["inflight_requests"], 0);
     }
 
     // What vLLM would refuse is refused before any pod sees it, with the reason.
     let one = json!([{"role": "user", "content": "x"}]);
-    for (body, reason) in [
-        (json!({"model": MODEL, "messages": one}), "max_tokens"),
-        (json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": 5}]}), "invalid request"),
+    for (api, body, reason) in [
+        ("/v1/messages", json!({"model": MODEL, "messages": one}), "max_tokens"),
         (
-            json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "video"}]}]}),
+            "/v1/messages",
+            json!({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": 5}]}),
             "invalid request",
         ),
-        (json!({"model": MODEL, "max_tokens": 0, "messages": one}), "must be positive"),
+        ("/v1/messages", json!({"model": MODEL, "max_tokens": 0, "messages": one}), "must be positive"),
+        ("/v1/responses", json!({"model": MODEL, "instructions": "no input"}), "input"),
+        (
+            "/v1/responses",
+            json!({"model": MODEL, "input": [{"type": "item_reference", "id": "x"}]}),
+            "Unsupported input item",
+        ),
+        (
+            "/v1/responses",
+            json!({"model": MODEL, "input": "x", "previous_response_id": "resp_1"}),
+            "previous_response_id",
+        ),
     ] {
-        let a = send(&s.envoy, "/v1/messages", &body, &[]).await;
+        let a = send(&s.envoy, api, &body, &[]).await;
         assert_eq!(a.status, 400, "{body}: {}", a.body);
         let err: Value = serde_json::from_str(&a.body).expect("a JSON error body");
         assert!(err["error"]["message"].as_str().unwrap().contains(reason), "{body}: {err}");
         assert_eq!(a.pod, None, "no pod saw it");
     }
-    let r =
-        reqwest::Client::new().post(format!("{}/v1/messages", s.envoy.url)).body("{\"model\": ").send().await.unwrap();
-    assert_eq!(r.status(), 400);
+    for api in ["/v1/messages", "/v1/responses"] {
+        let r = reqwest::Client::new().post(format!("{}{api}", s.envoy.url)).body("{\"model\": ").send().await.unwrap();
+        assert_eq!(r.status(), 400);
+    }
     let served: usize = futures::future::join_all(s.pods.iter().map(|p| p.requests())).await.iter().map(Vec::len).sum();
-    assert_eq!(served, 12, "the pods served the good requests only");
+    assert_eq!(served, 15, "the pods served the good requests only");
 }
 
 async fn bad_input_and_destination_spoofing_are_handled(path: Path) {

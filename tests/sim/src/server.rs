@@ -1,5 +1,5 @@
-//! The HTTP face of a simulated vLLM pod: vLLM's OpenAI-compatible API and its Anthropic
-//! Messages API (`/v1/messages`), `/tokenize`,
+//! The HTTP face of a simulated vLLM pod: vLLM's OpenAI-compatible API (with `/v1/responses`)
+//! and its Anthropic Messages API (`/v1/messages`), `/tokenize`,
 //! `/metrics` in vLLM's Prometheus names, `/health`, `/v1/models`, `/reset_prefix_cache`,
 //! plus `GET /sim/requests` (the last requests served, without prompts) for tests.
 
@@ -17,7 +17,7 @@ use bytes::Bytes;
 use futures::{Stream, StreamExt};
 use kvgate_sim::cache::HashKeys;
 use kvgate_sim::engine::{KvTransfer, NewRequest, Usage};
-use kvgate_tokenize::{ChatOptions, MessagesRequest, Tokenizer};
+use kvgate_tokenize::{ChatOptions, MessagesRequest, ResponsesRequest, Tokenizer};
 use serde::Serialize;
 use serde_json::{Map, Value, json};
 use std::collections::{HashMap, VecDeque};
@@ -29,6 +29,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 mod messages;
+mod responses;
 
 /// Which side of prefill/decode disaggregation the pod serves.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -120,6 +121,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/messages", post(anthropic_messages))
+        .route("/v1/responses", post(openai_responses))
         .route("/tokenize", post(tokenize))
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
@@ -211,6 +213,20 @@ async fn anthropic_messages(
     let common: Common = parse_body(&body)?;
     let prompt = state.tokenizer.encode_messages_request(&req).map_err(|e| ApiError::bad_request(e.to_string()))?;
     let job = job(&state, &headers, "messages", vec![prompt], &common, None)?;
+    Ok(run_job(state.clone(), job).await)
+}
+
+/// `POST /v1/responses`: the request rendered as vLLM renders it (see
+/// `kvgate_tokenize::responses`).
+async fn openai_responses(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, ApiError> {
+    let req: ResponsesRequest = parse_body(&body)?;
+    let common: Common = parse_body(&body)?;
+    let prompt = state.tokenizer.encode_responses_request(&req).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    let job = job(&state, &headers, "responses", vec![prompt], &common, req.max_output_tokens)?;
     Ok(run_job(state.clone(), job).await)
 }
 
@@ -334,7 +350,13 @@ async fn run_job(state: Arc<AppState>, job: Job) -> Response {
     );
     let job = Arc::new(job);
     if job.stream && job.endpoint == "messages" {
-        Sse::new(messages::events(state, job, merged, started)).into_response()
+        Sse::new(framed_events(state, job, merged, started, messages::frame)).into_response()
+    } else if job.stream && job.endpoint == "responses" {
+        let mut sequence = 0;
+        let frame = move |state: &AppState, job: &Job, choice: &ChoiceState, frame: Frame| {
+            responses::frame(state, job, choice, frame, &mut sequence)
+        };
+        Sse::new(framed_events(state, job, merged, started, frame)).into_response()
     } else if job.stream {
         let events = sse_events(state, job, merged, created, started);
         Sse::new(events).into_response()
@@ -351,6 +373,7 @@ async fn run_job(state: Arc<AppState>, job: Job) -> Response {
         record(&state, &job, &choices, started);
         let body = match job.endpoint {
             "messages" => messages::body(&state, &job, &choices[0]),
+            "responses" => responses::body(&state, &job, &choices[0]),
             _ => final_body(&state, &job, &choices, created),
         };
         Json(body).into_response()
@@ -405,6 +428,52 @@ fn sse_events(
         futures::stream::iter(events.into_iter().map(Ok))
     });
     futures::stream::iter(head.into_iter().map(Ok)).chain(body.flatten())
+}
+
+/// A point of a one-prompt answer that a framed stream (Messages, Responses) marks.
+enum Frame<'a> {
+    /// The first token came: the stream opens.
+    Start,
+    /// A piece of text.
+    Delta(&'a str),
+    /// The last token came.
+    End,
+}
+
+/// A one-prompt answer streamed as events of a framing API, `frame` choosing the events at each
+/// point. The stream opens with the first token (as vLLM's answers do).
+fn framed_events(
+    state: Arc<AppState>,
+    job: Arc<Job>,
+    emissions: impl Stream<Item = (usize, Emission)> + Send + 'static,
+    started: Instant,
+    mut frame: impl FnMut(&AppState, &Job, &ChoiceState, Frame) -> Vec<Event> + Send + 'static,
+) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
+    let mut choice = ChoiceState::default();
+    emissions
+        .map(move |(_, emission)| {
+            let piece = state.filler_text.get(&emission.token).cloned().unwrap_or_default();
+            let first = choice.first_token.is_none();
+            apply(&mut choice, &piece, emission);
+            let mut events = Vec::new();
+            if first {
+                events.extend(frame(&state, &job, &choice, Frame::Start));
+            }
+            if !piece.is_empty() {
+                events.extend(frame(&state, &job, &choice, Frame::Delta(&piece)));
+            }
+            if choice.finish_reason.is_some() {
+                record(&state, &job, std::slice::from_ref(&choice), started);
+                events.extend(frame(&state, &job, &choice, Frame::End));
+            }
+            futures::stream::iter(events.into_iter().map(Ok))
+        })
+        .flatten()
+}
+
+/// An SSE event with its name (`event:`) and JSON data.
+fn named_event(name: &str, data: Value) -> Event {
+    Event::default().event(name).data(data.to_string())
 }
 
 fn object_kind(job: &Job, streaming: bool) -> &'static str {
