@@ -152,7 +152,10 @@ impl Metrics {
                 buckets(),
             ),
             tokenize_seconds: r.add("histogram", HistogramVec::new(
-                HistogramOpts::new("tokenize_seconds", "Time to tokenize a request (chat template included).")
+                HistogramOpts::new(
+                    "tokenize_seconds",
+                    "Time to tokenize a request (chat template included), by API: completions, chat, responses, messages.",
+                )
                     .buckets(buckets()),
                 &["api"],
             )),
