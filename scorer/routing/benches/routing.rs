@@ -288,6 +288,45 @@ fn main() {
                 resent.as_secs_f64() * 1e3,
                 plain.as_secs_f64() / resent.as_secs_f64()
             );
+            // The same conversation resent on each API, from its body's bytes (the scorer's
+            // parse included): what the Messages and Responses conversions add to the chat path.
+            let body = |api: &str, n: usize| {
+                let mut turns = history.clone();
+                turns.push(serde_json::json!({"role": "user", "content": format!("Question {n}?")}));
+                let body = match api {
+                    "chat" => serde_json::json!({"messages": turns}),
+                    "messages" => serde_json::json!({"model": "m", "max_tokens": 8, "messages": turns}),
+                    _ => serde_json::json!({"input": turns}),
+                };
+                serde_json::to_vec(&body).unwrap()
+            };
+            let per_api = |api: &'static str| {
+                median(&|| {
+                    asked.set(asked.get() + 1);
+                    let bytes = body(api, asked.get());
+                    match api {
+                        "chat" => {
+                            let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap();
+                            cached.encode_chat(v["messages"].as_array().unwrap(), &options).unwrap().len()
+                        }
+                        "messages" => {
+                            let r: kvgate_tokenize::MessagesRequest = serde_json::from_slice(&bytes).unwrap();
+                            cached.encode_messages_request(&r).unwrap().len()
+                        }
+                        _ => {
+                            let r: kvgate_tokenize::ResponsesRequest = serde_json::from_slice(&bytes).unwrap();
+                            cached.encode_responses_request(&r).unwrap().len()
+                        }
+                    }
+                })
+            };
+            let (chat, messages, responses) = (per_api("chat"), per_api("messages"), per_api("responses"));
+            println!(
+                "| the same {n}-token chat resent, from its body, per API (segment cache) | chat {:.3} ms · messages {:.3} ms · responses {:.3} ms | |",
+                chat.as_secs_f64() * 1e3,
+                messages.as_secs_f64() * 1e3,
+                responses.as_secs_f64() * 1e3
+            );
             // A document sent again under a new question (completions): cut between words.
             let document: String =
                 (0..1400).map(|i| format!("Section {} says {} ", i * 7919 % 10007, sentence)).collect();
