@@ -24,19 +24,12 @@ pub struct MessagesRequest {
     pub model: String,
     pub messages: Vec<Message>,
     pub max_tokens: i64,
-    #[serde(default)]
     pub system: Option<Content>,
-    #[serde(default)]
     pub tools: Option<Vec<Tool>>,
-    #[serde(default)]
     pub thinking: Option<Thinking>,
-    #[serde(default)]
     pub output_config: Option<OutputConfig>,
-    #[serde(default)]
     pub stream: Option<bool>,
-    #[serde(default)]
     pub cache_salt: Option<String>,
-    #[serde(default)]
     pub chat_template_kwargs: Option<Map<String, Value>>,
 }
 
@@ -101,23 +94,14 @@ pub enum BlockType {
 pub struct Block {
     #[serde(rename = "type")]
     pub kind: BlockType,
-    #[serde(default)]
     pub text: Option<String>,
-    #[serde(default)]
     pub source: Option<Map<String, Value>>,
-    #[serde(default)]
     pub id: Option<String>,
-    #[serde(default)]
     pub tool_use_id: Option<String>,
-    #[serde(default)]
     pub name: Option<String>,
-    #[serde(default)]
     pub input: Option<Map<String, Value>>,
-    #[serde(default)]
     pub content: Option<ToolResultContent>,
-    #[serde(default)]
     pub thinking: Option<String>,
-    #[serde(default)]
     pub tool: Option<ToolChange>,
 }
 
@@ -131,12 +115,9 @@ pub enum ToolResultContent {
 #[derive(Debug, Deserialize, Clone)]
 pub struct Tool {
     pub name: String,
-    #[serde(default)]
     pub description: Option<String>,
     pub input_schema: Map<String, Value>,
-    #[serde(default)]
     pub strict: Option<bool>,
-    #[serde(default)]
     pub defer_loading: Option<bool>,
 }
 
@@ -158,7 +139,6 @@ pub enum Thinking {
 
 #[derive(Debug, Deserialize)]
 pub struct OutputConfig {
-    #[serde(default)]
     pub effort: Option<Effort>,
 }
 

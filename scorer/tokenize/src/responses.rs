@@ -23,26 +23,17 @@ use serde_json::{Map, Value, json};
 /// A Responses request: the fields that shape the prompt or the request's cost.
 #[derive(Debug, Deserialize)]
 pub struct ResponsesRequest {
-    #[serde(default)]
     pub model: Option<String>,
     pub input: Input,
-    #[serde(default)]
     pub instructions: Option<String>,
-    #[serde(default)]
     pub max_output_tokens: Option<u32>,
     #[serde(default)]
     pub tools: Vec<Map<String, Value>>,
-    #[serde(default)]
     pub reasoning: Option<Reasoning>,
-    #[serde(default)]
     pub previous_response_id: Option<String>,
-    #[serde(default)]
     pub prompt: Option<Value>,
-    #[serde(default)]
     pub stream: Option<bool>,
-    #[serde(default)]
     pub cache_salt: Option<String>,
-    #[serde(default)]
     pub chat_template_kwargs: Option<Map<String, Value>>,
 }
 
@@ -55,7 +46,6 @@ pub enum Input {
 
 #[derive(Debug, Deserialize)]
 pub struct Reasoning {
-    #[serde(default)]
     pub effort: Option<ReasoningEffort>,
 }
 
