@@ -1,5 +1,6 @@
 //! Shared pieces of kvgate's end-to-end tools (`kvgate-demo`, `kvgate-overhead`): sending
-//! OpenAI requests through a gateway and measuring them from the client's side.
+//! requests through a gateway (OpenAI completions, chat and responses, Anthropic messages) and
+//! measuring them from the client's side.
 
 pub mod failover;
 
@@ -69,25 +70,59 @@ pub async fn send(client: &reqwest::Client, url: &str, body: &Value) -> Measured
     let text = String::from_utf8_lossy(&buffer);
     for line in text.lines().map(|l| l.trim_start_matches("data: ")).filter(|l| l.starts_with('{')) {
         let Ok(json) = serde_json::from_str::<Value>(line) else { continue };
-        if let Some(usage) = json.get("usage").filter(|u| u.is_object()) {
-            out.prompt_tokens = usage["prompt_tokens"].as_u64().unwrap_or(0);
-            out.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
-        }
-        for choice in json["choices"].as_array().into_iter().flatten() {
-            for piece in [&choice["delta"]["content"], &choice["text"], &choice["message"]["content"]] {
-                if let Some(s) = piece.as_str() {
-                    out.text.push_str(s);
-                }
-            }
-        }
+        read_chunk(&json, &mut out);
     }
     out
 }
 
-/// True once a chunk carries generated text: a non-empty `"content"` (chat) or `"text"`
-/// (completions) string. The role-only first chunk of a chat stream does not count.
+/// What one answer (or streamed chunk) of any routed API says: its usage and its text.
+fn read_chunk(json: &Value, out: &mut Measured) {
+    let usage = json.get("usage").or_else(|| json["response"].get("usage")).filter(|u| u.is_object());
+    if let Some(usage) = usage {
+        let count = |v: &Value| v.as_u64().unwrap_or(0);
+        if usage.get("prompt_tokens").is_some() {
+            // OpenAI completions and chat.
+            out.prompt_tokens = count(&usage["prompt_tokens"]);
+            out.cached_tokens = count(&usage["prompt_tokens_details"]["cached_tokens"]);
+        } else if usage.get("input_tokens_details").is_some() {
+            // OpenAI responses: input tokens count the cached ones.
+            out.prompt_tokens = count(&usage["input_tokens"]);
+            out.cached_tokens = count(&usage["input_tokens_details"]["cached_tokens"]);
+        } else {
+            // Anthropic messages: input tokens leave the cached ones out.
+            out.cached_tokens = count(&usage["cache_read_input_tokens"]);
+            out.prompt_tokens = count(&usage["input_tokens"]) + out.cached_tokens;
+        }
+    }
+    let mut push = |piece: &Value| {
+        if let Some(s) = piece.as_str() {
+            out.text.push_str(s);
+        }
+    };
+    for choice in json["choices"].as_array().into_iter().flatten() {
+        for piece in [&choice["delta"]["content"], &choice["text"], &choice["message"]["content"]] {
+            push(piece);
+        }
+    }
+    match (json["type"].as_str(), json["object"].as_str()) {
+        (Some("content_block_delta"), _) => push(&json["delta"]["text"]),
+        (Some("response.output_text.delta"), _) => push(&json["delta"]),
+        (Some("message"), _) => json["content"].as_array().into_iter().flatten().for_each(|b| push(&b["text"])),
+        (_, Some("response")) => json["output"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .flat_map(|item| item["content"].as_array().into_iter().flatten())
+            .for_each(|part| push(&part["text"])),
+        _ => {}
+    }
+}
+
+/// True once a chunk carries generated text: a non-empty `"content"` (chat), `"text"`
+/// (completions, messages) or `"delta"` (responses) string. The role-only first chunk of a
+/// chat stream, and the empty text a message's or response's stream opens with, do not count.
 pub fn has_generated_text(buffer: &[u8]) -> bool {
-    [&b"\"content\":\""[..], b"\"text\":\""].iter().any(|key| {
+    [&b"\"content\":\""[..], b"\"text\":\"", b"\"delta\":\""].iter().any(|key| {
         buffer
             .windows(key.len())
             .enumerate()
@@ -119,6 +154,39 @@ mod tests {
         assert!(has_generated_text(br#"data: {"choices":[{"delta":{"content":" The"}}]}"#));
         assert!(has_generated_text(br#"data: {"choices":[{"text":" The"}]}"#));
         assert!(!has_generated_text(br#"data: {"choices":[{"text":""}]}"#));
+        let block_start =
+            br#"data: {"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#;
+        assert!(!has_generated_text(block_start));
+        assert!(has_generated_text(
+            br#"data: {"type":"content_block_delta","delta":{"type":"text_delta","text":" The"}}"#
+        ));
+        assert!(!has_generated_text(br#"data: {"type":"response.content_part.added","part":{"text":""}}"#));
+        assert!(has_generated_text(br#"data: {"type":"response.output_text.delta","delta":" The"}"#));
+    }
+
+    #[test]
+    fn usage_and_text_are_read_from_every_api() {
+        let read = |chunks: &[Value]| {
+            let mut out = Measured::default();
+            chunks.iter().for_each(|c| read_chunk(c, &mut out));
+            (out.prompt_tokens, out.cached_tokens, out.text)
+        };
+        let messages = [
+            serde_json::json!({"type": "message_start", "message": {"usage": {"input_tokens": 90, "output_tokens": 0}}}),
+            serde_json::json!({"type": "content_block_delta", "delta": {"type": "text_delta", "text": "Hi"}}),
+            serde_json::json!({"type": "message_delta", "usage": {"input_tokens": 10, "output_tokens": 1, "cache_read_input_tokens": 80}}),
+        ];
+        assert_eq!(read(&messages), (90, 80, "Hi".into()));
+        let responses = [
+            serde_json::json!({"type": "response.output_text.delta", "delta": "Hi"}),
+            serde_json::json!({"type": "response.output_text.done", "text": "Hi"}),
+            serde_json::json!({"type": "response.completed", "response": {"usage": {"input_tokens": 90,
+                "input_tokens_details": {"cached_tokens": 80}, "output_tokens": 1}, "output": [{"content": [{"text": "Hi"}]}]}}),
+        ];
+        assert_eq!(read(&responses), (90, 80, "Hi".into()));
+        let whole = serde_json::json!({"object": "response", "output": [{"content": [{"type": "output_text", "text": "Yo"}]}],
+            "usage": {"input_tokens": 5, "input_tokens_details": {"cached_tokens": 0}}});
+        assert_eq!(read(&[whole]), (5, 0, "Yo".into()));
     }
 
     #[test]

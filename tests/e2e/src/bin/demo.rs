@@ -12,7 +12,7 @@
 use clap::Parser;
 use kvgate_e2e::{Measured, ms, percentile, send};
 use kvgate_test_harness::{EPP_PORT, EnvoyProcess, NatsServer, ScorerProcess, Sim, qwen3_tokenizer, text};
-use serde_json::json;
+use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::Arc;
@@ -36,7 +36,7 @@ struct Args {
     /// Requests in flight at once.
     #[arg(long, default_value_t = 8)]
     concurrency: usize,
-    /// Multi-turn chat sessions.
+    /// Multi-turn conversations (on the chat, Messages and Responses APIs in turn).
     #[arg(long, default_value_t = 16)]
     sessions: usize,
     /// Distinct system prompts the sessions share (≈ 1,000 tokens each).
@@ -99,6 +99,28 @@ impl Gateways {
     }
 }
 
+/// A session's next request: sessions take the chat, Anthropic Messages and OpenAI Responses
+/// APIs in turn (the conversation is the same; each API carries it in its own shape).
+fn session_request(session: usize, messages: &[Value]) -> (&'static str, Value) {
+    let (system, turns) = (&messages[0]["content"], &messages[1..]);
+    match session % 3 {
+        0 => (
+            "/v1/chat/completions",
+            json!({"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": true,
+                   "stream_options": {"include_usage": true}}),
+        ),
+        1 => (
+            "/v1/messages",
+            json!({"model": MODEL, "system": system, "messages": turns, "max_tokens": MAX_TOKENS, "stream": true}),
+        ),
+        _ => (
+            "/v1/responses",
+            json!({"model": MODEL, "instructions": system, "input": turns, "max_output_tokens": MAX_TOKENS,
+                   "stream": true}),
+        ),
+    }
+}
+
 /// Runs the mixed workload through the gateways; returns every request's measurement.
 async fn workload(gateways: &Gateways, args: &Args) -> Vec<Measured> {
     let client = reqwest::Client::new();
@@ -120,10 +142,9 @@ async fn workload(gateways: &Gateways, args: &Args) -> Vec<Measured> {
                 messages.push(
                     json!({"role": "user", "content": format!("User {s}, question {t}: {}", text("detail", 30))}),
                 );
-                let body = json!({"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": true,
-                                  "stream_options": {"include_usage": true}});
+                let (path, body) = session_request(s, &messages);
                 let permit = gate.acquire().await.expect("semaphore");
-                let m = send(&client, &format!("{}/v1/chat/completions", gateways.next()), &body).await;
+                let m = send(&client, &format!("{}{path}", gateways.next()), &body).await;
                 drop(permit);
                 progress(&done, total);
                 messages.push(json!({"role": "assistant", "content": m.text.clone()}));
@@ -294,7 +315,7 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     kvgate_test_harness::quiet_children();
     println!(
-        "kvgate demo: {} simulated pods ({} KV blocks each, time scale {}), {} chat sessions × {} turns sharing {} system prompts, {} unique prompts, {} in flight",
+        "kvgate demo: {} simulated pods ({} KV blocks each, time scale {}), {} conversations × {} turns (chat, messages and responses APIs in turn) sharing {} system prompts, {} unique prompts, {} in flight",
         args.pods,
         args.num_blocks,
         args.time_scale,
