@@ -180,7 +180,8 @@ fn average_speed() -> f64 {
     1.0
 }
 
-/// An error answer, in the OpenAI shape clients already parse.
+/// An error answer, in the OpenAI shape clients already parse (Anthropic's on the Messages
+/// API: [`ErrorBody::to_json_for`]).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct ErrorBody {
     pub error: ErrorDetail,
@@ -207,6 +208,28 @@ impl ErrorBody {
     /// As JSON.
     pub fn to_json(&self) -> Vec<u8> {
         serde_json::to_vec(self).unwrap_or_else(|_| b"{}".to_vec())
+    }
+
+    /// As JSON in the shape the clients of `api` read: on the Messages API Anthropic's
+    /// (`{"type": "error", "error": {"type", "message"}}`, its `type` named by status as vLLM
+    /// names it — Anthropic's SDKs dispatch on it), elsewhere OpenAI's.
+    pub fn to_json_for(&self, api: Option<Api>) -> Vec<u8> {
+        if api != Some(Api::Messages) {
+            return self.to_json();
+        }
+        let kind = match self.error.code {
+            400 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 => "overloaded_error",
+            code if code >= 500 => "api_error",
+            _ => "invalid_request_error",
+        };
+        let body = serde_json::json!({"type": "error", "error": {"type": kind, "message": self.error.message}});
+        serde_json::to_vec(&body).unwrap_or_else(|_| b"{}".to_vec())
     }
 }
 
@@ -331,6 +354,13 @@ mod tests {
         assert_eq!(batch.reports[0].served.as_deref(), Some("10.0.0.8:8000"));
         let prefill: LifecycleReport = serde_json::from_str(r#"{"request_id":"a","event":"prefill_done"}"#).unwrap();
         assert_eq!(prefill.event, LifecycleEvent::PrefillDone);
+        let anthropic = ErrorBody::new(429, "TooManyRequests", "busy").to_json_for(Some(Api::Messages));
+        assert_eq!(
+            serde_json::from_slice::<serde_json::Value>(&anthropic).unwrap(),
+            serde_json::json!({"type": "error", "error": {"type": "rate_limit_error", "message": "busy"}})
+        );
+        let openai = ErrorBody::new(429, "TooManyRequests", "busy");
+        assert_eq!(openai.to_json_for(Some(Api::Responses)), openai.to_json());
         let e = serde_json::to_value(ErrorBody::new(503, "ServiceUnavailable", "no pod")).unwrap();
         assert_eq!(e["error"]["type"], "ServiceUnavailable");
     }

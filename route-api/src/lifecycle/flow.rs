@@ -3,7 +3,7 @@
 use super::config::{FailureMode, PdMode, ProxyConfig};
 use super::response::ResponseWatch;
 use crate::{
-    ErrorBody, HEADER_REQUEST_ID, LifecycleEvent, LifecycleReport, NOT_AN_OBJECT, Outcome, Refused, RouteAnswer,
+    Api, ErrorBody, HEADER_REQUEST_ID, LifecycleEvent, LifecycleReport, NOT_AN_OBJECT, Outcome, Refused, RouteAnswer,
     RouteCall, starts_as_object,
 };
 use serde_json::{Map, Value, json};
@@ -388,7 +388,7 @@ impl RequestFlow {
     ) -> Next {
         self.phase = Phase::Settled;
         proxy.count(counter);
-        respond(proxy, refused.status(), refused.error_type(), message, retry_after);
+        respond(proxy, &self.api_path, refused.status(), refused.error_type(), message, retry_after);
         Next::Hold
     }
 
@@ -407,7 +407,7 @@ impl RequestFlow {
             FailureMode::Closed => {
                 proxy.count(Counter::FailClosed);
                 proxy.warn(format_args!("kvgate: scorer unavailable ({reason}); request {id} refused"));
-                respond(proxy, 503, "ServiceUnavailable", "the routing service is unavailable", None);
+                respond(proxy, &self.api_path, 503, "ServiceUnavailable", "the routing service is unavailable", None);
                 Next::Hold
             }
         }
@@ -423,9 +423,9 @@ impl From<Next> for AnswerNext {
     }
 }
 
-/// A JSON error answer, with `Retry-After` when given.
-fn respond(proxy: &mut impl Proxy, status: u16, kind: &str, message: &str, retry_after: Option<u64>) {
-    let body = ErrorBody::new(status, kind, message).to_json();
+/// A JSON error answer in the shape of the request's API, with `Retry-After` when given.
+fn respond(proxy: &mut impl Proxy, api_path: &str, status: u16, kind: &str, message: &str, retry_after: Option<u64>) {
+    let body = ErrorBody::new(status, kind, message).to_json_for(Api::from_path(api_path));
     let seconds = retry_after.map(|s| s.to_string());
     let mut headers = vec![("content-type", "application/json"), ("x-kvgate-error", kind)];
     if let Some(seconds) = &seconds {
@@ -604,6 +604,15 @@ mod tests {
         assert_eq!(proxy.counts, [Counter::BadRequest, Counter::BadRequest]);
         flow.complete(&mut proxy);
         assert!(proxy.reports.is_empty(), "nothing was booked");
+        // On the Messages API the error is in Anthropic's shape.
+        let mut flow = RequestFlow::default();
+        flow.request_headers(&config, &mut proxy, Some("POST"), "/v1/messages", false, || None, || "m".into());
+        flow.request_body(&mut proxy, true, || b"[1]".to_vec(), || None);
+        let body: serde_json::Value = serde_json::from_str(&proxy.responses[2].2).unwrap();
+        assert_eq!(
+            (body["type"].as_str(), body["error"]["type"].as_str()),
+            (Some("error"), Some("invalid_request_error"))
+        );
     }
 
     #[test]

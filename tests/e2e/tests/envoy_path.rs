@@ -442,6 +442,10 @@ async fn messages_and_responses_route_with_prefix_affinity_and_malformed_ones_ge
         assert_eq!(a.status, 400, "{body}: {}", a.body);
         let err: Value = serde_json::from_str(&a.body).expect("a JSON error body");
         assert!(err["error"]["message"].as_str().unwrap().contains(reason), "{body}: {err}");
+        // Each API's own error shape: Anthropic's SDKs dispatch on `error.type`.
+        let kind = if api == "/v1/messages" { "invalid_request_error" } else { "BadRequestError" };
+        assert_eq!(err["error"]["type"], kind, "{api}: {err}");
+        assert_eq!(err["type"].as_str(), (api == "/v1/messages").then_some("error"), "{api}: {err}");
         assert_eq!(a.pod, None, "no pod saw it");
     }
     for api in ["/v1/messages", "/v1/responses"] {

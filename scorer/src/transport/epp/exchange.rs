@@ -152,6 +152,8 @@ pub struct Exchange {
     /// The stream failed (a mode the picker cannot serve): the outbox ends it.
     failed: bool,
     modes: Modes,
+    /// The routed API of the request, once its headers came (its errors take its shape).
+    api: Option<Api>,
     request: RequestSide,
     booking: Option<Booking>,
     /// The response, as far as this stream sees it (the request lifecycle every way in shares).
@@ -172,6 +174,7 @@ impl Exchange {
             outbox: VecDeque::new(),
             failed: false,
             modes: Modes::PROTOCOL,
+            api: None,
             request: RequestSide::Start,
             booking: None,
             response: ResponseWatch::default(),
@@ -271,6 +274,7 @@ impl Exchange {
         let api = (method.as_deref() == Some("POST"))
             .then(|| header(&headers, ":path").and_then(|p| Api::from_path(&p)))
             .flatten();
+        self.api = api;
         let Some(api) = api else {
             self.request = RequestSide::PassThrough;
             return self.send(Answer::RequestHeaders(headers_answer(None, false)), None);
@@ -407,7 +411,7 @@ impl Exchange {
         let answer = ImmediateResponse {
             status: Some(HttpStatus { code: i32::from(refused.status()) }),
             headers: Some(headers),
-            body: ErrorBody::refused(refused, message).to_json(),
+            body: ErrorBody::refused(refused, message).to_json_for(self.api),
             grpc_status: None,
             details: format!("kvgate_{}", refused.status()),
         };
