@@ -8,7 +8,7 @@
 //! the request goes where the fleet loses least ([`cost`]): its own TTFT, the delay it
 //! causes to requests on that pod still waiting for their first token, and the decode time
 //! the pod's other requests lose over a horizon. Output lengths are the workload's true ones
-//! (the engines generate `max_tokens`). Greedy, so not an upper bound everywhere: it cannot
+//! (the engines' true lengths, not what clients ask for). Greedy, so not an upper bound everywhere: it cannot
 //! keep room for the arrivals to come.
 
 use crate::cluster::{Arrival, Choice, ClusterRouter, PodRole};
@@ -74,7 +74,7 @@ fn run_ahead(engine: &mut Engine, now: f64, horizon: f64, watched: &[RequestId])
 fn local(request: &Arrival<'_>) -> NewRequest {
     NewRequest {
         prompt: request.prompt.to_vec(),
-        max_tokens: request.max_tokens,
+        max_tokens: request.output_tokens,
         keys: keys(request),
         kv_transfer: KvTransfer::Local,
     }
@@ -168,7 +168,7 @@ mod tests {
     }
 
     fn arrival(id: u64, prompt: &[u32], max_tokens: usize) -> Arrival<'_> {
-        Arrival { id, prompt, max_tokens, adapter: None }
+        Arrival { id, prompt, max_tokens, output_tokens: max_tokens, adapter: None }
     }
 
     fn submit(engine: &mut Engine, prompt: &[u32], max_tokens: usize) {

@@ -43,7 +43,11 @@ pub struct Arrival<'a> {
     /// Unique per request.
     pub id: u64,
     pub prompt: &'a [u32],
+    /// What the client asks for (`max_tokens`).
     pub max_tokens: usize,
+    /// What the engine will generate: the truth, which no gateway knows ahead (the same as
+    /// `max_tokens` unless clients ask for more than they get).
+    pub output_tokens: usize,
     /// The LoRA adapter it names as its `model`.
     pub adapter: Option<&'a str>,
 }
@@ -116,6 +120,8 @@ pub struct ClusterConfig {
     pub engines: Vec<EngineConfig>,
     /// Seconds between load scrapes (the scorer's `health.scrape_interval`).
     pub scrape_interval: f64,
+    /// What clients ask for as `max_tokens` ([`crate::workload::Params::max_tokens`]).
+    pub max_tokens_asked: Option<usize>,
 }
 
 /// The engines' hash seed (vLLM's `PYTHONHASHSEED`) in every simulated cluster: routers
@@ -152,7 +158,7 @@ impl ClusterConfig {
                 None => reference.clone(),
             })
             .collect();
-        Self { roles, engines, scrape_interval: 1.0 }
+        Self { roles, engines, scrape_interval: 1.0, max_tokens_asked: None }
     }
 
     /// The pods that decode (all but the prefill pool).
@@ -284,6 +290,7 @@ struct Sim<'a> {
     history: Vec<Vec<u32>>,
     open_sessions: usize,
     scrape_interval: f64,
+    max_tokens_asked: Option<usize>,
 }
 
 /// Runs `workload` on a cluster laid out as `config`, routed by `router`.
@@ -304,6 +311,7 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
         history: workload.sessions.iter().map(|s: &Session| s.prefix.clone()).collect(),
         open_sessions: workload.sessions.iter().filter(|s| !s.turns.is_empty()).count(),
         scrape_interval: config.scrape_interval,
+        max_tokens_asked: config.max_tokens_asked,
     };
     // The router has scraped every pod once before traffic starts (as the scorer does on
     // start-up), so a burst at t = 0 meets known cache sizes.
@@ -361,8 +369,13 @@ impl Sim<'_> {
         let prompt = self.history[session].clone();
         let id = self.live.len();
         let engines: Vec<&Engine> = self.pods.iter().map(|p| &p.engine).collect();
-        let arrival =
-            Arrival { id: id as u64, prompt: &prompt, max_tokens: t.max_tokens, adapter: s.adapter.as_deref() };
+        let arrival = Arrival {
+            id: id as u64,
+            prompt: &prompt,
+            max_tokens: self.max_tokens_asked.map_or(t.max_tokens, |asked| asked.max(t.max_tokens)),
+            output_tokens: t.max_tokens,
+            adapter: s.adapter.as_deref(),
+        };
         let choice = self.router.route_seeing(&arrival, now, &engines);
         self.records.push(RequestRecord {
             arrival: now,

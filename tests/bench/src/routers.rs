@@ -28,8 +28,9 @@ pub struct Kvgate {
     encoder: EventEncoder,
     block_size: usize,
     chain: Vec<SequenceHash>,
-    /// Shown each pod's true load at every decision instead of the last scrape (`@informed`:
-    /// the simulator's information bound, no router a gateway can run).
+    /// Shown each pod's true load at every decision instead of the last scrape, and each
+    /// request's true output length instead of the `max_tokens` it asks for (`@informed`: the
+    /// simulator's information bound, no router a gateway can run).
     informed: bool,
 }
 
@@ -60,13 +61,21 @@ impl Kvgate {
     }
 }
 
+impl Kvgate {
+    /// The output length the request is planned with: what it asks for, or, informed, what
+    /// it will generate.
+    fn planned_output(&self, r: &Arrival<'_>) -> u32 {
+        (if self.informed { r.output_tokens } else { r.max_tokens }) as u32
+    }
+}
+
 impl ClusterRouter for Kvgate {
     fn route(&mut self, r: &Arrival<'_>, now: f64) -> Choice {
         sequence_hashes(root_hash(r.adapter, None), r.prompt, self.block_size, &mut self.chain);
         let id = r.id.to_string();
         let request = RouteRequest {
             adapter: r.adapter.map(AdapterId::of),
-            ..RouteRequest::new(&id, &self.chain, r.prompt.len() as u32, Some(r.max_tokens as u32))
+            ..RouteRequest::new(&id, &self.chain, r.prompt.len() as u32, Some(self.planned_output(r)))
         };
         let routed = self.router.route(&request, now).expect("the simulated pods are always healthy");
         Choice {
@@ -316,8 +325,10 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
 /// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold, and
 /// `@fixed-speed` turns off learning pod speeds (every pod counts as average), `@gpu-only`
 /// ignores the pods' offload tiers (`index.offload.max_blocks_per_pod: 0`), `@informed` reads
-/// each pod's true load at every decision (a bound: no scrape lag), `@no-adapters` prices no
-/// LoRA adapter loads or slots (`prefill_tokens_per_second: 0`). A kvgate
+/// each pod's true load at every decision and each request's true output length (a bound: no
+/// scrape lag, no guess), `@no-adapters` prices no LoRA adapter loads or slots
+/// (`prefill_tokens_per_second: 0`), `@whole-max-tokens` plans every request's whole
+/// `max_tokens` (`load.learn_output_share: false`). A kvgate
 /// router followed by `/N-replicas` runs as N replicas sharing their bookings at once,
 /// `/N-replicas-sync-Dms` after D ms, `/N-replicas-unsynced` not at all ([`Replicas`]).
 pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn ClusterRouter>> {
@@ -379,12 +390,19 @@ fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
             sections.push("load: {pod_speed: {learn: false}}".to_string());
             None
         }
+        Some("whole-max-tokens") => {
+            sections.push("load: {learn_output_share: false}".to_string());
+            None
+        }
         Some("gpu-only") => {
             sections.push("index: {offload: {max_blocks_per_pod: 0}}".to_string());
             None
         }
         Some(other) => {
-            anyhow::bail!("unknown variant {other:?} (pd-always, no-pd, fixed-speed, gpu-only, informed, no-adapters)")
+            anyhow::bail!(
+                "unknown variant {other:?} (pd-always, no-pd, fixed-speed, gpu-only, informed, no-adapters, \
+                 whole-max-tokens)"
+            )
         }
         None => None,
     };

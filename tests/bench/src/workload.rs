@@ -92,6 +92,10 @@ pub struct Params {
     pub scale: f64,
     /// Multiplies every workload's arrival rate, and the burst's size (1.0 = as documented).
     pub load: f64,
+    /// What clients ask for as `max_tokens`, when they ask for more than they get: every
+    /// request still ends at its own output length (the model's end of sequence), which the
+    /// routers then do not know. `None`: each asks for exactly its length.
+    pub max_tokens: Option<usize>,
 }
 
 /// Every workload's name, in report order.
@@ -524,7 +528,7 @@ mod tests {
 
     #[test]
     fn workloads_are_deterministic_and_share_only_intended_prefixes() {
-        let p = Params { seed: 3, pods: 8, scale: 0.1, load: 1.0 };
+        let p = Params { seed: 3, pods: 8, scale: 0.1, load: 1.0, max_tokens: None };
         for name in NAMES {
             let a = build(name, &p).unwrap();
             let b = build(name, &p).unwrap();
@@ -546,7 +550,7 @@ mod tests {
 
     #[test]
     fn the_spread_burst_is_the_burst_over_100_ms() {
-        let p = Params { seed: 3, pods: 8, scale: 1.0, load: 1.0 };
+        let p = Params { seed: 3, pods: 8, scale: 1.0, load: 1.0, max_tokens: None };
         let (at_once, spread) = (build("burst", &p).unwrap(), build("burst-100ms", &p).unwrap());
         assert!(at_once.is_burst() && !spread.is_burst());
         assert_eq!(at_once.requests(), spread.requests());
@@ -560,7 +564,7 @@ mod tests {
 
     #[test]
     fn adapter_requests_are_skewed_and_each_adapter_keeps_its_task_prompt() {
-        let p = Params { seed: 3, pods: 8, scale: 1.0, load: 1.0 };
+        let p = Params { seed: 3, pods: 8, scale: 1.0, load: 1.0, max_tokens: None };
         let w = build("adapters", &p).unwrap();
         let mut by_adapter: std::collections::HashMap<&str, Vec<&Session>> = Default::default();
         for s in &w.sessions {

@@ -7,9 +7,15 @@ use kvgate_bench::routers;
 use kvgate_bench::workload::{self, Params};
 
 fn simulate(workload: &str, router: &str, seed: u64) -> Summary {
-    let params = Params { seed, pods: 4, scale: 0.15, load: 1.0 };
+    simulate_asking(workload, router, seed, 1.0, None)
+}
+
+/// As [`simulate`], at `load` × the workload's rate, clients asking for `max_tokens` output
+/// tokens.
+fn simulate_asking(workload: &str, router: &str, seed: u64, load: f64, max_tokens: Option<usize>) -> Summary {
+    let params = Params { seed, pods: 4, scale: 0.15, load, max_tokens };
     let w = workload::build(workload, &params).unwrap();
-    let config = ClusterConfig::for_workload(&w, params.pods);
+    let config = ClusterConfig { max_tokens_asked: max_tokens, ..ClusterConfig::for_workload(&w, params.pods) };
     let mut r = routers::build(router, &config.roles, seed).unwrap();
     let result = run(&w, &config, r.as_mut());
     assert_eq!(result.requests.len(), w.requests(), "every turn of every session ran");
@@ -25,6 +31,22 @@ fn runs_are_deterministic_and_complete() {
     assert!(a.ttft_p50_ms > 0.0 && a.itl_mean_ms > 0.0 && a.throughput_tokens_per_s > 0.0);
     let other_seed = simulate("chat", "kv", 6);
     assert_ne!(a.ttft_p90_ms, other_seed.ttft_p90_ms, "the seed matters");
+}
+
+#[test]
+fn clients_asking_for_more_than_they_get_change_the_plan_not_the_answers() {
+    // Under KV-capacity pressure, where the blocks a pod's requests will still fill weigh.
+    let plain = |router: &str| simulate_asking("capacity", router, 2, 1.0, None);
+    let asking = |router: &str| simulate_asking("capacity", router, 2, 1.0, Some(4096));
+    // A router that ignores max_tokens sees the same run: the engines stop at each request's
+    // own length either way.
+    let json = |s: &Summary| serde_json::to_string(s).unwrap();
+    assert_eq!(json(&plain("round-robin")), json(&asking("round-robin")));
+    // kvgate plans with what is asked; told the truth (@informed) it plans as before.
+    assert_eq!(json(&plain("kv@informed")).replace("kv@informed", "kv"), json(&plain("kv")));
+    let informed = asking("kv@informed");
+    assert_eq!(json(&informed).replace("kv@informed", "kv"), json(&plain("kv")));
+    assert_ne!(json(&asking("kv")), json(&plain("kv")), "the asked figure changes kvgate's plan");
 }
 
 #[test]
@@ -94,7 +116,7 @@ fn a_load_sweep_reports_goodput_at_the_slo_with_its_plot() {
 
 #[test]
 fn a_mixed_fleet_has_slower_pods_and_a_smaller_cache() {
-    let params = Params { seed: 1, pods: 4, scale: 0.15, load: 1.0 };
+    let params = Params { seed: 1, pods: 4, scale: 0.15, load: 1.0, max_tokens: None };
     let w = workload::build("heterogeneous", &params).unwrap();
     let config = ClusterConfig::for_workload(&w, params.pods);
     assert_eq!(config.engines[0].num_blocks * 8, config.engines[2].num_blocks);

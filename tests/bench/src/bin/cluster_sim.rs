@@ -98,6 +98,11 @@ struct Args {
     /// Or one absolute SLO for every workload: p90 TTFT at most this many milliseconds.
     #[arg(long)]
     slo_ms: Option<f64>,
+    /// Clients ask for this many output tokens (`max_tokens`) though each request still stops
+    /// at its own length (the model's end of sequence): routers plan with the asked figure,
+    /// `@informed` kvgate with the true one. Unset: clients ask for exactly what they get.
+    #[arg(long)]
+    max_tokens: Option<usize>,
     /// Worker threads (runs are independent; results do not depend on this).
     #[arg(long, default_value_t = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))]
     threads: usize,
@@ -116,7 +121,8 @@ fn simulate(workload_name: &str, router: &str, params: &Params, seeds: u64) -> (
     for seed in params.seed..params.seed + seeds {
         let w = workload::build(workload_name, &Params { seed, ..*params }).expect("checked before");
         offered += w.offered() / seeds as f64;
-        let config = ClusterConfig::for_workload(&w, params.pods);
+        let config =
+            ClusterConfig { max_tokens_asked: params.max_tokens, ..ClusterConfig::for_workload(&w, params.pods) };
         decode_pods = config.decode_pods();
         let mut r = routers::build(router, &config.roles, seed).expect("checked before");
         let result = run(&w, &config, r.as_mut());
@@ -161,7 +167,8 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.pods >= 2, "--pods must be at least 2");
     anyhow::ensure!(args.seeds >= 1, "--seeds must be at least 1");
-    let params = Params { seed: args.seed, pods: args.pods, scale: args.scale, load: args.load };
+    let params =
+        Params { seed: args.seed, pods: args.pods, scale: args.scale, load: args.load, max_tokens: args.max_tokens };
     // Every workload with its routers, checked before anything runs.
     let mut plan: Vec<(Workload, Vec<String>)> = Vec::new();
     for name in list(&args.workloads, &NAMES) {
