@@ -45,6 +45,12 @@ pub struct LoadConfig {
     /// of different speeds are compared in predicted seconds (`learn: false` to compare
     /// them in tokens of work alone), and its decode speed from the output tokens reported.
     pub pod_speed: SpeedConfig,
+    /// Plan a request's output as its `max_tokens` times the share of their `max_tokens`
+    /// that finished requests used (learned from the output tokens their `done` reports
+    /// carry; all of it until reports come). Clients that ask for far more than they get —
+    /// a 2,048-token cap on 150-token answers — otherwise make every pod look full of
+    /// decodes to come. `false`: plan the whole `max_tokens`.
+    pub learn_output_share: bool,
 }
 
 impl Default for LoadConfig {
@@ -55,6 +61,7 @@ impl Default for LoadConfig {
             request_ttl_seconds: 600.0,
             reconcile_after_seconds: 10.0,
             pod_speed: SpeedConfig::default(),
+            learn_output_share: true,
         }
     }
 }
@@ -178,7 +185,10 @@ struct Inflight {
     prompt_blocks: Arc<[SequenceHash]>,
     /// Prompt tokens beyond the last full block (their partial block is private).
     partial_block: bool,
+    /// The `max_tokens` it asked for, or the default output.
     output_tokens: u32,
+    /// It asked for `output_tokens`: planned as that times the learned share.
+    asked: bool,
     first_token_at: Option<f64>,
     adapter: Option<AdapterId>,
     booked_at: f64,
@@ -191,7 +201,9 @@ struct Inflight {
 /// its key, so that a pod's load is summed over one contiguous list (no lookup per request).
 #[derive(Clone, Copy)]
 struct DecodeTerm {
+    /// As its request's: asked (then scaled by the learned share) or the default.
     output_tokens: u32,
+    asked: bool,
     first_token_at: Option<f64>,
     /// Prompt blocks, the partial one included.
     prompt_blocks: u32,
@@ -233,7 +245,40 @@ pub struct LoadTracker {
     pods: PodMap<PodState>,
     requests: AHashMap<BookingKey, Inflight>,
     speeds: PodSpeeds,
+    output_share: OutputShare,
     expired: u64,
+}
+
+/// How much of their `max_tokens` finished requests used: a running mean of their shares
+/// (each report weighs 1/20; bias-corrected, so the first reports count in full rather than
+/// against a guess), all of it before any report. Requests in flight are planned with the
+/// share as it is when their load is read, so a booking made before the first reports is
+/// re-planned as they come.
+#[derive(Clone, Copy, Debug)]
+struct OutputShare {
+    /// The mean from zero, and the weight zero still has in it.
+    sum: f64,
+    unseen: f64,
+}
+
+impl OutputShare {
+    const WEIGHT: f64 = 0.05;
+
+    fn new() -> Self {
+        Self { sum: 0.0, unseen: 1.0 }
+    }
+
+    fn learn(&mut self, used: u32, asked: u32) {
+        if asked > 0 {
+            let share = (f64::from(used) / f64::from(asked)).min(1.0);
+            self.sum += Self::WEIGHT * (share - self.sum);
+            self.unseen *= 1.0 - Self::WEIGHT;
+        }
+    }
+
+    fn share(&self) -> f64 {
+        if self.unseen >= 1.0 { 1.0 } else { (self.sum / (1.0 - self.unseen)).min(1.0) }
+    }
 }
 
 /// Reports that named no known request (late, duplicate, or after expiry).
@@ -250,7 +295,16 @@ impl UnknownRequest {
 impl LoadTracker {
     pub fn new(block_size: usize, config: LoadConfig) -> Self {
         let speeds = PodSpeeds::new(config.pod_speed);
-        Self { block_size, config, pods: PodMap::default(), requests: AHashMap::new(), speeds, expired: 0 }
+        let output_share = OutputShare::new();
+        Self {
+            block_size,
+            config,
+            pods: PodMap::default(),
+            requests: AHashMap::new(),
+            speeds,
+            output_share,
+            expired: 0,
+        }
     }
 
     /// Books a decision under `key` at time `now`; returns the chain it keeps. A key already
@@ -267,6 +321,7 @@ impl LoadTracker {
             prompt_blocks: booking.chain.into(),
             partial_block,
             output_tokens: output,
+            asked: booking.max_output_tokens.is_some(),
             first_token_at: None,
             adapter: booking.adapter,
             booked_at: now,
@@ -316,6 +371,7 @@ impl LoadTracker {
         pod.inflight.push(key.clone());
         pod.decode.push(DecodeTerm {
             output_tokens: req.output_tokens,
+            asked: req.asked,
             first_token_at: req.first_token_at,
             prompt_blocks: (req.prompt_blocks.len() + usize::from(req.partial_block)) as u32,
         });
@@ -366,10 +422,26 @@ impl LoadTracker {
     /// A request finished with `output_tokens` (its usage): its pod's decode speed learns
     /// from it (call before its `done`).
     pub fn decoded(&mut self, key: &BookingKey, output_tokens: u32, now: f64) {
-        if let Some(req) = self.requests.get(key)
-            && let Some(first_token_at) = req.first_token_at
-        {
+        let Some(req) = self.requests.get(key) else { return };
+        if let Some(first_token_at) = req.first_token_at {
             self.speeds.decode_done(req.pod, first_token_at, output_tokens, now);
+        }
+        if req.asked {
+            self.output_share.learn(output_tokens, req.output_tokens);
+        }
+    }
+
+    /// The share of its `max_tokens` a request is planned to use.
+    fn planned_share(&self) -> f64 {
+        if self.config.learn_output_share { self.output_share.share() } else { 1.0 }
+    }
+
+    /// The output tokens a request asking for `asked` (`None`: no `max_tokens`, the
+    /// default) is planned with: what it asked times the share finished requests used.
+    pub fn planned_output(&self, asked: Option<u32>) -> f64 {
+        match asked {
+            None => f64::from(self.config.default_output_tokens),
+            Some(asked) => f64::from(asked) * self.planned_share(),
         }
     }
 
@@ -466,7 +538,7 @@ impl LoadTracker {
                 prompt_tokens: r.prompt_tokens,
                 cached_tokens: r.prompt_tokens - r.prefill_tokens as u32,
                 chain: &r.prompt_blocks,
-                max_output_tokens: Some(r.output_tokens),
+                max_output_tokens: r.asked.then_some(r.output_tokens),
                 adapter: r.adapter,
             };
             (k, booking, r.first_token_at.is_some())
@@ -483,12 +555,13 @@ impl LoadTracker {
         let Some(state) = self.pods.get(pod) else { return PodLoad::default() };
         let bs = self.block_size as f64;
         let decode_speed = self.decode_speed(pod);
+        let share = self.planned_share();
         let (mut output_blocks, mut read_blocks) = (0.0, 0.0);
         for r in &state.decode {
+            let output = f64::from(r.output_tokens) * if r.asked { share } else { 1.0 };
             let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * decode_speed);
-            let remaining = (f64::from(r.output_tokens) - generated).max(0.0);
-            output_blocks += remaining / bs;
-            read_blocks += f64::from(r.prompt_blocks) + generated.min(f64::from(r.output_tokens)) / bs;
+            output_blocks += (output - generated).max(0.0) / bs;
+            read_blocks += f64::from(r.prompt_blocks) + generated.min(output) / bs;
         }
         PodLoad {
             inflight_requests: state.inflight.len() as u32,
@@ -510,7 +583,8 @@ impl LoadTracker {
         for r in state.inflight.iter().filter_map(|key| self.requests.get(key)) {
             let Some(adapter) = r.adapter else { continue };
             let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * speed);
-            let left = (f64::from(r.output_tokens) - generated).max(0.0) / speed;
+            let output = if r.asked { self.planned_output(Some(r.output_tokens)) } else { f64::from(r.output_tokens) };
+            let left = (output - generated).max(0.0) / speed;
             match out.iter_mut().find(|a| a.adapter == adapter) {
                 Some(a) => {
                     a.drain_seconds = a.drain_seconds.max(left);
@@ -527,11 +601,11 @@ impl LoadTracker {
         f64::from(self.config.default_output_tokens) / self.decode_speed(pod)
     }
 
-    /// Seconds a request of `output_tokens` (`None`: the default) decodes for, at the
-    /// fleet's mean learned decode speed.
-    pub fn output_seconds(&self, output_tokens: Option<u32>) -> f64 {
+    /// Seconds a request asking for `max_output_tokens` decodes for (its planned output),
+    /// at the fleet's mean learned decode speed.
+    pub fn output_seconds(&self, max_output_tokens: Option<u32>) -> f64 {
         let speed = self.speeds.mean_decode_tokens_per_second().unwrap_or(self.config.decode_tokens_per_second);
-        f64::from(output_tokens.unwrap_or(self.config.default_output_tokens)) / speed
+        self.planned_output(max_output_tokens) / speed
     }
 
     fn decode_speed(&self, pod: PodId) -> f64 {
@@ -642,6 +716,38 @@ mod tests {
         t.report(&k("r1"), Lifecycle::Done, 2.0).unwrap();
         assert_eq!(t.load(a, 2.0), PodLoad::default());
         assert_eq!(t.report(&k("r1"), Lifecycle::Done, 2.0), Err(UnknownRequest("r1".into())));
+    }
+
+    #[test]
+    fn outputs_are_planned_from_the_share_of_max_tokens_requests_used() {
+        let (mut t, a, _) = tracker();
+        let c = chain(2);
+        let asking = |max| Booking { max_output_tokens: Some(max), ..eight_tokens(a, &c) };
+        assert_eq!(t.planned_output(Some(400)), 400.0, "all of it until reports come");
+        assert_eq!(t.planned_output(None), 8.0, "the default without max_tokens");
+        // Booked before any report: planned whole, then re-planned as reports come.
+        t.book(&k("early"), &asking(400), 0.0);
+        assert_eq!(t.load(a, 0.0).decode_blocks, 2.0 + 100.0);
+        // Requests asking for 400 tokens and using 40: the plan comes down towards 40.
+        for i in 0..200 {
+            let key = k(format!("r{i}"));
+            t.book(&key, &asking(400), f64::from(i));
+            t.report(&key, Lifecycle::FirstToken, f64::from(i)).unwrap();
+            t.decoded(&key, 40, f64::from(i) + 0.5);
+            t.report(&key, Lifecycle::Done, f64::from(i) + 0.5).unwrap();
+        }
+        let planned = t.planned_output(Some(400));
+        assert!((planned - 40.0).abs() < 1e-9, "the mean share of the reports: {planned}");
+        let l = t.load(a, 300.0);
+        assert!((l.decode_blocks - (2.0 + 10.0)).abs() < 1e-9, "the early booking re-planned: {l:?}");
+        // Replicas are sent what was asked, and plan it themselves.
+        let shared: Vec<_> = t.local_bookings().map(|(_, b, _)| b.max_output_tokens).collect();
+        assert_eq!(shared, [Some(400)]);
+        // Turned off, the whole max_tokens is planned.
+        let (mut off, _, _) = tracker();
+        off.config.learn_output_share = false;
+        off.output_share.learn(40, 400);
+        assert_eq!(off.planned_output(Some(400)), 400.0);
     }
 
     #[test]
