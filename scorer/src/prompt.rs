@@ -62,22 +62,12 @@ pub fn extract(
         return Err(PromptError(NOT_AN_OBJECT.into()));
     }
     // One parse, straight into the fields routing reads (the rest of the body is skipped).
-    if api == Api::Messages {
-        let request: MessagesRequest = parse(body)?;
-        let tokens = tokenizer.encode_messages_request(&request).map_err(|e| PromptError(e.to_string()))?;
-        let max_tokens = u32::try_from(request.max_tokens).unwrap_or(u32::MAX);
-        return info(tokens, Some(request.model), request.cache_salt, Some(max_tokens), lora_adapters);
-    }
-    if api == Api::Responses {
-        let request: ResponsesRequest = parse(body)?;
-        let tokens = tokenizer.encode_responses_request(&request).map_err(|e| PromptError(e.to_string()))?;
-        return info(tokens, request.model, request.cache_salt, request.max_output_tokens, lora_adapters);
-    }
-    let body: Body = parse(body)?;
-    let tokens = match api {
+    let to_request_error = |e: kvgate_tokenize::TokenizeError| PromptError(e.to_string());
+    match api {
         Api::Completions => {
+            let mut body: Body = parse(body)?;
             let add_special = body.add_special_tokens.unwrap_or(true);
-            match body.prompt {
+            let tokens = match body.prompt.take() {
                 None => return Err(PromptError("'prompt' is required".into())),
                 Some(Prompt::Text(text)) => encode(tokenizer, &text, add_special)?,
                 Some(Prompt::Texts(texts)) => match texts.first() {
@@ -91,23 +81,42 @@ pub fn extract(
                     }
                     lists.swap_remove(0)
                 }
-            }
+            };
+            body.info(tokens, lora_adapters)
         }
         Api::ChatCompletions => {
-            let messages = body.messages.ok_or_else(|| PromptError("'messages' is required".into()))?;
+            let mut body: Body = parse(body)?;
+            let messages = body.messages.take().ok_or_else(|| PromptError("'messages' is required".into()))?;
             let options = ChatOptions {
                 add_generation_prompt: body.add_generation_prompt.unwrap_or(!body.continue_final_message),
                 continue_final_message: body.continue_final_message,
-                tools: body.tools,
-                template_kwargs: body.chat_template_kwargs,
-                reasoning_effort: body.reasoning_effort,
+                tools: body.tools.take(),
+                template_kwargs: body.chat_template_kwargs.take(),
+                reasoning_effort: body.reasoning_effort.take(),
             };
-            let text = tokenizer.render_chat(&messages, &options).map_err(|e| PromptError(e.to_string()))?;
-            encode(tokenizer, &text, body.add_special_tokens.unwrap_or(false))?
+            let text = tokenizer.render_chat(&messages, &options).map_err(to_request_error)?;
+            let tokens = encode(tokenizer, &text, body.add_special_tokens.unwrap_or(false))?;
+            body.info(tokens, lora_adapters)
         }
-        Api::Messages | Api::Responses => unreachable!("read above"),
-    };
-    info(tokens, body.model, body.cache_salt, body.max_completion_tokens.or(body.max_tokens), lora_adapters)
+        Api::Messages => {
+            let request: MessagesRequest = parse(body)?;
+            let tokens = tokenizer.encode_messages_request(&request).map_err(to_request_error)?;
+            let max_tokens = u32::try_from(request.max_tokens).unwrap_or(u32::MAX);
+            info(tokens, Some(request.model), request.cache_salt, Some(max_tokens), lora_adapters)
+        }
+        Api::Responses => {
+            let request: ResponsesRequest = parse(body)?;
+            let tokens = tokenizer.encode_responses_request(&request).map_err(to_request_error)?;
+            info(tokens, request.model, request.cache_salt, request.max_output_tokens, lora_adapters)
+        }
+    }
+}
+
+impl Body {
+    /// What routing needs, the prompt's `tokens` given.
+    fn info(self, tokens: Vec<u32>, lora_adapters: &[String]) -> Result<PromptInfo, PromptError> {
+        info(tokens, self.model, self.cache_salt, self.max_completion_tokens.or(self.max_tokens), lora_adapters)
+    }
 }
 
 fn parse<'a, T: Deserialize<'a>>(body: &'a [u8]) -> Result<T, PromptError> {

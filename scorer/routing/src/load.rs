@@ -281,6 +281,12 @@ impl OutputShare {
     }
 }
 
+/// A request's planned output: `output_tokens` as it asked them (then times `share`) or as the
+/// default.
+fn planned(output_tokens: u32, asked: bool, share: f64) -> f64 {
+    f64::from(output_tokens) * if asked { share } else { 1.0 }
+}
+
 /// Reports that named no known request (late, duplicate, or after expiry).
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 #[error("no in-flight request {0}")]
@@ -439,10 +445,8 @@ impl LoadTracker {
     /// The output tokens a request asking for `asked` (`None`: no `max_tokens`, the
     /// default) is planned with: what it asked times the share finished requests used.
     pub fn planned_output(&self, asked: Option<u32>) -> f64 {
-        match asked {
-            None => f64::from(self.config.default_output_tokens),
-            Some(asked) => f64::from(asked) * self.planned_share(),
-        }
+        let output = asked.unwrap_or(self.config.default_output_tokens);
+        planned(output, asked.is_some(), self.planned_share())
     }
 
     fn release(&mut self, key: &BookingKey) {
@@ -558,7 +562,7 @@ impl LoadTracker {
         let share = self.planned_share();
         let (mut output_blocks, mut read_blocks) = (0.0, 0.0);
         for r in &state.decode {
-            let output = f64::from(r.output_tokens) * if r.asked { share } else { 1.0 };
+            let output = planned(r.output_tokens, r.asked, share);
             let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * decode_speed);
             output_blocks += (output - generated).max(0.0) / bs;
             read_blocks += f64::from(r.prompt_blocks) + generated.min(output) / bs;
@@ -583,7 +587,7 @@ impl LoadTracker {
         for r in state.inflight.iter().filter_map(|key| self.requests.get(key)) {
             let Some(adapter) = r.adapter else { continue };
             let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * speed);
-            let output = if r.asked { self.planned_output(Some(r.output_tokens)) } else { f64::from(r.output_tokens) };
+            let output = planned(r.output_tokens, r.asked, self.planned_share());
             let left = (output - generated).max(0.0) / speed;
             match out.iter_mut().find(|a| a.adapter == adapter) {
                 Some(a) => {

@@ -17,6 +17,7 @@
 use crate::{ChatOptions, TokenizeError};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
+use std::borrow::Cow;
 
 /// A Messages request: the fields that shape the prompt or the request's cost.
 #[derive(Debug, Deserialize)]
@@ -265,7 +266,7 @@ impl MessagesRequest {
 
     /// `tools` as edited by the `tool_addition`/`tool_removal` blocks of the conversation: the
     /// tools in effect at its end.
-    fn resolved_tools(&self) -> Result<Option<Vec<Tool>>, TokenizeError> {
+    fn resolved_tools(&self) -> Result<Option<Cow<'_, [Tool]>>, TokenizeError> {
         let changes: Vec<&Block> = self
             .messages
             .iter()
@@ -273,7 +274,7 @@ impl MessagesRequest {
             .filter(|b| matches!(b.kind, BlockType::ToolAddition | BlockType::ToolRemoval))
             .collect();
         if changes.is_empty() {
-            return Ok(self.tools.clone());
+            return Ok(self.tools.as_deref().map(Cow::Borrowed));
         }
         // In declaration order, a definition replacing a tool keeps its place.
         let mut tools: Vec<(Tool, bool)> = self.tools.iter().flatten().map(|t| (t.clone(), false)).collect();
@@ -304,7 +305,7 @@ impl MessagesRequest {
                 slot.1 = removed;
             }
         }
-        Ok(Some(tools.into_iter().filter(|(_, removed)| !removed).map(|(t, _)| t).collect()))
+        Ok(Some(Cow::Owned(tools.into_iter().filter(|(_, removed)| !removed).map(|(t, _)| t).collect())))
     }
 }
 
