@@ -10,8 +10,8 @@
 //! A hybrid model's KV-cache groups share the pool: a block is cached under its hash and its
 //! group ([`KvGroup`]).
 
+use ahash::AHashMap;
 use sha2::{Digest, Sha256};
-use std::collections::HashMap;
 
 /// Index of a physical block in the pool.
 pub type BlockId = u32;
@@ -138,14 +138,14 @@ const NIL: u32 = u32::MAX;
 pub struct OffloadTier {
     capacity: usize,
     /// hash → last use; use → hash (the oldest first).
-    used: HashMap<EngineBlockHash, u64>,
+    used: AHashMap<EngineBlockHash, u64>,
     by_use: std::collections::BTreeMap<u64, EngineBlockHash>,
     clock: u64,
 }
 
 impl OffloadTier {
     pub fn new(capacity: usize) -> Self {
-        Self { capacity, used: HashMap::new(), by_use: Default::default(), clock: 0 }
+        Self { capacity, used: AHashMap::new(), by_use: Default::default(), clock: 0 }
     }
 
     fn touch(&mut self, hash: EngineBlockHash) -> bool {
@@ -196,12 +196,16 @@ impl OffloadTier {
 }
 
 /// The block pool: reference counts, the hash → blocks map and the LRU free queue.
-#[derive(Clone)]
 pub struct BlockPool {
     block_size: usize,
     ref_count: Vec<u32>,
     hash_of: Vec<Option<(EngineBlockHash, Option<KvGroup>)>>,
-    cached: HashMap<(EngineBlockHash, Option<KvGroup>), Vec<BlockId>>,
+    /// The first block cached under each hash; later blocks with the same hash (two
+    /// requests computed it at once) follow it in `same_hash`. Plain integers, so a clone
+    /// (a what-if) copies the map without allocating per entry.
+    cached: AHashMap<(EngineBlockHash, Option<KvGroup>), BlockId>,
+    /// The next block cached under the same hash as this one (`NIL`: none).
+    same_hash: Vec<u32>,
     // Free queue as an intrusive doubly linked list: head is evicted first.
     prev: Vec<u32>,
     next: Vec<u32>,
@@ -209,6 +213,39 @@ pub struct BlockPool {
     tail: u32,
     num_free: usize,
     changes: Vec<CacheChange>,
+}
+
+/// By hand, for `clone_from`: a what-if copies a pool into the allocations of the last.
+impl Clone for BlockPool {
+    fn clone(&self) -> Self {
+        Self {
+            block_size: self.block_size,
+            ref_count: self.ref_count.clone(),
+            hash_of: self.hash_of.clone(),
+            cached: self.cached.clone(),
+            same_hash: self.same_hash.clone(),
+            prev: self.prev.clone(),
+            next: self.next.clone(),
+            head: self.head,
+            tail: self.tail,
+            num_free: self.num_free,
+            changes: self.changes.clone(),
+        }
+    }
+
+    fn clone_from(&mut self, source: &Self) {
+        self.block_size = source.block_size;
+        self.ref_count.clone_from(&source.ref_count);
+        self.hash_of.clone_from(&source.hash_of);
+        self.cached.clone_from(&source.cached);
+        self.same_hash.clone_from(&source.same_hash);
+        self.prev.clone_from(&source.prev);
+        self.next.clone_from(&source.next);
+        self.head = source.head;
+        self.tail = source.tail;
+        self.num_free = source.num_free;
+        self.changes.clone_from(&source.changes);
+    }
 }
 
 impl BlockPool {
@@ -221,7 +258,8 @@ impl BlockPool {
             block_size,
             ref_count: vec![0; num_blocks],
             hash_of: vec![None; num_blocks],
-            cached: HashMap::new(),
+            cached: AHashMap::new(),
+            same_hash: vec![NIL; num_blocks],
             prev: vec![NIL; num_blocks],
             next: vec![NIL; num_blocks],
             head: NIL,
@@ -269,7 +307,7 @@ impl BlockPool {
         hashes
             .iter()
             .map(|h| {
-                let block = self.cached[&(*h, group)][0];
+                let block = self.cached[&(*h, group)];
                 if self.ref_count[block as usize] == 0 {
                     self.unlink(block);
                 }
@@ -323,7 +361,18 @@ impl BlockPool {
         for (&block, &hash) in blocks.iter().zip(hashes) {
             debug_assert!(self.hash_of[block as usize].is_none());
             self.hash_of[block as usize] = Some((hash, *group));
-            self.cached.entry((hash, *group)).or_default().push(block);
+            match self.cached.get(&(hash, *group)) {
+                None => {
+                    self.cached.insert((hash, *group), block);
+                }
+                Some(&first) => {
+                    let mut last = first;
+                    while self.same_hash[last as usize] != NIL {
+                        last = self.same_hash[last as usize];
+                    }
+                    self.same_hash[last as usize] = block;
+                }
+            }
         }
         self.changes.push(stored);
     }
@@ -337,6 +386,7 @@ impl BlockPool {
         }
         self.cached.clear();
         self.hash_of.iter_mut().for_each(|h| *h = None);
+        self.same_hash.iter_mut().for_each(|b| *b = NIL);
         self.changes.push(CacheChange::Cleared);
         Ok(())
     }
@@ -353,11 +403,21 @@ impl BlockPool {
 
     fn evict(&mut self, block: BlockId) {
         let Some((hash, group)) = self.hash_of[block as usize].take() else { return };
-        if let Some(list) = self.cached.get_mut(&(hash, group)) {
-            list.retain(|&b| b != block);
-            if list.is_empty() {
-                self.cached.remove(&(hash, group));
+        let next = std::mem::replace(&mut self.same_hash[block as usize], NIL);
+        let first = self.cached.get_mut(&(hash, group)).expect("a block with a hash is cached under it");
+        if *first == block {
+            match next {
+                NIL => {
+                    self.cached.remove(&(hash, group));
+                }
+                next => *first = next,
             }
+        } else {
+            let mut before = *first;
+            while self.same_hash[before as usize] != block {
+                before = self.same_hash[before as usize];
+            }
+            self.same_hash[before as usize] = next;
         }
         self.changes.push(CacheChange::Removed { hash, group });
     }
@@ -492,6 +552,25 @@ mod tests {
         pool.allocate(2).unwrap();
         let removed = pool.take_changes();
         assert_eq!(removed.len(), 2);
+        assert_eq!(pool.num_cached_hashes(), 0);
+    }
+
+    #[test]
+    fn a_duplicate_evicted_before_the_others_leaves_them_cached() {
+        let mut pool = BlockPool::new(3, 4);
+        let [x, y, z] = [0; 3].map(|_| cache_sequence(&mut pool, &[1, 2, 3, 4]));
+        pool.free(&y);
+        pool.take_changes();
+        pool.allocate(1).unwrap();
+        assert_eq!(pool.take_changes().len(), 1, "the middle duplicate is removed");
+        assert_eq!(pool.num_cached_hashes(), 1);
+        assert_eq!(pool.touch(&hashes(&[1, 2, 3, 4]), None), x, "the first stored still serves hits");
+        pool.free(&x);
+        pool.free(&x);
+        pool.free(&z);
+        pool.take_changes();
+        pool.allocate(2).unwrap();
+        assert_eq!(pool.take_changes().len(), 2);
         assert_eq!(pool.num_cached_hashes(), 0);
     }
 

@@ -17,7 +17,8 @@ use crate::cache::{
     root_hash,
 };
 use crate::timing::{StepWork, TimingModel, prefill_pairs};
-use std::collections::{HashMap, VecDeque};
+use ahash::{AHashMap, AHashSet};
+use std::collections::VecDeque;
 
 /// Engine-internal request id.
 pub type RequestId = u64;
@@ -215,14 +216,27 @@ impl Sequence {
     }
 }
 
+/// What a request added to an engine now waits behind, at least: vLLM's scheduler serves the
+/// running requests first (what each has left to compute for its next token; a decode's
+/// one), then the waiting ones in arrival order (their tokens neither cached now nor
+/// computed first by a request ahead; at least one each, as vLLM recomputes a fully cached
+/// prompt's last block; one where the offload tier may hold the rest). Requests waiting for
+/// a KV transfer, and waiting requests an adapter limit may pass over, count nothing.
+#[derive(Clone, Debug, Default)]
+pub struct Backlog {
+    /// Tokens computed before the request is scheduled at all.
+    pub tokens: usize,
+    /// The blocks the requests ahead hold or will compute.
+    queued: AHashSet<EngineBlockHash>,
+}
+
 /// The simulated engine (cloned, it runs a what-if: the simulator's clairvoyant bound).
-#[derive(Clone)]
 pub struct Engine {
     config: EngineConfig,
     root: EngineBlockHash,
     pool: BlockPool,
     offload: Option<OffloadTier>,
-    seqs: HashMap<RequestId, Sequence>,
+    seqs: AHashMap<RequestId, Sequence>,
     waiting: VecDeque<RequestId>,
     running: Vec<RequestId>,
     next_id: RequestId,
@@ -230,6 +244,44 @@ pub struct Engine {
     counters: Counters,
     /// The adapters on the GPU, the least recently run first (at most `max_loras`).
     resident_loras: VecDeque<String>,
+    /// Bumped by every change of state (see [`Engine::revision`]).
+    revision: u64,
+}
+
+/// By hand, for `clone_from`: a what-if copies an engine into the allocations of the last
+/// (a pool of 26,000 blocks is megabytes).
+impl Clone for Engine {
+    fn clone(&self) -> Self {
+        Self {
+            config: self.config.clone(),
+            root: self.root,
+            pool: self.pool.clone(),
+            offload: self.offload.clone(),
+            seqs: self.seqs.clone(),
+            waiting: self.waiting.clone(),
+            running: self.running.clone(),
+            next_id: self.next_id,
+            now: self.now,
+            counters: self.counters,
+            resident_loras: self.resident_loras.clone(),
+            revision: self.revision,
+        }
+    }
+
+    fn clone_from(&mut self, source: &Self) {
+        self.config.clone_from(&source.config);
+        self.root = source.root;
+        self.pool.clone_from(&source.pool);
+        self.offload.clone_from(&source.offload);
+        self.seqs.clone_from(&source.seqs);
+        self.waiting.clone_from(&source.waiting);
+        self.running.clone_from(&source.running);
+        self.next_id = source.next_id;
+        self.now = source.now;
+        self.counters = source.counters;
+        self.resident_loras.clone_from(&source.resident_loras);
+        self.revision = source.revision;
+    }
 }
 
 impl Engine {
@@ -243,14 +295,22 @@ impl Engine {
             root,
             pool,
             offload,
-            seqs: HashMap::new(),
+            seqs: AHashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             next_id: 0,
             now: 0.0,
             counters: Counters::default(),
             resident_loras: VecDeque::new(),
+            revision: 0,
         }
+    }
+
+    /// Changes whenever the engine's state does (a step, a request added or aborted, the
+    /// clock moved, the cache reset): two equal revisions of one engine run ahead alike, so
+    /// a what-if may keep what it learned of one.
+    pub fn revision(&self) -> u64 {
+        self.revision
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -266,6 +326,7 @@ impl Engine {
     pub fn advance_to(&mut self, t: f64) {
         if t > self.now {
             self.now = t;
+            self.revision += 1;
         }
     }
 
@@ -293,8 +354,60 @@ impl Engine {
 
     /// Full prompt blocks of `tokens` that are cached right now (what a perfect router sees).
     pub fn cached_prefix_blocks(&self, tokens: &[u32], keys: &HashKeys) -> usize {
-        let hashes = hash_blocks(&self.root, tokens, self.config.block_size, keys);
+        let hashes = self.block_hashes(tokens, keys);
         self.cache_hit(&hashes, hashes.len())
+    }
+
+    /// The hashes of the full blocks of `tokens`, as this engine hashes them (engines with
+    /// the same [`Engine::hash_root`] and block size hash alike).
+    pub fn block_hashes(&self, tokens: &[u32], keys: &HashKeys) -> Vec<EngineBlockHash> {
+        hash_blocks(&self.root, tokens, self.config.block_size, keys)
+    }
+
+    /// The root of this engine's block hashes (from its hash seed).
+    pub fn hash_root(&self) -> EngineBlockHash {
+        self.root
+    }
+
+    /// What a request added now waits behind, at least ([`Backlog`]).
+    pub fn backlog(&self) -> Backlog {
+        let bs = self.config.block_size;
+        let group = self.full_group();
+        let mut backlog = Backlog::default();
+        for seq in self.running.iter().map(|id| &self.seqs[id]) {
+            if seq.transfer_done_at.is_none() {
+                backlog.tokens += seq.tokens.len() - seq.computed;
+            }
+            backlog.queued.extend(seq.hashes.iter().copied());
+        }
+        if self.config.max_loras > 0 {
+            return backlog; // a waiting request's adapter may have it passed over
+        }
+        for seq in self.waiting.iter().map(|id| &self.seqs[id]) {
+            if seq.kv_transfer != KvTransfer::Local {
+                continue;
+            }
+            backlog.tokens += match self.offload {
+                Some(_) => 1,
+                None => {
+                    let hit = seq
+                        .hashes
+                        .iter()
+                        .take_while(|h| self.pool.holds(h, group) || backlog.queued.contains(*h))
+                        .count();
+                    (seq.tokens.len() - seq.computed).saturating_sub(hit * bs).max(1)
+                }
+            };
+            backlog.queued.extend(seq.hashes.iter().copied());
+        }
+        backlog
+    }
+
+    /// Leading blocks of these [`Engine::block_hashes`] that are cached now or that a
+    /// request in `backlog` computes first (a request added now finds them cached).
+    pub fn cached_or_queued_prefix(&self, hashes: &[EngineBlockHash], backlog: &Backlog) -> usize {
+        let group = self.full_group();
+        hashes.iter().take_while(|h| self.pool.holds(h, group) || backlog.queued.contains(*h)).count()
     }
 
     /// KV-cache groups: 2 for a hybrid model, else 1.
@@ -378,6 +491,7 @@ impl Engine {
         }
         let id = self.next_id;
         self.next_id += 1;
+        self.revision += 1;
         let hashes = hash_blocks(&self.root, &request.prompt, self.config.block_size, &request.keys);
         self.seqs.insert(
             id,
@@ -404,6 +518,7 @@ impl Engine {
     /// Drops a request (client went away); its blocks return to the pool, still cached.
     pub fn abort(&mut self, id: RequestId) -> bool {
         let Some(mut seq) = self.seqs.remove(&id) else { return false };
+        self.revision += 1;
         self.running.retain(|&r| r != id);
         self.waiting.retain(|&r| r != id);
         Self::free_blocks(&mut self.pool, &mut seq);
@@ -414,6 +529,7 @@ impl Engine {
     /// blocks (vLLM refuses too); the error says how many.
     pub fn reset_prefix_cache(&mut self) -> Result<Vec<CacheChange>, usize> {
         self.pool.reset()?;
+        self.revision += 1;
         if let Some(tier) = &mut self.offload {
             tier.clear();
         }
@@ -456,6 +572,7 @@ impl Engine {
     /// Runs one step at the current model time. `None` when nothing can be scheduled now
     /// (idle, or only waiting for transfers: see [`Engine::next_wakeup`]).
     pub fn step(&mut self) -> Option<StepResult> {
+        self.revision += 1;
         self.complete_transfers();
         let mut budget = self.config.max_num_batched_tokens;
         let mut scheduled: Vec<(RequestId, usize)> = Vec::with_capacity(self.running.len() + 8);
@@ -787,6 +904,7 @@ fn register_full_blocks(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
 
     fn config() -> EngineConfig {
         EngineConfig {
