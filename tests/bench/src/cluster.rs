@@ -52,6 +52,17 @@ pub struct Arrival<'a> {
     pub adapter: Option<&'a str>,
 }
 
+/// A request still to come, as the simulator foresees it (the look-ahead bound's view).
+#[derive(Clone, Copy, Debug)]
+pub struct Foreseen<'a> {
+    /// When it will arrive.
+    pub at: f64,
+    pub request: Arrival<'a>,
+}
+
+/// The most arrivals to come a router is shown at once.
+pub const FORESEEN_MAX: usize = 16;
+
 /// A pod's role, as the simulated cluster is laid out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PodRole {
@@ -67,8 +78,22 @@ pub trait ClusterRouter {
     /// The same, shown the engines as they truly are now: only the simulator's bounds look
     /// ([`crate::clairvoyant`], `kv@informed`) and a peer's rule modelled with fresher metrics
     /// than the simulated scrape; a router a gateway could run routes on what it heard.
-    fn route_seeing(&mut self, request: &Arrival<'_>, now: f64, _engines: &[&Engine]) -> Choice {
+    /// `foreseen`: the arrivals of the next [`ClusterRouter::foresight`] seconds, soonest
+    /// first, at most [`FORESEEN_MAX`] (turns whose predecessor has not finished are not
+    /// foreseen yet).
+    fn route_seeing(
+        &mut self,
+        request: &Arrival<'_>,
+        now: f64,
+        _engines: &[&Engine],
+        _foreseen: &[Foreseen<'_>],
+    ) -> Choice {
         self.route(request, now)
+    }
+    /// Seconds of arrivals to come the router is shown at each decision: none, but for the
+    /// simulator's look-ahead bound.
+    fn foresight(&self) -> f64 {
+        0.0
     }
     /// The request's prefill leg finished (disaggregated requests only).
     fn prefill_done(&mut self, _id: u64, _now: f64) {}
@@ -356,10 +381,56 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
     }
 }
 
+/// A turn as it reaches the router.
+fn turn_arrival<'p>(
+    workload: &'p Workload,
+    asked: Option<usize>,
+    id: u64,
+    session: usize,
+    turn: usize,
+    prompt: &'p [u32],
+) -> Arrival<'p> {
+    let s = &workload.sessions[session];
+    let max_tokens = s.turns[turn].max_tokens;
+    Arrival {
+        id,
+        prompt,
+        max_tokens: asked.map_or(max_tokens, |asked| asked.max(max_tokens)),
+        output_tokens: max_tokens,
+        adapter: s.adapter.as_deref(),
+    }
+}
+
 impl Sim<'_> {
     fn schedule(&mut self, at: f64, event: Event) {
         self.seq += 1;
         self.queue.push(Scheduled { at, seq: self.seq, event });
+    }
+
+    /// The turns due in the next `seconds` (after `now`), soonest first, at most
+    /// [`FORESEEN_MAX`]: when, whose, and their prompts.
+    fn foreseen(&self, now: f64, seconds: f64) -> Vec<(f64, usize, usize, Vec<u32>)> {
+        if seconds <= 0.0 {
+            return Vec::new();
+        }
+        let mut due: Vec<(f64, usize, usize)> = self
+            .queue
+            .iter()
+            .filter(|s| s.at <= now + seconds)
+            .filter_map(|s| match s.event {
+                Event::Arrive { session, turn } => Some((s.at, session, turn)),
+                _ => None,
+            })
+            .collect();
+        due.sort_by(|a, b| a.0.total_cmp(&b.0));
+        due.truncate(FORESEEN_MAX);
+        due.into_iter()
+            .map(|(at, session, turn)| {
+                let mut prompt = self.history[session].clone();
+                prompt.extend_from_slice(&self.workload.sessions[session].turns[turn].user);
+                (at, session, turn, prompt)
+            })
+            .collect()
     }
 
     fn arrive(&mut self, session: usize, turn: usize, now: f64) {
@@ -369,14 +440,16 @@ impl Sim<'_> {
         let prompt = self.history[session].clone();
         let id = self.live.len();
         let engines: Vec<&Engine> = self.pods.iter().map(|p| &p.engine).collect();
-        let arrival = Arrival {
-            id: id as u64,
-            prompt: &prompt,
-            max_tokens: self.max_tokens_asked.map_or(t.max_tokens, |asked| asked.max(t.max_tokens)),
-            output_tokens: t.max_tokens,
-            adapter: s.adapter.as_deref(),
-        };
-        let choice = self.router.route_seeing(&arrival, now, &engines);
+        let arrival = turn_arrival(self.workload, self.max_tokens_asked, id as u64, session, turn, &prompt);
+        let foreseen = self.foreseen(now, self.router.foresight());
+        let foreseen: Vec<Foreseen<'_>> = foreseen
+            .iter()
+            .map(|(at, session, turn, prompt)| Foreseen {
+                at: *at,
+                request: turn_arrival(self.workload, self.max_tokens_asked, u64::MAX, *session, *turn, prompt),
+            })
+            .collect();
+        let choice = self.router.route_seeing(&arrival, now, &engines, &foreseen);
         self.records.push(RequestRecord {
             arrival: now,
             prompt_tokens: prompt.len(),

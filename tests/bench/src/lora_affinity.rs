@@ -18,7 +18,7 @@
 //! It reads every pod's metrics as they are at each decision (GIE refreshes them every
 //! 50 ms; the simulated scrape is once a second): generous to the rule.
 
-use crate::cluster::{Arrival, Choice, ClusterRouter, EngineAdapters, PodRole, reported_load};
+use crate::cluster::{Arrival, Choice, ClusterRouter, EngineAdapters, Foreseen, PodRole, reported_load};
 use ahash::AHashMap;
 use kvgate_sim::engine::Engine;
 use rand::rngs::StdRng;
@@ -107,7 +107,7 @@ impl ClusterRouter for LoraAffinity {
         unreachable!("the endpoint picker reads fresh metrics: the simulator calls route_seeing")
     }
 
-    fn route_seeing(&mut self, request: &Arrival<'_>, _now: f64, engines: &[&Engine]) -> Choice {
+    fn route_seeing(&mut self, request: &Arrival<'_>, _now: f64, engines: &[&Engine], _: &[Foreseen<'_>]) -> Choice {
         let blocks = block_hashes(request);
         let waiting: Vec<f64> = self.serving.iter().map(|&p| reported_load(engines[p]).waiting).collect();
         let (min, max) = waiting.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &w| (lo.min(w), hi.max(w)));

@@ -3,7 +3,8 @@
 //! re-implementations of SGLang's `cache_aware` and vllm-router's `kv_aware` rules as
 //! reference points.
 
-use crate::cluster::{Arrival, Choice, ClusterRouter, EngineAdapters, HASH_SEED, PodRole, reported_load};
+use crate::clairvoyant::{self, Clairvoyant};
+use crate::cluster::{Arrival, Choice, ClusterRouter, EngineAdapters, Foreseen, HASH_SEED, PodRole, reported_load};
 use crate::sglang::CacheAware;
 use crate::vllm_router::KvAware;
 use kvgate_routing::adapters::{AdapterId, ReportedAdapters};
@@ -89,7 +90,7 @@ impl ClusterRouter for Kvgate {
         }
     }
 
-    fn route_seeing(&mut self, request: &Arrival<'_>, now: f64, engines: &[&Engine]) -> Choice {
+    fn route_seeing(&mut self, request: &Arrival<'_>, now: f64, engines: &[&Engine], _: &[Foreseen<'_>]) -> Choice {
         if self.informed {
             for (pod, engine) in engines.iter().enumerate() {
                 self.router.reported(PodId(pod as u32), reported_load(engine));
@@ -318,7 +319,7 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
 }
 
 /// A router by name: `sglang-cache-aware`, `vllm-kv-aware`, `lora-affinity` (the Inference
-/// Extension's picker; `@lora-first` weighs its adapter score 10×), the `clairvoyant` bound,
+/// Extension's picker; `@lora-first` weighs its adapter score 10×), the `clairvoyant` bound (`@look-ahead`: seeing the arrivals to come),
 /// or a kvgate policy (`kv`, `prefix`, `ttft`,
 /// `least-loaded`, `power-of-two`, `round-robin`, `random`) with the scorer's defaults;
 /// on layouts with prefill pods the policy chooses in both pools; a suffix `@pd-always`
@@ -337,8 +338,9 @@ pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn
         "vllm-kv-aware" => return Ok(Box::new(Peer::new(roles, seed, |workers, _| KvAware::new(workers, HASH_SEED)))),
         "lora-affinity" => return Ok(Box::new(crate::lora_affinity::LoraAffinity::new(roles, seed, 1.0))),
         "lora-affinity@lora-first" => return Ok(Box::new(crate::lora_affinity::LoraAffinity::new(roles, seed, 10.0))),
-        "clairvoyant" => return Ok(Box::new(crate::clairvoyant::Clairvoyant::new(roles, 1.0))),
-        "clairvoyant@first-token" => return Ok(Box::new(crate::clairvoyant::Clairvoyant::new(roles, 0.0))),
+        "clairvoyant" => return Ok(Box::new(Clairvoyant::new(roles, 1.0, 0.0))),
+        "clairvoyant@first-token" => return Ok(Box::new(Clairvoyant::new(roles, 0.0, 0.0))),
+        "clairvoyant@look-ahead" => return Ok(Box::new(Clairvoyant::new(roles, 1.0, clairvoyant::FORESIGHT))),
         _ => {}
     }
     if let Some((single, replicas)) = name.rsplit_once('/') {
