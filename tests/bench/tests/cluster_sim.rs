@@ -1,10 +1,11 @@
 //! The cluster simulator end to end (small scale): deterministic per seed, every request
 //! accounted for, and the routing differences it exists to show are there.
 
-use kvgate_bench::cluster::{ClusterConfig, run};
+use kvgate_bench::cluster::{Arrival, Choice, ClusterConfig, ClusterRouter, FORESEEN_MAX, Foreseen, run};
 use kvgate_bench::report::Summary;
 use kvgate_bench::routers;
 use kvgate_bench::workload::{self, Params};
+use kvgate_sim::engine::Engine;
 
 fn simulate(workload: &str, router: &str, seed: u64) -> Summary {
     simulate_asking(workload, router, seed, 1.0, None)
@@ -142,4 +143,66 @@ fn on_hybrid_model_pods_kvgate_predicts_the_hit_rate_the_pods_report() {
     assert!(s.prefix_hit_rate > 0.5, "the documents are found: {}", s.prefix_hit_rate);
     assert!((predicted - s.prefix_hit_rate).abs() < 0.02, "predicted {predicted}, reported {}", s.prefix_hit_rate);
     assert_eq!(simulate("hybrid", "sglang-cache-aware", 1).predicted_hit_rate, None);
+}
+
+/// Round robin that notes what the simulator foresees at each decision.
+struct Foreseeing {
+    foresight: f64,
+    pods: usize,
+    next: usize,
+    /// (when, prompt) of every arrival foreseen, and of every arrival that came.
+    foreseen: Vec<(f64, Vec<u32>)>,
+    came: Vec<(f64, Vec<u32>)>,
+}
+
+impl ClusterRouter for Foreseeing {
+    fn route(&mut self, _request: &Arrival<'_>, _now: f64) -> Choice {
+        unreachable!("the simulator calls route_seeing")
+    }
+
+    fn foresight(&self) -> f64 {
+        self.foresight
+    }
+
+    fn route_seeing(
+        &mut self,
+        request: &Arrival<'_>,
+        now: f64,
+        _engines: &[&Engine],
+        foreseen: &[Foreseen<'_>],
+    ) -> Choice {
+        assert!(foreseen.len() <= FORESEEN_MAX);
+        assert!(foreseen.windows(2).all(|w| w[0].at <= w[1].at), "soonest first");
+        for f in foreseen {
+            assert!(f.at >= now && f.at <= now + self.foresight, "within the foresight");
+            self.foreseen.push((f.at, f.request.prompt.to_vec()));
+        }
+        self.came.push((now, request.prompt.to_vec()));
+        self.next += 1;
+        Choice::pod(self.next % self.pods)
+    }
+
+    fn done(&mut self, _id: u64, _output_tokens: Option<u32>, _now: f64) {}
+}
+
+#[test]
+fn the_arrivals_a_router_foresees_are_the_ones_that_come() {
+    let params = Params { seed: 3, pods: 4, scale: 0.15, load: 1.0, max_tokens: None };
+    let w = workload::build("chat", &params).unwrap();
+    let config = ClusterConfig::for_workload(&w, params.pods);
+    let mut router = Foreseeing { foresight: 0.2, pods: 4, next: 0, foreseen: Vec::new(), came: Vec::new() };
+    run(&w, &config, &mut router);
+    assert!(router.foreseen.len() > w.requests(), "arrivals are foreseen, most more than once");
+    for (at, prompt) in &router.foreseen {
+        assert!(
+            router.came.iter().any(|(t, p)| t == at && p == prompt),
+            "an arrival foreseen at {at} s came as foreseen"
+        );
+    }
+
+    // A router without foresight is shown none.
+    let mut blind = Foreseeing { foresight: 0.0, ..router };
+    blind.foreseen.clear();
+    run(&w, &config, &mut blind);
+    assert!(blind.foreseen.is_empty());
 }
