@@ -945,6 +945,30 @@ mod tests {
     }
 
     #[test]
+    fn the_backlog_counts_a_prefix_the_requests_ahead_share_once() {
+        let mut engine = Engine::new(config());
+        let shared: Vec<u32> = (1..=40).collect();
+        let longer: Vec<u32> = shared.iter().copied().chain(100..108).collect();
+        assert_eq!(engine.backlog().tokens, 0);
+        let revision = engine.revision();
+        engine.add_request(request(shared.clone(), 2)).unwrap();
+        engine.add_request(request(longer.clone(), 2)).unwrap();
+        assert_ne!(engine.revision(), revision, "a request added changes the engine");
+        let backlog = engine.backlog();
+        assert_eq!(backlog.tokens, 40 + 8, "the second request finds the first's 40 tokens computed");
+        let third = engine.block_hashes(&longer, &HashKeys::default());
+        assert_eq!(engine.cached_or_queued_prefix(&third, &backlog), 12, "a third one finds both");
+
+        // Once the first is computed and cached, it no longer counts; the second's 8 do.
+        run(&mut engine);
+        engine.add_request(request(longer, 2)).unwrap();
+        assert_eq!(engine.backlog().tokens, 1, "fully cached: at least one token is computed");
+        let revision = engine.revision();
+        let _ = engine.clone().step();
+        assert_eq!(engine.revision(), revision, "a what-if on a copy leaves the engine as it was");
+    }
+
+    #[test]
     fn a_request_prefills_then_decodes_to_max_tokens() {
         let mut e = Engine::new(config());
         let id = e.add_request(request((0..10).collect(), 5)).unwrap();
