@@ -19,9 +19,10 @@
 //!
 //! What-ifs are what it costs: at 64 pods, one per pod for every request. So the pods are
 //! ranked by a cheap estimate (a lower bound of the request's first token there, plus the
-//! decode time its prefill takes from the pod's running requests), the what-ifs run on the
-//! best [`SHORTLIST`] of them only, and not on one whose lower bound cannot beat the best
-//! found. Each pod's run without the request is kept while its engine is unchanged.
+//! decode time its prefill, what neither cache tier holds, takes from the pod's running
+//! requests), the what-ifs run on the best [`SHORTLIST`] of them only, and not on one whose
+//! lower bound cannot beat the best found. Each pod's run without the request is kept while
+//! its engine is unchanged.
 
 use crate::cluster::{Arrival, Choice, ClusterRouter, Foreseen, PodRole};
 use ahash::AHashMap;
@@ -184,15 +185,31 @@ impl Blocks {
         Self { root: engine.hash_root(), block_size: engine.config().block_size, hashes }
     }
 
-    /// The tokens of the request `engine` holds now or computes for a request ahead first.
-    fn cached_tokens(&self, engine: &Engine, backlog: &Backlog, request: &Arrival<'_>) -> usize {
+    /// The tokens of the request `engine` holds now or computes for a request ahead first,
+    /// and those its offload tier holds after them (they would load, not compute).
+    fn held_tokens(&self, engine: &Engine, backlog: &Backlog, request: &Arrival<'_>) -> (usize, usize) {
         let bs = engine.config().block_size;
-        let blocks = if engine.hash_root() == self.root && bs == self.block_size {
-            engine.cached_or_queued_prefix(&self.hashes, backlog)
+        let own;
+        let hashes = if engine.hash_root() == self.root && bs == self.block_size {
+            &self.hashes
         } else {
-            engine.cached_or_queued_prefix(&engine.block_hashes(request.prompt, &keys(request)), backlog)
+            own = engine.block_hashes(request.prompt, &keys(request));
+            &own
         };
-        blocks * bs
+        let cached = engine.cached_or_queued_prefix(hashes, backlog);
+        (cached * bs, engine.offloaded_run(hashes, cached) * bs)
+    }
+
+    /// What the request looks to cost on `engine` arriving at `at`: a lower bound of its
+    /// first token there ([`least_cost`]), and that plus the decode time its prefill takes
+    /// from each request running there over `horizon` (an estimate; what pods are ranked by).
+    fn estimate(&self, engine: &Engine, backlog: &Backlog, request: &Arrival<'_>, at: f64, horizon: f64) -> (f64, f64) {
+        let (cached, offloaded) = self.held_tokens(engine, backlog, request);
+        let least = least_cost(engine, request.prompt.len(), cached, backlog.tokens, at);
+        let computed = request.prompt.len().saturating_sub(cached + offloaded);
+        let prefill = engine.config().timing.token_ms * computed as f64 / 1000.0;
+        let decode = if horizon > 0.0 { prefill * engine.num_running() as f64 } else { 0.0 };
+        (least, least + decode)
     }
 }
 
@@ -320,30 +337,21 @@ impl ClusterRouter for Clairvoyant {
         let mut arriving: Vec<Vec<(f64, NewRequest)>> = vec![Vec::new(); engines.len()];
         for f in foreseen.iter().filter(|f| f.at <= now + self.foresight) {
             let blocks = Blocks::of(&f.request, reference);
-            let cost = |i: usize| {
-                let (p, backlog) = (self.serving[i], &backlogs[i]);
-                let cached = blocks.cached_tokens(engines[p], backlog, &f.request);
-                least_cost(engines[p], f.request.prompt.len(), cached, backlog.tokens, f.at)
-            };
+            let cost =
+                |i: usize| blocks.estimate(engines[self.serving[i]], &backlogs[i], &f.request, f.at, self.horizon).0;
             let i = (0..self.serving.len()).min_by(|&a, &b| cost(a).total_cmp(&cost(b))).expect("a pod serves");
             arriving[self.serving[i]].push((f.at, local(&f.request)));
         }
-        // The pods whose cost looks least: the least their requests' first tokens could come
-        // (a lower bound), plus the decode time its prefill takes from each request there
-        // over the horizon (an estimate). A what-if runs on the first `SHORTLIST` of them,
-        // where the lower bound could still beat the best found.
+        // The pods whose cost looks least ([`Blocks::estimate`]): a what-if runs on the first
+        // `SHORTLIST` of them, where the lower bound could still beat the best found.
         let blocks = Blocks::of(request, reference);
         let mut order: Vec<(usize, f64, f64)> = self
             .serving
             .iter()
             .zip(&backlogs)
             .map(|(&p, backlog)| {
-                let cached = blocks.cached_tokens(engines[p], backlog, request);
-                let least = least_cost(engines[p], request.prompt.len(), cached, backlog.tokens, now);
-                let prefill =
-                    engines[p].config().timing.token_ms * request.prompt.len().saturating_sub(cached) as f64 / 1000.0;
-                let decode = if self.horizon > 0.0 { prefill * engines[p].num_running() as f64 } else { 0.0 };
-                (p, least, least + decode)
+                let (least, estimate) = blocks.estimate(engines[p], backlog, request, now, self.horizon);
+                (p, least, estimate)
             })
             .collect();
         order.sort_by(|a, b| a.2.total_cmp(&b.2));

@@ -179,9 +179,14 @@ impl OffloadTier {
         }
     }
 
+    /// Number of leading `hashes` held here.
+    pub fn run_of(&self, hashes: &[EngineBlockHash]) -> usize {
+        hashes.iter().take_while(|h| self.used.contains_key(h)).count()
+    }
+
     /// Number of leading `hashes` held here; they are marked used (they are about to load).
     pub fn take_run(&mut self, hashes: &[EngineBlockHash]) -> usize {
-        let run = hashes.iter().take_while(|h| self.used.contains_key(h)).count();
+        let run = self.run_of(hashes);
         for &hash in &hashes[..run] {
             self.touch(hash);
         }

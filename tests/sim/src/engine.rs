@@ -369,6 +369,12 @@ impl Engine {
         self.root
     }
 
+    /// Blocks of `hashes` from `from` on that the offload tier holds, one after the other
+    /// (after a GPU hit of `from` blocks they would load, not compute).
+    pub fn offloaded_run(&self, hashes: &[EngineBlockHash], from: usize) -> usize {
+        self.offload.as_ref().map_or(0, |tier| tier.run_of(&hashes[from.min(hashes.len())..]))
+    }
+
     /// What a request added now waits behind, at least ([`Backlog`]).
     pub fn backlog(&self) -> Backlog {
         let bs = self.config.block_size;
