@@ -11,7 +11,8 @@
 //!   scorer, another;
 //! - [`report`]: figures, tables and SVG charts;
 //! - [`goodput`]: the highest load a router carries within a TTFT SLO, and its curve;
-//! - [`clairvoyant`]: an upper bound, not a router: placement on the engines' true state.
+//! - [`clairvoyant`]: a bound, not a router: placement by what-ifs on the engines' true state
+//!   (greedy, or seeing the arrivals to come).
 
 pub mod clairvoyant;
 pub mod cluster;
