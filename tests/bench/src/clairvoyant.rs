@@ -96,7 +96,7 @@ impl Ahead {
         by
     }
 
-    /// An idle engine's run: nothing happens.
+    /// A run in which nothing has happened (yet): an idle engine's whole run.
     fn idle() -> Self {
         Self { until: f64::INFINITY, ..Self::default() }
     }
@@ -112,7 +112,7 @@ fn run_ahead(
     watched: &[RequestId],
     arriving: &[(f64, NewRequest)],
 ) -> Ahead {
-    let mut ahead = Ahead { until: f64::INFINITY, ..Ahead::default() };
+    let mut ahead = Ahead::idle();
     let mut watched = watched.to_vec();
     engine.advance_to(now);
     let mut next = 0;
@@ -242,16 +242,23 @@ fn first_token_delay(
 }
 
 impl Clairvoyant {
-    /// `engine` (pod `pod`) run ahead without a new request, but with `arriving`. Without
-    /// arrivals, a busy pod's run is kept and reused while its engine is unchanged.
-    fn without(&mut self, pod: usize, engine: &Engine, now: f64, arriving: &[(f64, NewRequest)]) -> Rc<Ahead> {
+    /// `engine` (pod `pod`, its requests `waiting` for their first token) run ahead without
+    /// a new request, but with `arriving`. Without arrivals, a busy pod's run is kept and
+    /// reused while its engine is unchanged.
+    fn without(
+        &mut self,
+        pod: usize,
+        engine: &Engine,
+        waiting: &[RequestId],
+        now: f64,
+        arriving: &[(f64, NewRequest)],
+    ) -> Rc<Ahead> {
         let until = now + self.horizon;
         if engine.is_idle() && arriving.is_empty() {
             return Rc::new(Ahead::idle());
         }
-        let waiting: Vec<RequestId> = engine.awaiting_first_token().collect();
         if !arriving.is_empty() || engine.now() < now {
-            return Rc::new(run_ahead(copy_into(&mut self.without_it, engine), now, until, &waiting, arriving));
+            return Rc::new(run_ahead(copy_into(&mut self.without_it, engine), now, until, waiting, arriving));
         }
         if let Some((revision, run)) = &self.without[pod]
             && *revision == engine.revision()
@@ -259,7 +266,7 @@ impl Clairvoyant {
         {
             return run.clone();
         }
-        let run = Rc::new(run_ahead(copy_into(&mut self.without_it, engine), now, until + REUSE, &waiting, &[]));
+        let run = Rc::new(run_ahead(copy_into(&mut self.without_it, engine), now, until + REUSE, waiting, &[]));
         self.without[pod] = Some((engine.revision(), run.clone()));
         run
     }
@@ -287,7 +294,7 @@ impl Clairvoyant {
         watched.push(id);
         let after = run_ahead(with, now, now + horizon, &watched, arriving);
         let Some(own) = after.first.get(&id) else { return f64::INFINITY };
-        let before = self.without(pod, engine, now, arriving);
+        let before = self.without(pod, engine, &waiting, now, arriving);
         let before = before.as_ref();
         let delays = first_token_delay(before, &after, waiting.iter().map(|&r| (Some(r), Some(r))))
             + first_token_delay(before, &after, before.arrived.iter().copied().zip(after.arrived.iter().copied()));

@@ -319,8 +319,8 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
 }
 
 /// A router by name: `sglang-cache-aware`, `vllm-kv-aware`, `lora-affinity` (the Inference
-/// Extension's picker; `@lora-first` weighs its adapter score 10×), the `clairvoyant` bound (`@look-ahead`: seeing the arrivals to come),
-/// or a kvgate policy (`kv`, `prefix`, `ttft`,
+/// Extension's picker; `@lora-first` weighs its adapter score 10×), the `clairvoyant` bound
+/// (`@look-ahead`: seeing the arrivals to come), or a kvgate policy (`kv`, `prefix`, `ttft`,
 /// `least-loaded`, `power-of-two`, `round-robin`, `random`) with the scorer's defaults;
 /// on layouts with prefill pods the policy chooses in both pools; a suffix `@pd-always`
 /// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold, and

@@ -378,7 +378,6 @@ impl Engine {
     /// What a request added now waits behind, at least ([`Backlog`]).
     pub fn backlog(&self) -> Backlog {
         let bs = self.config.block_size;
-        let group = self.full_group();
         let mut backlog = Backlog::default();
         for seq in self.running.iter().map(|id| &self.seqs[id]) {
             if seq.transfer_done_at.is_none() {
@@ -396,11 +395,7 @@ impl Engine {
             backlog.tokens += match self.offload {
                 Some(_) => 1,
                 None => {
-                    let hit = seq
-                        .hashes
-                        .iter()
-                        .take_while(|h| self.pool.holds(h, group) || backlog.queued.contains(*h))
-                        .count();
+                    let hit = self.cached_or_queued_prefix(&seq.hashes, &backlog);
                     (seq.tokens.len() - seq.computed).saturating_sub(hit * bs).max(1)
                 }
             };
@@ -498,7 +493,7 @@ impl Engine {
         let id = self.next_id;
         self.next_id += 1;
         self.revision += 1;
-        let hashes = hash_blocks(&self.root, &request.prompt, self.config.block_size, &request.keys);
+        let hashes = self.block_hashes(&request.prompt, &request.keys);
         self.seqs.insert(
             id,
             Sequence {
@@ -965,7 +960,7 @@ mod tests {
         let third = engine.block_hashes(&longer, &HashKeys::default());
         assert_eq!(engine.cached_or_queued_prefix(&third, &backlog), 12, "a third one finds both");
 
-        // Once the first is computed and cached, it no longer counts; the second's 8 do.
+        // Once both are computed and cached, a third asks for nothing the cache lacks.
         run(&mut engine);
         engine.add_request(request(longer, 2)).unwrap();
         assert_eq!(engine.backlog().tokens, 1, "fully cached: at least one token is computed");
