@@ -30,6 +30,24 @@ pub struct Summary {
     pub peak_inflight: usize,
     pub preemptions: u64,
     pub makespan_s: f64,
+    /// The same per decoding pod, in pod order: where a router sent its requests and what
+    /// they waited there (left out of the results where not asked for: `--per-pod`).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub per_pod: Vec<PodFigures>,
+}
+
+/// One pod's share of a run: its requests (routed there to decode), their TTFT, and the
+/// prompt tokens it computed (prefill legs included).
+#[derive(Clone, Debug, Serialize)]
+pub struct PodFigures {
+    pub pod: usize,
+    pub requests: usize,
+    /// Its requests ÷ all requests.
+    pub share: f64,
+    pub ttft_p50_ms: f64,
+    pub ttft_p90_ms: f64,
+    pub ttft_p99_ms: f64,
+    pub prefill_tokens: u64,
 }
 
 /// `q`-quantile (0–1) of sorted `v`, nearest rank.
@@ -55,13 +73,26 @@ impl Summary {
         let cached: usize = done.iter().map(|r| r.cached_tokens).sum();
         let predicted: Option<usize> = done.iter().map(|r| r.predicted_cached_tokens).sum();
         let output: usize = done.iter().map(|r| r.output_tokens).sum();
-        let mut per_pod = vec![0usize; decode_pods.len()];
-        for r in &run.requests {
-            if let Some(i) = decode_pods.iter().position(|&p| p == r.decode_pod) {
-                per_pod[i] += 1;
-            }
-        }
-        let mean = per_pod.iter().sum::<usize>() as f64 / per_pod.len().max(1) as f64;
+        let per_pod: Vec<PodFigures> = decode_pods
+            .iter()
+            .map(|&pod| {
+                let mut ttft: Vec<f64> =
+                    done.iter().filter(|r| r.decode_pod == pod).map(|r| r.first_token.unwrap() - r.arrival).collect();
+                ttft.sort_by(f64::total_cmp);
+                let requests = run.requests.iter().filter(|r| r.decode_pod == pod).count();
+                PodFigures {
+                    pod,
+                    requests,
+                    share: requests as f64 / run.requests.len().max(1) as f64,
+                    ttft_p50_ms: quantile(&ttft, 0.5) * 1e3,
+                    ttft_p90_ms: quantile(&ttft, 0.9) * 1e3,
+                    ttft_p99_ms: quantile(&ttft, 0.99) * 1e3,
+                    prefill_tokens: run.prefill_tokens_per_pod.get(pod).copied().unwrap_or(0),
+                }
+            })
+            .collect();
+        let most = per_pod.iter().map(|p| p.requests).max().unwrap_or(0);
+        let mean = per_pod.iter().map(|p| p.requests).sum::<usize>() as f64 / per_pod.len().max(1) as f64;
         let mean_of = |v: &[f64]| if v.is_empty() { f64::NAN } else { v.iter().sum::<f64>() / v.len() as f64 };
         Summary {
             workload: workload.to_string(),
@@ -76,10 +107,11 @@ impl Summary {
             throughput_tokens_per_s: if run.makespan > 0.0 { output as f64 / run.makespan } else { 0.0 },
             prefix_hit_rate: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
             predicted_hit_rate: predicted.filter(|_| prompt > 0).map(|p| p as f64 / prompt as f64),
-            imbalance: if mean > 0.0 { *per_pod.iter().max().unwrap_or(&0) as f64 / mean } else { 1.0 },
+            imbalance: if mean > 0.0 { most as f64 / mean } else { 1.0 },
             peak_inflight: run.peak_inflight,
             preemptions: run.preemptions,
             makespan_s: run.makespan,
+            per_pod,
         }
     }
 }
@@ -120,6 +152,37 @@ pub fn table(rows: &[&Summary]) -> String {
             r.peak_inflight,
             r.failed
         ));
+    }
+    out
+}
+
+/// A Markdown table of each router's figures per pod: a row per pod (`label` names it, e.g.
+/// its shape), a column group per router.
+pub fn pod_table(rows: &[&Summary], label: impl Fn(usize) -> String) -> String {
+    let mut out = String::from("| pod |");
+    let mut rule = String::from("|---|");
+    for r in rows {
+        out.push_str(&format!(" {0}: requests | {0}: p50 | {0}: p90 (ms) | {0}: prefill tokens |", r.router));
+        rule.push_str("---|---|---|---|");
+    }
+    out.push('\n');
+    out.push_str(&rule);
+    out.push('\n');
+    let pods = rows.first().map_or(0, |r| r.per_pod.len());
+    for i in 0..pods {
+        out.push_str(&format!("| {} |", label(rows[0].per_pod[i].pod)));
+        for r in rows {
+            let p = &r.per_pod[i];
+            out.push_str(&format!(
+                " {} ({:.1} %) | {} | {} | {} |",
+                p.requests,
+                p.share * 100.0,
+                ms(p.ttft_p50_ms),
+                ms(p.ttft_p90_ms),
+                p.prefill_tokens
+            ));
+        }
+        out.push('\n');
     }
     out
 }
@@ -224,7 +287,7 @@ mod tests {
         let run = RunResult {
             peak_inflight: crate::cluster::peak_inflight(&requests, 2),
             requests,
-            prefill_tokens_per_pod: vec![0, 0],
+            prefill_tokens_per_pod: vec![700, 50],
             preemptions: 0,
             makespan: 3.0,
         };
@@ -240,5 +303,15 @@ mod tests {
         let svg = svg("w <1>", &[&s]);
         assert!(svg.contains("w &lt;1&gt;") && svg.contains("<rect") && svg.ends_with("</svg>\n"));
         assert!(table(&[&s]).contains("| r | 200 | 200 | **300** | 300 |"));
+        // Per pod: pod 0 decoded 3 of the 4 (two answered, at 100 and 300 ms), pod 1 one.
+        let [p0, p1] = &s.per_pod[..] else { panic!("two decoding pods: {:?}", s.per_pod) };
+        assert_eq!((p0.pod, p0.requests, p0.prefill_tokens), (0, 3, 700));
+        assert!((p0.share - 0.75).abs() < 1e-9 && (p0.ttft_p50_ms - 100.0).abs() < 1e-9);
+        assert!((p0.ttft_p90_ms - 300.0).abs() < 1e-9);
+        assert_eq!((p1.requests, p1.prefill_tokens), (1, 50));
+        assert!((p1.ttft_p90_ms - 200.0).abs() < 1e-9);
+        let pods = pod_table(&[&s], |p| format!("pod {p}"));
+        assert!(pods.contains("| pod 0 | 3 (75.0 %) | 100 | 300 | 700 |"), "{pods}");
+        assert!(pods.contains("| pod 1 | 1 (25.0 %) | 200 | 200 | 50 |"), "{pods}");
     }
 }

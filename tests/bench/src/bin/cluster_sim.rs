@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Parser;
 use kvgate_bench::cluster::{ClusterConfig, RunResult, run};
 use kvgate_bench::goodput::{Goodput, Point, bracket, goodput, over, ratio, svg_curves};
-use kvgate_bench::report::{Summary, ms, svg, table};
+use kvgate_bench::report::{Summary, ms, pod_table, svg, table};
 use kvgate_bench::routers;
 use kvgate_bench::workload::{self, NAMES, Params, Workload};
 use std::path::{Path, PathBuf};
@@ -103,6 +103,10 @@ struct Args {
     /// `@informed` kvgate with the true one. Unset: clients ask for exactly what they get.
     #[arg(long)]
     max_tokens: Option<usize>,
+    /// Also each router's requests, TTFT and prefill work per pod: a table per workload and
+    /// in the JSON (one load: not with --sweep).
+    #[arg(long)]
+    per_pod: bool,
     /// Worker threads (runs are independent; results do not depend on this).
     #[arg(long, default_value_t = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))]
     threads: usize,
@@ -167,6 +171,7 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.pods >= 2, "--pods must be at least 2");
     anyhow::ensure!(args.seeds >= 1, "--seeds must be at least 1");
+    anyhow::ensure!(!args.per_pod || args.sweep.is_empty(), "--per-pod reports one load: leave out --sweep");
     let params =
         Params { seed: args.seed, pods: args.pods, scale: args.scale, load: args.load, max_tokens: args.max_tokens };
     // Every workload with its routers, checked before anything runs.
@@ -209,7 +214,11 @@ fn compare(args: &Args, params: &Params, plan: &[(Workload, Vec<String>)]) -> an
     let done = Mutex::new(0);
     let summaries = parallel(jobs, args.threads, |(workload_name, name)| {
         let t0 = Instant::now();
-        let (summary, _) = simulate(workload_name, name, params, args.seeds);
+        let (mut summary, _) = simulate(workload_name, name, params, args.seeds);
+        if !args.per_pod {
+            // Kept only when asked: at 64 pods they would be most of the results file.
+            summary.per_pod.clear();
+        }
         let mut done = done.lock().unwrap();
         *done += 1;
         println!(
@@ -237,6 +246,16 @@ fn compare(args: &Args, params: &Params, plan: &[(Workload, Vec<String>)]) -> an
     for (w, _) in plan {
         let rows: Vec<&Summary> = summaries.iter().filter(|s| s.workload == w.name).collect();
         markdown.push_str(&format!("\n### {}\n\n{}\n\n{}", w.name, w.description, table(&rows)));
+        if args.per_pod {
+            let label = |pod: usize| match w.unlike.iter().find(|(p, _)| *p == pod) {
+                Some((_, shape)) => format!("{pod} (steps ×{}, {} KV blocks)", shape.slowdown, shape.num_blocks),
+                None => pod.to_string(),
+            };
+            markdown.push_str(&format!(
+                "\nPer pod (requests decoded there and their share, TTFT, prompt tokens computed):\n\n{}",
+                pod_table(&rows, label)
+            ));
+        }
         let chart = args.out.join(format!("{}.svg", w.name));
         std::fs::write(&chart, svg(&format!("{}: {} pods, {} requests", w.name, args.pods, w.requests()), &rows))?;
     }
@@ -283,7 +302,8 @@ fn sweep(args: &Args, params: &Params, plan: &[(Workload, Vec<String>)]) -> anyh
     };
     let run_point = |workload: &str, router: &str, load: f64| {
         let t0 = Instant::now();
-        let (summary, offered) = simulate(workload, router, &at(workload, load), args.seeds);
+        let (mut summary, offered) = simulate(workload, router, &at(workload, load), args.seeds);
+        summary.per_pod.clear();
         println!(
             "{workload:<12} {router:<20} load {load:>5.2}× ({offered:>7.1} offered)  p90 TTFT {:>9.1} ms  ({:.1} s wall)",
             summary.ttft_p90_ms,
