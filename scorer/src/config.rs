@@ -47,6 +47,12 @@ pub struct PodConfig {
     pub kv_events_replay: Option<String>,
     /// URL of the pod's Prometheus `/metrics`, scraped for load and health.
     pub metrics: Option<String>,
+    /// How much longer than the fleet's average pod this one takes (2: an older GPU at half
+    /// the speed), where it is known: applied from the first request, before its first
+    /// tokens could teach it — a cold fleet places its first prefixes by it, and later
+    /// requests follow them — and refined by what it then reports (`load.pod_speed`).
+    /// Unset: learned alone.
+    pub slowness: Option<f64>,
 }
 
 fn default_role() -> Role {
@@ -530,6 +536,15 @@ impl Config {
             check(names.insert(pod.name.as_str()), &field("name"), &format!("duplicate pod name {:?}", pod.name))?;
             let unique = addresses.insert(pod.address.as_str());
             check(unique, &field("address"), &format!("duplicate address {}", pod.address))?;
+            if let Some(slowness) = pod.slowness {
+                let max = self.load.pod_speed.max_slowness;
+                let within = slowness.is_finite() && slowness >= 1.0 / max && slowness <= max;
+                check(
+                    within,
+                    &field("slowness"),
+                    &format!("{slowness} is outside [1/{max}, {max}] (load.pod_speed.max_slowness)"),
+                )?;
+            }
         }
         if let Some(sync) = &self.sync {
             sync.check().map_err(|e| e.under("sync"))?;

@@ -622,6 +622,12 @@ impl LoadTracker {
         self.speeds.slowness(pod)
     }
 
+    /// `pod` is known to take `slowness` times the fleet's average time: learning starts
+    /// there ([`PodSpeeds::declare`]).
+    pub fn declare_slowness(&mut self, pod: PodId, slowness: f64) {
+        self.speeds.declare(pod, slowness);
+    }
+
     /// The pod's learned speed, applied or not.
     pub fn speed(&self, pod: PodId) -> SpeedView {
         self.speeds.view(pod)

@@ -509,6 +509,12 @@ impl Router {
         &self.load
     }
 
+    /// `pod` is known to take `slowness` times the fleet's average time (its GPU beside the
+    /// fleet's): its learned speed starts there ([`crate::speed`]).
+    pub fn declare_slowness(&mut self, pod: PodId, slowness: f64) {
+        self.load.declare_slowness(pod, slowness);
+    }
+
     pub fn is_healthy(&self, pod: PodId) -> bool {
         let state = &self.pods[pod.index()];
         state.present && state.healthy

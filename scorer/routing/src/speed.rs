@@ -27,6 +27,12 @@
 //! own samples. The `kv` and `ttft` policies multiply a pod's cost by its slowness: pods are
 //! compared in predicted seconds, not tokens.
 //!
+//! A pod's slowness can be **declared** ([`PodSpeeds::declare`]): what its hardware is known
+//! to be beside the fleet's. Its `prior_samples` pseudo-samples then sit at the declared
+//! slowness instead of 1, so it applies from the first request — before any sample, when a
+//! cold fleet places its first prefixes and later requests follow them — and the pod's own
+//! samples refine it as they come.
+//!
 //! Decode speed is learned beside it, per pod, from the `done` reports that carry the
 //! request's output tokens: tokens after the first ÷ seconds after the first token (decayed
 //! alike). It sets how fast a pod's bookings are taken to generate their expected output
@@ -45,8 +51,8 @@ pub struct SpeedConfig {
     pub learn: bool,
     /// Memory of both fits, in samples (a pod's own samples for its slowness).
     pub window_samples: f64,
-    /// Pseudo-samples at slowness 1 every pod starts with; also the fleet samples needed
-    /// before any pod is judged.
+    /// Pseudo-samples at slowness 1 (or at the pod's declared `slowness`) every pod starts
+    /// with; also the fleet samples needed before any pod is judged.
     pub prior_samples: f64,
     /// Slowness is kept within `[1/max, max]`.
     pub max_slowness: f64,
@@ -116,6 +122,8 @@ struct PodSpeed {
     decoded_tokens: f64,
     decode_seconds: f64,
     decode_samples: f64,
+    /// Where its slowness starts (1 unless declared).
+    declared: f64,
 }
 
 impl Default for PodSpeed {
@@ -128,6 +136,7 @@ impl Default for PodSpeed {
             decoded_tokens: 0.0,
             decode_seconds: 0.0,
             decode_samples: 0.0,
+            declared: 1.0,
         }
     }
 }
@@ -186,7 +195,26 @@ impl PodSpeeds {
             state.samples = state.samples * keep + 1.0;
         }
         self.fleet.add(x, y, keep);
-        let judged = self.pods.iter().filter(|(_, p)| p.samples > 0.0).map(|(_, p)| self.learned_slowness(p));
+        self.judge_spread();
+    }
+
+    /// `pod` is known to take `slowness` times the fleet's average time (its GPU beside the
+    /// fleet's): its learning starts there instead of at 1 (with learning off, every pod
+    /// still counts as average).
+    pub fn declare(&mut self, pod: PodId, slowness: f64) {
+        let (min, max) = (1.0 / self.config.max_slowness, self.config.max_slowness);
+        self.pods.get_mut(pod).declared = if slowness.is_finite() { slowness.clamp(min, max) } else { 1.0 };
+        self.judge_spread();
+    }
+
+    /// Whether the slownesses of the pods judged so far (by samples or declared) span more
+    /// than `alike_spread`.
+    fn judge_spread(&mut self) {
+        let judged = self
+            .pods
+            .iter()
+            .filter(|(_, p)| p.samples > 0.0 || p.declared != 1.0)
+            .map(|(_, p)| self.learned_slowness(p));
         let (fastest, slowest) = judged.fold((f64::INFINITY, 0.0_f64), |(lo, hi), s| (lo.min(s), hi.max(s)));
         self.unlike = slowest > fastest * self.config.alike_spread;
     }
@@ -229,11 +257,12 @@ impl PodSpeeds {
     }
 
     /// Seconds taken ÷ seconds the fleet fit predicted, with `prior_samples` samples that
-    /// took what the fleet predicts (its mean) added to both, clamped.
+    /// took the declared slowness (1 by default) times what the fleet predicts (its mean)
+    /// added to both, clamped.
     fn learned_slowness(&self, state: &PodSpeed) -> f64 {
         let prior = if self.fleet.n > 0.0 { self.config.prior_samples * self.fleet.sy / self.fleet.n } else { 0.0 };
-        let (observed, expected) = (state.observed + prior, state.expected + prior);
-        let slowness = if expected > 0.0 { observed / expected } else { 1.0 };
+        let (observed, expected) = (state.observed + state.declared * prior, state.expected + prior);
+        let slowness = if expected > 0.0 { observed / expected } else { state.declared };
         slowness.clamp(1.0 / self.config.max_slowness, self.config.max_slowness)
     }
 
@@ -367,6 +396,27 @@ mod tests {
         assert_eq!(speeds.slowness(PodId(1)), 1.0);
         assert!(speeds.view(PodId(1)).slowness > 1.3);
         assert!(speeds.view(PodId(1)).samples > 100.0);
+    }
+
+    #[test]
+    fn a_declared_speed_applies_before_any_sample_and_samples_correct_it() {
+        let mut speeds = learner(SpeedConfig::default());
+        speeds.declare(PodId(1), 1.2);
+        assert_eq!(speeds.slowness(PodId(1)), 1.0, "a spread within alike_spread is not applied");
+        speeds.declare(PodId(0), 0.6);
+        assert_eq!(slowness(&speeds, 2), vec![0.6, 1.2], "applied from the first request");
+        assert_eq!(speeds.slowness(PodId(1)), 1.2);
+        // The pods are in fact alike: their samples bring both back to 1, and the fleet to alike.
+        let (mut rng, mut t) = (StdRng::seed_from_u64(5), 0.0);
+        feed(&mut speeds, &[1.0, 1.0], &[100, 500, 2000], 400, &mut t, &mut rng);
+        let s = slowness(&speeds, 2);
+        assert!(s.iter().all(|v| (v - 1.0).abs() < 0.15), "{s:?}");
+        assert_eq!(speeds.slowness(PodId(1)), 1.0);
+        // Nonsense is clamped or ignored.
+        speeds.declare(PodId(2), f64::NAN);
+        speeds.declare(PodId(3), 1000.0);
+        assert_eq!(speeds.view(PodId(2)).slowness, 1.0);
+        assert_eq!(speeds.view(PodId(3)).slowness, SpeedConfig::default().max_slowness);
     }
 
     #[test]

@@ -182,7 +182,13 @@ impl Scorer {
             config,
         };
         scorer.static_pods = (scorer.config.pods.iter())
-            .map(|p| scorer.add_pod(&p.name, &p.address, p.role, p.kv_events.is_some(), p.metrics.is_some()))
+            .map(|p| {
+                let id = scorer.add_pod(&p.name, &p.address, p.role, p.kv_events.is_some(), p.metrics.is_some());
+                if let Some(slowness) = p.slowness {
+                    scorer.lock().router.declare_slowness(id, slowness);
+                }
+                id
+            })
             .collect();
         scorer
     }
@@ -443,6 +449,27 @@ mod tests {
         decide(&s, "x");
         s.lifecycle(&[report("x", LifecycleEvent::FirstToken, None), report("x", LifecycleEvent::Done, None)]);
         assert!(speed(&s, "a").is_none() && speed(&s, "b").is_none());
+    }
+
+    #[test]
+    fn a_configured_slowness_applies_from_the_first_request() {
+        let pods = |a: &str, b: &str| {
+            let config = Config::parse(&format!(
+                "pods:\n  - {{name: a, address: '10.0.0.1:8000'{a}}}\n  - {{name: b, address: '10.0.0.2:8000'{b}}}\n"
+            ))
+            .unwrap();
+            Scorer::new(config, Tokenizer::fallback())
+        };
+        let slowness = |s: &Scorer| s.pods_view().iter().map(|v| v.slowness).collect::<Vec<_>>();
+        // Idle, with nothing cached: the pod declared faster is chosen, whichever it is.
+        let mixed = pods(", slowness: 2", ", slowness: 0.5");
+        assert_eq!(slowness(&mixed), vec![2.0, 0.5]);
+        assert_eq!(decide(&mixed, "r").decode.name, "b");
+        let mixed = pods(", slowness: 0.5", ", slowness: 2");
+        assert_eq!(decide(&mixed, "r").decode.name, "a");
+        assert_eq!(slowness(&pods("", "")), vec![1.0, 1.0], "unset: learned alone");
+        let e = Config::parse("pods:\n  - {name: a, address: '10.0.0.1:8000', slowness: 9}\n").unwrap_err();
+        assert!(e.to_string().contains("pods[0].slowness"), "{e}");
     }
 
     #[test]

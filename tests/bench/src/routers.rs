@@ -33,6 +33,9 @@ pub struct Kvgate {
     /// request's true output length instead of the `max_tokens` it asks for (`@informed`: the
     /// simulator's information bound, no router a gateway can run).
     informed: bool,
+    /// Declares each pod's true speed at the first decision, before any sample could teach
+    /// it (`@known-speed`): what a cold fleet's first placements lose by learning.
+    known_speed: bool,
 }
 
 impl Kvgate {
@@ -50,7 +53,10 @@ impl Kvgate {
         let config = Config::parse(&yaml)?;
         let mut router = Router::new(&config.router_config());
         for p in &config.pods {
-            router.add_pod(p.role, true);
+            let pod = router.add_pod(p.role, true);
+            if let Some(slowness) = p.slowness {
+                router.declare_slowness(pod, slowness);
+            }
         }
         let encoder = EventEncoder {
             format: EventFormat::Map,
@@ -58,7 +64,14 @@ impl Kvgate {
             block_size: config.block_size,
             data_parallel_rank: None,
         };
-        Ok(Self { router, encoder, block_size: config.block_size, chain: Vec::new(), informed: false })
+        Ok(Self {
+            router,
+            encoder,
+            block_size: config.block_size,
+            chain: Vec::new(),
+            informed: false,
+            known_speed: false,
+        })
     }
 }
 
@@ -91,6 +104,14 @@ impl ClusterRouter for Kvgate {
     }
 
     fn route_seeing(&mut self, request: &Arrival<'_>, now: f64, engines: &[&Engine], _: &[Foreseen<'_>]) -> Choice {
+        if std::mem::take(&mut self.known_speed) {
+            // Each pod's step cost against the fleet's mean: the slowness learning converges to.
+            let cost = |e: &&Engine| e.config().timing.token_ms;
+            let mean = engines.iter().map(cost).sum::<f64>() / engines.len() as f64;
+            for (pod, engine) in engines.iter().enumerate() {
+                self.router.declare_slowness(PodId(pod as u32), cost(engine) / mean);
+            }
+        }
         if self.informed {
             for (pod, engine) in engines.iter().enumerate() {
                 self.router.reported(PodId(pod as u32), reported_load(engine));
@@ -324,7 +345,8 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
 /// `least-loaded`, `power-of-two`, `round-robin`, `random`) with the scorer's defaults;
 /// on layouts with prefill pods the policy chooses in both pools; a suffix `@pd-always`
 /// (threshold 0) or `@no-pd` (never disaggregate) overrides the P/D threshold, and
-/// `@fixed-speed` turns off learning pod speeds (every pod counts as average), `@gpu-only`
+/// `@fixed-speed` turns off learning pod speeds (every pod counts as average), `@known-speed`
+/// declares each pod's true speed before the first request (learning refines it), `@gpu-only`
 /// ignores the pods' offload tiers (`index.offload.max_blocks_per_pod: 0`), `@informed` reads
 /// each pod's true load at every decision and each request's true output length (a bound: no
 /// scrape lag, no guess), `@no-adapters` prices no LoRA adapter loads or slots
@@ -392,6 +414,7 @@ fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
             sections.push("load: {pod_speed: {learn: false}}".to_string());
             None
         }
+        Some("known-speed") => None,
         Some("whole-max-tokens") => {
             sections.push("load: {learn_output_share: false}".to_string());
             None
@@ -402,8 +425,8 @@ fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
         }
         Some(other) => {
             anyhow::bail!(
-                "unknown variant {other:?} (pd-always, no-pd, fixed-speed, gpu-only, informed, no-adapters, \
-                 whole-max-tokens)"
+                "unknown variant {other:?} (pd-always, no-pd, fixed-speed, known-speed, gpu-only, informed, \
+                 no-adapters, whole-max-tokens)"
             )
         }
         None => None,
@@ -422,5 +445,6 @@ fn kvgate(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Kvgate> {
     }
     let mut router = Kvgate::new(roles, &sections.join("\n"), seed)?;
     router.informed = informed;
+    router.known_speed = variant == Some("known-speed");
     Ok(router)
 }

@@ -206,3 +206,19 @@ fn the_arrivals_a_router_foresees_are_the_ones_that_come() {
     run(&w, &config, &mut blind);
     assert!(blind.foreseen.is_empty());
 }
+
+#[test]
+fn pods_known_to_be_slow_are_spared_from_the_first_request() {
+    // The mixed fleet: odd pods take twice as long. Learned, their speed is known only after
+    // their first prefills; declared (`pods[].slowness`), before the first document lands.
+    let slow = |router: &str| {
+        let s = simulate_asking("heterogeneous", router, 1, 1.0, None);
+        let odd = s.per_pod.iter().filter(|p| p.pod % 2 == 1);
+        let prefill: u64 = s.per_pod.iter().map(|p| p.prefill_tokens).sum();
+        let share = odd.clone().map(|p| p.share).sum::<f64>();
+        (share, odd.map(|p| p.prefill_tokens).sum::<u64>() as f64 / prefill as f64)
+    };
+    let (learned, known) = (slow("kv"), slow("kv@known-speed"));
+    assert!(known.0 < learned.0, "requests on the slow pods: known {known:?}, learned {learned:?}");
+    assert!(known.1 < 0.7 * learned.1, "prompt tokens computed there: known {known:?}, learned {learned:?}");
+}

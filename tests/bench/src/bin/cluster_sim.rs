@@ -31,7 +31,7 @@ const PEERS: [&str; 2] = ["sglang-cache-aware", "vllm-kv-aware"];
 /// Extra variants on the P/D workload.
 const PD_VARIANTS: [&str; 2] = ["kv@pd-always", "kv@no-pd"];
 /// Extra variant on fleets of unlike pods: kv without learning their speeds.
-const UNLIKE_VARIANTS: [&str; 1] = ["kv@fixed-speed"];
+const UNLIKE_VARIANTS: [&str; 2] = ["kv@fixed-speed", "kv@known-speed"];
 /// Extra variant on pods with offload tiers: kv blind to them.
 const TIERED_VARIANTS: [&str; 1] = ["kv@gpu-only"];
 /// Added on workloads whose pods serve LoRA adapters: kvgate pricing no adapter slots, and the
@@ -56,10 +56,10 @@ struct Args {
     workloads: String,
     /// Routers (space-separated), or `all`: kv, prefix, ttft, least-loaded, power-of-two,
     /// round-robin, random, sglang-cache-aware, vllm-kv-aware (P/D variants kv@pd-always,
-    /// kv@no-pd are added on pd-mixed, kv@fixed-speed on heterogeneous, kv@gpu-only on tiered,
-    /// kv@no-adapters, lora-affinity and lora-affinity@lora-first on adapters); a kvgate policy
-    /// may be given as the scorer's YAML,
-    /// e.g. "{name: kv, decode_weight: 0.2}".
+    /// kv@no-pd are added on pd-mixed, kv@fixed-speed and kv@known-speed on heterogeneous,
+    /// kv@gpu-only on tiered, kv@no-adapters, lora-affinity and lora-affinity@lora-first on
+    /// adapters); a kvgate policy may be given as the scorer's YAML, e.g.
+    /// "{name: kv, decode_weight: 0.2}".
     #[arg(long, num_args = 1.., default_values_t = ["all".to_string()])]
     routers: Vec<String>,
     /// Pods in the cluster (8–64 is the intended range).
