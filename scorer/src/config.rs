@@ -51,7 +51,8 @@ pub struct PodConfig {
     /// the speed), where it is known: applied from the first request, before its first
     /// tokens could teach it — a cold fleet places its first prefixes by it, and later
     /// requests follow them — and refined by what it then reports (`load.pod_speed`).
-    /// Unset: learned alone.
+    /// Unset: learned alone. A discovered pod declares it in its annotation
+    /// `kvgate.io/slowness`.
     pub slowness: Option<f64>,
 }
 

@@ -239,8 +239,12 @@ async fn pods_follow_the_api_server_through_readiness_deletion_and_a_watch_resta
     api.put(pod("vllm-c", Some("10.1.0.3"), "Running", true, Some("decode"), port), false);
     wait_pods(&scorer, &[("10.1.0.1:8000", "prefill"), ("10.1.0.3:9000", "decode")]).await;
     api.delete("vllm-a", false);
-    api.put(pod("vllm-d", Some("10.1.0.4"), "Running", true, Some("both"), none.clone()), false);
+    let slow = json!({"kvgate.io/slowness": "2"});
+    api.put(pod("vllm-d", Some("10.1.0.4"), "Running", true, Some("both"), slow), false);
     wait_pods(&scorer, &[("10.1.0.3:9000", "decode"), ("10.1.0.4:8000", "both")]).await;
+    // d declared itself twice as slow: it is, from its first request (c alone is average).
+    let slowness = |name: &str| scorer.pods_view().into_iter().find(|p| p.name == name).unwrap().slowness;
+    assert_eq!((slowness("10.1.0.3:9000"), slowness("10.1.0.4:8000")), (1.0, 2.0));
 
     // The watch ends and its resourceVersion has expired (410 Gone): while no watch ran, c was
     // deleted and b became ready again. The relist must show both.
@@ -254,6 +258,8 @@ async fn pods_follow_the_api_server_through_readiness_deletion_and_a_watch_resta
     // Routing only ever answers present pods.
     let body = serde_json::to_vec(&json!({"prompt": "hello", "max_tokens": 4})).unwrap();
     let prepared = scorer.prepare(Api::Completions, &body).unwrap();
+    let first = scorer.decide("first", &prepared, &Limits::default()).unwrap();
+    assert_eq!(first.decode.address, "10.1.0.2:8000", "both idle: not d, declared twice as slow");
     for i in 0..20 {
         let pick = scorer.decide(&format!("r{i}"), &prepared, &Limits::default()).unwrap();
         assert!(["10.1.0.2:8000", "10.1.0.4:8000"].contains(&pick.decode.address.as_str()), "{}", pick.decode.address);
@@ -292,6 +298,19 @@ fn pods_that_cannot_serve_are_not_discovered() {
     let found = kubernetes::discovered(&parse(pod("p", Some("fd00::9"), "Running", true, None, annotated)), k).unwrap();
     assert_eq!(found.0.to_string(), "[fd00::9]:8000", "a malformed annotation is ignored");
     assert_eq!(found.1.endpoints.kv_events.as_deref(), Some("tcp://[fd00::9]:6000"));
+    assert_eq!(found.1.slowness, None);
+    let slowness = |value: &str| {
+        let annotated = json!({"kvgate.io/slowness": value});
+        kubernetes::discovered(&parse(pod("p", Some("10.1.0.9"), "Running", true, None, annotated)), k)
+            .unwrap()
+            .1
+            .slowness
+    };
+    assert_eq!(slowness("2"), Some(2.0));
+    assert_eq!(slowness("0.75"), Some(0.75));
+    for bad in ["fast", "0", "-1", "NaN", "inf"] {
+        assert_eq!(slowness(bad), None, "{bad:?} is ignored");
+    }
 }
 
 /// An InferencePool v1 object as the API server returns it.

@@ -208,14 +208,17 @@ impl PodSpeeds {
     }
 
     /// Whether the slownesses of the pods judged so far (by samples or declared) span more
-    /// than `alike_spread`.
+    /// than `alike_spread`. Once some pod is declared, the fleet's average (1) counts too:
+    /// declaring the slow pods alone says the others are not.
     fn judge_spread(&mut self) {
+        let declared = self.pods.iter().any(|(_, p)| p.declared != 1.0);
         let judged = self
             .pods
             .iter()
             .filter(|(_, p)| p.samples > 0.0 || p.declared != 1.0)
             .map(|(_, p)| self.learned_slowness(p));
-        let (fastest, slowest) = judged.fold((f64::INFINITY, 0.0_f64), |(lo, hi), s| (lo.min(s), hi.max(s)));
+        let start = if declared { (1.0, 1.0) } else { (f64::INFINITY, 0.0_f64) };
+        let (fastest, slowest) = judged.fold(start, |(lo, hi), s| (lo.min(s), hi.max(s)));
         self.unlike = slowest > fastest * self.config.alike_spread;
     }
 
@@ -400,6 +403,9 @@ mod tests {
 
     #[test]
     fn a_declared_speed_applies_before_any_sample_and_samples_correct_it() {
+        let mut speeds = learner(SpeedConfig::default());
+        speeds.declare(PodId(1), 2.0);
+        assert_eq!((speeds.slowness(PodId(0)), speeds.slowness(PodId(1))), (1.0, 2.0), "one declared slow pod");
         let mut speeds = learner(SpeedConfig::default());
         speeds.declare(PodId(1), 1.2);
         assert_eq!(speeds.slowness(PodId(1)), 1.0, "a spread within alike_spread is not applied");

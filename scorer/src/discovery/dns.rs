@@ -33,7 +33,7 @@ impl DnsPods {
             .map(|&ip| {
                 let endpoints =
                     PodEndpoints::at(ip, c.port, c.kv_events_port, c.kv_events_replay_port, c.metrics_path.as_deref());
-                (SocketAddr::new(ip, c.port), DiscoveredPod { role: c.role, endpoints })
+                (SocketAddr::new(ip, c.port), DiscoveredPod { role: c.role, endpoints, slowness: None })
             })
             .collect();
         self.registry.update(scorer, &desired);

@@ -5,7 +5,9 @@
 //! port) publishes its KV events on the configured port + `r`, as vLLM offsets them. A change
 //! of the pool (selector, ports) re-watches its pods; a deleted pool empties the fleet.
 
-use super::kubernetes::{self, KV_EVENTS_PORT_ANNOTATION, PodWatch, REPLAY_PORT_ANNOTATION, annotated_port, serving};
+use super::kubernetes::{
+    self, KV_EVENTS_PORT_ANNOTATION, PodWatch, REPLAY_PORT_ANNOTATION, annotated_port, annotated_slowness, serving,
+};
 use super::{DiscoveredPod, PodEndpoints, Registry};
 use crate::config::InferencePoolDiscovery;
 use crate::scorer::Scorer;
@@ -65,6 +67,7 @@ pub fn endpoints(pod: &Pod, spec: &PoolSpec, config: &InferencePoolDiscovery) ->
     let Some((ip, role)) = serving(pod, &config.role_label) else { return Vec::new() };
     let events = annotated_port(pod, KV_EVENTS_PORT_ANNOTATION).unwrap_or(config.kv_events_port);
     let replay = annotated_port(pod, REPLAY_PORT_ANNOTATION).unwrap_or(config.kv_events_replay_port);
+    let slowness = annotated_slowness(pod);
     let rank = |base: Option<u16>, r: usize| base.and_then(|b| b.checked_add(r as u16));
     spec.target_ports
         .iter()
@@ -72,7 +75,7 @@ pub fn endpoints(pod: &Pod, spec: &PoolSpec, config: &InferencePoolDiscovery) ->
         .map(|(r, &port)| {
             let endpoints =
                 PodEndpoints::at(ip, port, rank(events, r), rank(replay, r), config.metrics_path.as_deref());
-            (SocketAddr::new(ip, port), DiscoveredPod { role, endpoints })
+            (SocketAddr::new(ip, port), DiscoveredPod { role, endpoints, slowness })
         })
         .collect()
 }

@@ -23,6 +23,8 @@ pub const PORT_ANNOTATION: &str = "kvgate.io/port";
 pub const KV_EVENTS_PORT_ANNOTATION: &str = "kvgate.io/kv-events-port";
 /// Annotation overriding the replay port.
 pub const REPLAY_PORT_ANNOTATION: &str = "kvgate.io/kv-events-replay-port";
+/// Annotation declaring the pod's slowness (`pods[].slowness` of a configured pod).
+pub const SLOWNESS_ANNOTATION: &str = "kvgate.io/slowness";
 
 /// A pod that can serve now — Running, Ready, not terminating, with an IP and a role kvgate
 /// understands (from `role_label`; absent = both) — as its IP and role.
@@ -60,6 +62,23 @@ pub fn annotated_port(pod: &Pod, key: &str) -> Option<Option<u16>> {
     }
 }
 
+/// The pod's declared slowness (annotation `kvgate.io/slowness`): `None` without it, or when
+/// it is not a positive number (warned, then ignored).
+pub fn annotated_slowness(pod: &Pod) -> Option<f64> {
+    let value = pod.metadata.annotations.as_ref()?.get(SLOWNESS_ANNOTATION)?;
+    match value.parse::<f64>() {
+        Ok(s) if s.is_finite() && s > 0.0 => Some(s),
+        _ => {
+            let name = pod.metadata.name.as_deref().unwrap_or("?");
+            tracing::warn!(
+                pod = name,
+                "discovery: annotation {SLOWNESS_ANNOTATION}={value:?} is not a positive number; ignored"
+            );
+            None
+        }
+    }
+}
+
 /// What `pod` contributes: its address and description, or `None` while it cannot serve
 /// (see [`serving`]).
 pub fn discovered(pod: &Pod, config: &KubernetesDiscovery) -> Option<(SocketAddr, DiscoveredPod)> {
@@ -68,7 +87,7 @@ pub fn discovered(pod: &Pod, config: &KubernetesDiscovery) -> Option<(SocketAddr
     let events = annotated_port(pod, KV_EVENTS_PORT_ANNOTATION).unwrap_or(config.kv_events_port);
     let replay = annotated_port(pod, REPLAY_PORT_ANNOTATION).unwrap_or(config.kv_events_replay_port);
     let endpoints = PodEndpoints::at(ip, port, events, replay, config.metrics_path.as_deref());
-    Some((SocketAddr::new(ip, port), DiscoveredPod { role, endpoints }))
+    Some((SocketAddr::new(ip, port), DiscoveredPod { role, endpoints, slowness: annotated_slowness(pod) }))
 }
 
 /// The client: the configured API server, else in-cluster / `KUBECONFIG`; retried every 5 s

@@ -53,10 +53,12 @@ impl PodEndpoints {
 }
 
 /// A pod as a discovery source sees it.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct DiscoveredPod {
     pub role: Role,
     pub endpoints: PodEndpoints,
+    /// Its known slowness (`kvgate.io/slowness`), if declared.
+    pub slowness: Option<f64>,
 }
 
 /// Starts the pod's event subscription (when it is indexed precisely) and its scraping.
@@ -112,6 +114,7 @@ impl Registry {
                         tracing::info!(pod = %address, "discovery: pod is back");
                     }
                     scorer.restore_pod(e.id);
+                    scorer.declare_slowness(e.id, pod.slowness.unwrap_or(1.0));
                     e.pod = pod.clone();
                     e.tasks = Some(spawn_pod_tasks(scorer, e.id, &pod.endpoints));
                 }
@@ -129,6 +132,9 @@ impl Registry {
                         pod.endpoints.kv_events.is_some(),
                         pod.endpoints.metrics.is_some(),
                     );
+                    if let Some(slowness) = pod.slowness {
+                        scorer.declare_slowness(id, slowness);
+                    }
                     tracing::info!(pod = %address, role = ?pod.role, "discovery: new pod");
                     let tasks = Some(spawn_pod_tasks(scorer, id, &pod.endpoints));
                     self.pods.insert(*address, Entry { id, pod: pod.clone(), tasks });

@@ -185,7 +185,7 @@ impl Scorer {
             .map(|p| {
                 let id = scorer.add_pod(&p.name, &p.address, p.role, p.kv_events.is_some(), p.metrics.is_some());
                 if let Some(slowness) = p.slowness {
-                    scorer.lock().router.declare_slowness(id, slowness);
+                    scorer.declare_slowness(id, slowness);
                 }
                 id
             })
@@ -216,6 +216,18 @@ impl Scorer {
         drop(core);
         self.metrics.pod_healthy.with_label_values(&[name]).set(1.0);
         id
+    }
+
+    /// The pod is known to take `slowness` times the fleet's average time (a configured
+    /// `pods[].slowness`, or a discovered pod's `kvgate.io/slowness`): its learned speed starts
+    /// there. Outside `[1/max_slowness, max_slowness]` it is clamped, with a warning.
+    pub fn declare_slowness(&self, pod: PodId, slowness: f64) {
+        let max = self.config.load.pod_speed.max_slowness;
+        if !(1.0 / max..=max).contains(&slowness) {
+            let name = self.lock().info(pod).name.clone();
+            tracing::warn!(pod = %name, "slowness {slowness} is outside [1/{max}, {max}] (load.pod_speed.max_slowness); clamped");
+        }
+        self.lock().router.declare_slowness(pod, slowness);
     }
 
     /// Discovery lost the pod: it is not chosen and its index and bookings are dropped.
