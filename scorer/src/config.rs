@@ -539,9 +539,8 @@ impl Config {
             check(unique, &field("address"), &format!("duplicate address {}", pod.address))?;
             if let Some(slowness) = pod.slowness {
                 let max = self.load.pod_speed.max_slowness;
-                let within = slowness.is_finite() && slowness >= 1.0 / max && slowness <= max;
                 check(
-                    within,
+                    self.load.pod_speed.slowness_range().contains(&slowness),
                     &field("slowness"),
                     &format!("{slowness} is outside [1/{max}, {max}] (load.pod_speed.max_slowness)"),
                 )?;

@@ -76,6 +76,11 @@ impl SpeedConfig {
         check(at_least(self.max_slowness, 1.0), "max_slowness", "must be at least 1")?;
         check(at_least(self.alike_spread, 1.0), "alike_spread", "must be at least 1")
     }
+
+    /// The slownesses a pod can have: `[1/max_slowness, max_slowness]`.
+    pub fn slowness_range(&self) -> std::ops::RangeInclusive<f64> {
+        1.0 / self.max_slowness..=self.max_slowness
+    }
 }
 
 /// Exponentially decayed sums for a least-squares line `y = a + b·x`.
@@ -202,8 +207,9 @@ impl PodSpeeds {
     /// fleet's): its learning starts there instead of at 1 (with learning off, every pod
     /// still counts as average).
     pub fn declare(&mut self, pod: PodId, slowness: f64) {
-        let (min, max) = (1.0 / self.config.max_slowness, self.config.max_slowness);
-        self.pods.get_mut(pod).declared = if slowness.is_finite() { slowness.clamp(min, max) } else { 1.0 };
+        let range = self.config.slowness_range();
+        self.pods.get_mut(pod).declared =
+            if slowness.is_finite() { slowness.clamp(*range.start(), *range.end()) } else { 1.0 };
         self.judge_spread();
     }
 
@@ -211,14 +217,14 @@ impl PodSpeeds {
     /// than `alike_spread`. Once some pod is declared, the fleet's average (1) counts too:
     /// declaring the slow pods alone says the others are not.
     fn judge_spread(&mut self) {
-        let declared = self.pods.iter().any(|(_, p)| p.declared != 1.0);
-        let judged = self
-            .pods
-            .iter()
-            .filter(|(_, p)| p.samples > 0.0 || p.declared != 1.0)
-            .map(|(_, p)| self.learned_slowness(p));
-        let start = if declared { (1.0, 1.0) } else { (f64::INFINITY, 0.0_f64) };
-        let (fastest, slowest) = judged.fold(start, |(lo, hi), s| (lo.min(s), hi.max(s)));
+        let (mut fastest, mut slowest, mut declared) = (f64::INFINITY, 0.0_f64, false);
+        for (_, p) in self.pods.iter().filter(|(_, p)| p.samples > 0.0 || p.declared != 1.0) {
+            let s = self.learned_slowness(p);
+            (fastest, slowest, declared) = (fastest.min(s), slowest.max(s), declared || p.declared != 1.0);
+        }
+        if declared {
+            (fastest, slowest) = (fastest.min(1.0), slowest.max(1.0));
+        }
         self.unlike = slowest > fastest * self.config.alike_spread;
     }
 

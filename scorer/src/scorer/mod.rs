@@ -222,12 +222,14 @@ impl Scorer {
     /// `pods[].slowness`, or a discovered pod's `kvgate.io/slowness`): its learned speed starts
     /// there. Outside `[1/max_slowness, max_slowness]` it is clamped, with a warning.
     pub fn declare_slowness(&self, pod: PodId, slowness: f64) {
-        let max = self.config.load.pod_speed.max_slowness;
-        if !(1.0 / max..=max).contains(&slowness) {
-            let name = self.lock().info(pod).name.clone();
+        let speed = &self.config.load.pod_speed;
+        let mut core = self.lock();
+        if !speed.slowness_range().contains(&slowness) {
+            let max = speed.max_slowness;
+            let name = &core.info(pod).name;
             tracing::warn!(pod = %name, "slowness {slowness} is outside [1/{max}, {max}] (load.pod_speed.max_slowness); clamped");
         }
-        self.lock().router.declare_slowness(pod, slowness);
+        core.router.declare_slowness(pod, slowness);
     }
 
     /// Discovery lost the pod: it is not chosen and its index and bookings are dropped.
