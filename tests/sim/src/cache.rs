@@ -129,6 +129,8 @@ pub enum CacheChange {
 }
 
 const NIL: u32 = u32::MAX;
+/// vLLM's null block: the pool's first, never free.
+const NULL_BLOCK: BlockId = 0;
 
 /// The host-memory tier of a KV connector that offloads every computed block (vLLM's
 /// `OffloadingConnector` with a CPU backend): least recently used blocks are evicted first;
@@ -254,9 +256,10 @@ impl Clone for BlockPool {
 }
 
 impl BlockPool {
-    /// A pool of `num_blocks` free, uncached blocks.
+    /// A pool of `num_blocks` uncached blocks, as vLLM's `num_gpu_blocks` counts them: the
+    /// first is its null block (a placeholder no request computes into), the others free.
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
-        assert!(num_blocks > 0 && num_blocks < NIL as usize, "num_blocks out of range");
+        assert!(num_blocks > 1 && num_blocks < NIL as usize, "num_blocks out of range");
         assert!(block_size > 0, "block_size must be positive");
         let n = num_blocks as u32;
         let mut pool = Self {
@@ -272,14 +275,16 @@ impl BlockPool {
             num_free: 0,
             changes: Vec::new(),
         };
-        for b in 0..n {
+        pool.ref_count[NULL_BLOCK as usize] = 1; // held for good
+        for b in 1..n {
             pool.push_free(b);
         }
         pool
     }
 
+    /// The blocks requests can use (all but the null block).
     pub fn num_blocks(&self) -> usize {
-        self.ref_count.len()
+        self.ref_count.len() - 1
     }
 
     /// Blocks not held by any request (cached or not).
@@ -339,16 +344,28 @@ impl BlockPool {
         Some(blocks)
     }
 
-    /// Drops one reference on each block. vLLM frees a request's blocks tail first, so the
-    /// end of a sequence is evicted before its (more shareable) beginning.
+    /// Drops one reference on each block, as vLLM 0.32+'s `free_blocks` (given a request's
+    /// blocks tail first, so that the end of a sequence is evicted before its more shareable
+    /// beginning): the blocks freed with a hash join the queue's tail in that order (LRU), the
+    /// ones without (a partial last block: no prefix can ever match it) its head, to be
+    /// reused first.
     pub fn free(&mut self, blocks: &[BlockId]) {
+        let mut uncached = Vec::new();
         for &block in blocks.iter().rev() {
             let rc = &mut self.ref_count[block as usize];
             debug_assert!(*rc > 0, "double free of block {block}");
             *rc -= 1;
             if *rc == 0 {
-                self.push_free(block);
+                if self.hash_of[block as usize].is_some() {
+                    self.push_free(block);
+                } else {
+                    uncached.push(block);
+                }
             }
+        }
+        // vLLM prepends them in order: the first freed ends up first.
+        for &block in uncached.iter().rev() {
+            self.push_front(block);
         }
     }
 
@@ -439,6 +456,18 @@ impl BlockPool {
         self.num_free += 1;
     }
 
+    fn push_front(&mut self, block: BlockId) {
+        self.next[block as usize] = self.head;
+        self.prev[block as usize] = NIL;
+        if self.head == NIL {
+            self.tail = block;
+        } else {
+            self.prev[self.head as usize] = block;
+        }
+        self.head = block;
+        self.num_free += 1;
+    }
+
     fn unlink(&mut self, block: BlockId) {
         let (p, n) = (self.prev[block as usize], self.next[block as usize]);
         if p == NIL {
@@ -508,7 +537,7 @@ mod tests {
 
     #[test]
     fn cached_blocks_are_found_and_shared() {
-        let mut pool = BlockPool::new(8, 4);
+        let mut pool = BlockPool::new(9, 4); // 8 and the null block
         let tokens: Vec<u32> = (0..12).collect();
         let blocks = cache_sequence(&mut pool, &tokens);
         assert_eq!(pool.longest_cached_prefix(&hashes(&tokens), None), 3);
@@ -525,8 +554,31 @@ mod tests {
     }
 
     #[test]
+    fn freed_blocks_without_a_hash_are_reused_first_as_vllm_does() {
+        // 5 blocks and the null block. A request held 2 cached blocks and a partial one; an
+        // older request's cached block was freed before.
+        let mut pool = BlockPool::new(6, 4);
+        let older = cache_sequence(&mut pool, &(100..104).collect::<Vec<_>>());
+        pool.free(&older);
+        let mut held = cache_sequence(&mut pool, &(0..8).collect::<Vec<_>>());
+        let partial = pool.allocate(1).unwrap();
+        held.extend(&partial);
+        pool.free(&held);
+        assert_eq!(pool.num_free(), 5);
+        // The partial block comes first (no prefix can match it), then the one never used,
+        // then the cached blocks, oldest first: nothing is evicted for two blocks.
+        let two = pool.allocate(2).unwrap();
+        assert!(two.contains(&partial[0]) && !two.contains(&older[0]), "{two:?}");
+        assert!(pool.take_changes().iter().all(|c| !matches!(c, CacheChange::Removed { .. })));
+        // The next one evicts the oldest cached block.
+        assert_eq!(pool.allocate(1).unwrap(), older);
+        assert_eq!(pool.longest_cached_prefix(&hashes(&(0..8).collect::<Vec<_>>()), None), 2);
+        assert_eq!(pool.usage(), 0.6, "3 of the 5 usable blocks held");
+    }
+
+    #[test]
     fn eviction_is_lru_and_never_touches_held_blocks() {
-        let mut pool = BlockPool::new(4, 4);
+        let mut pool = BlockPool::new(5, 4);
         let a = cache_sequence(&mut pool, &(0..8).collect::<Vec<_>>());
         let b = cache_sequence(&mut pool, &(100..108).collect::<Vec<_>>());
         pool.take_changes();
@@ -547,7 +599,7 @@ mod tests {
 
     #[test]
     fn duplicate_hashes_are_stored_and_removed_separately() {
-        let mut pool = BlockPool::new(2, 4);
+        let mut pool = BlockPool::new(3, 4);
         let x = cache_sequence(&mut pool, &[1, 2, 3, 4]);
         let y = cache_sequence(&mut pool, &[1, 2, 3, 4]);
         assert_eq!(pool.num_cached_hashes(), 1);
@@ -562,7 +614,7 @@ mod tests {
 
     #[test]
     fn a_duplicate_evicted_before_the_others_leaves_them_cached() {
-        let mut pool = BlockPool::new(3, 4);
+        let mut pool = BlockPool::new(4, 4);
         let [x, y, z] = [0; 3].map(|_| cache_sequence(&mut pool, &[1, 2, 3, 4]));
         pool.free(&y);
         pool.take_changes();
@@ -581,7 +633,7 @@ mod tests {
 
     #[test]
     fn reset_is_refused_while_blocks_are_held() {
-        let mut pool = BlockPool::new(4, 4);
+        let mut pool = BlockPool::new(5, 4);
         let a = cache_sequence(&mut pool, &[1, 2, 3, 4]);
         assert_eq!(pool.reset(), Err(1));
         pool.free(&a);

@@ -1181,8 +1181,9 @@ mod tests {
     #[test]
     fn a_hybrid_model_serves_a_prefix_only_while_its_window_group_holds_the_last_window() {
         // Block size 4, a sliding window of 9 tokens (its last 2 blocks before a hit), a
-        // pool of 14 blocks: a 24-token prompt takes 12 of them, 6 in each group.
-        let hybrid = || Engine::new(EngineConfig { sliding_window: Some(9), num_blocks: 14, ..config() });
+        // pool of 14 blocks (and the null block): a 24-token prompt takes 12 of them, 6 in
+        // each group.
+        let hybrid = || Engine::new(EngineConfig { sliding_window: Some(9), num_blocks: 15, ..config() });
         let a: Vec<u32> = (1..=24).collect();
         let cached = |e: &mut Engine, prompt: &[u32]| {
             e.add_request(request(prompt.to_vec(), 1)).unwrap();
@@ -1222,7 +1223,7 @@ mod tests {
 
         /// A hybrid engine that has just served `prompt`.
         fn hybrid_after(prompt: &[u32]) -> Engine {
-            let mut e = Engine::new(EngineConfig { sliding_window: Some(9), num_blocks: 14, ..config() });
+            let mut e = Engine::new(EngineConfig { sliding_window: Some(9), num_blocks: 15, ..config() });
             e.add_request(request(prompt.to_vec(), 1)).unwrap();
             run(&mut e);
             e
