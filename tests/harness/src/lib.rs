@@ -1,7 +1,11 @@
-//! The harness kvgate's integration tests share: start `kvgate-sim` pods and other binaries
-//! of the workspace on free loopback ports, find the project's Python venv, the Qwen3
-//! tokenizer and vLLM's own event code (all installed by `make setup`), drive helpers.
+//! The harness kvgate's integration tests share: start `kvgate-sim` pods, real vLLM engines
+//! ([`Engine`]) and other binaries of the workspace on free loopback ports, find the
+//! project's Python venv, the Qwen3 tokenizer and vLLM's own event code (all installed by
+//! `make setup`), drive helpers.
 
+mod engine;
+
+pub use engine::{ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_MODEL, ENGINE_VERSION, Engine, EngineOptions, engine_dir};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
