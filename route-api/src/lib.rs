@@ -76,12 +76,40 @@ pub fn starts_as_object(body: &[u8]) -> bool {
     body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{')
 }
 
-/// The output size a response chunk reports: its last `"completion_tokens": N` (OpenAI usage,
-/// of a non-streaming answer or a stream's usage chunk) or `"output_tokens": N` (Anthropic and
-/// Responses usage; a stream's `message_delta` or `response.completed` carries the final count).
-pub fn output_tokens(chunk: &[u8]) -> Option<u32> {
-    const KEYS: [&[u8]; 2] = [b"\"completion_tokens\"", b"\"output_tokens\""];
-    let (at, key) = KEYS
+/// What a response's `usage` says, as far as one chunk of it shows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Its last `"completion_tokens": N` (OpenAI usage, of a non-streaming answer or a
+    /// stream's usage chunk) or `"output_tokens": N` (Anthropic and Responses usage; a
+    /// stream's `message_delta` or `response.completed` carries the final count).
+    pub output_tokens: Option<u32>,
+    /// Prompt tokens the engine served from its prefix cache: its last `"cached_tokens": N`
+    /// (OpenAI `prompt_tokens_details`, Responses `input_tokens_details`; vLLM reports it
+    /// with `--enable-prompt-tokens-details`) or `"cache_read_input_tokens": N` (Anthropic).
+    pub cached_tokens: Option<u32>,
+}
+
+impl Usage {
+    /// The usage figures a response chunk holds.
+    pub fn of(chunk: &[u8]) -> Usage {
+        Usage {
+            output_tokens: last_count(chunk, &[b"\"completion_tokens\"", b"\"output_tokens\""]),
+            cached_tokens: last_count(chunk, &[b"\"cached_tokens\"", b"\"cache_read_input_tokens\""]),
+        }
+    }
+
+    /// This chunk's figures over the earlier ones (a stream's later usage is the final one).
+    pub fn update(&mut self, chunk: &[u8]) {
+        let seen = Usage::of(chunk);
+        self.output_tokens = seen.output_tokens.or(self.output_tokens);
+        self.cached_tokens = seen.cached_tokens.or(self.cached_tokens);
+    }
+}
+
+/// The number after the last of `keys` in `chunk` (`"key": N`); `None` if the last is
+/// followed by no number (`null`, or the chunk ends).
+fn last_count(chunk: &[u8], keys: &[&[u8]]) -> Option<u32> {
+    let (at, key) = keys
         .iter()
         .filter_map(|key| Some((chunk.windows(key.len()).rposition(|w| w == *key)?, key)))
         .max_by_key(|(at, _)| *at)?;
@@ -246,6 +274,10 @@ pub enum LifecycleEvent {
     Cancelled = 2,
     /// The prefill leg of a disaggregated request finished (answered, failed or timed out).
     PrefillDone = 3,
+    /// The response was an error status: the engine refused the request (4xx: an unknown
+    /// model, a prompt too long) or failed it (5xx), or the proxy found no way to it. No
+    /// token came.
+    ErrorStatus = 4,
 }
 
 /// One report.
@@ -260,11 +292,43 @@ pub struct LifecycleReport {
     /// Completion tokens, when the response carried `usage`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_tokens: Option<u32>,
+    /// Prompt tokens the engine served from its cache, when its `usage` said (with `done`):
+    /// the scorer holds it against what it predicted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u32>,
+    /// The response's status, with `error_status`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
     /// Microseconds from the event to the sending of its batch (a proxy that batches its
     /// reports says how old each is, so the scorer dates the first token and the end where
     /// they happened); absent = just now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub age_us: Option<u32>,
+}
+
+impl LifecycleReport {
+    /// A report of `event` alone.
+    pub fn new(request_id: impl Into<String>, event: LifecycleEvent) -> Self {
+        Self {
+            request_id: request_id.into(),
+            event,
+            served: None,
+            output_tokens: None,
+            cached_tokens: None,
+            status: None,
+            age_us: None,
+        }
+    }
+
+    /// The last report of a request that ended as `end` says.
+    pub fn ended(request_id: impl Into<String>, end: &lifecycle::End) -> Self {
+        Self {
+            output_tokens: end.usage.output_tokens,
+            cached_tokens: end.usage.cached_tokens,
+            status: end.status,
+            ..Self::new(request_id, end.event)
+        }
+    }
 }
 
 /// `POST /v1/lifecycle` body.
@@ -297,6 +361,7 @@ mod tests {
 
     #[test]
     fn usage_is_found_in_chunks() {
+        let output_tokens = |chunk: &[u8]| Usage::of(chunk).output_tokens;
         assert_eq!(
             output_tokens(br#"{"usage":{"prompt_tokens":9,"completion_tokens":42,"total_tokens":51}}"#),
             Some(42)
@@ -312,6 +377,25 @@ mod tests {
         assert_eq!(output_tokens(stream), Some(12));
         // Quoted in generated text, the key is escaped and does not count.
         assert_eq!(output_tokens(br#"{"delta":{"text":"\"output_tokens\": 3"}}"#), None);
+    }
+
+    #[test]
+    fn cached_tokens_are_found_in_each_apis_usage_as_vllm_writes_it() {
+        // vLLM 0.32's usage of each API (trimmed), with --enable-prompt-tokens-details.
+        let chat = br#"data: {"choices":[],"usage":{"prompt_tokens":298,"total_tokens":301,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":288,"created_cache_tokens":0}}}"#;
+        let messages = br#"data: {"type":"message_delta","usage":{"input_tokens":10,"output_tokens":3,"cache_creation_input_tokens":0,"cache_read_input_tokens":288}}"#;
+        let responses = br#"{"usage":{"input_tokens":298,"input_tokens_details":{"cached_tokens":288,"cache_write_tokens":0,"input_tokens_per_turn":[],"cached_tokens_per_turn":[]},"output_tokens":3}}"#;
+        for chunk in [&chat[..], messages, responses] {
+            assert_eq!(Usage::of(chunk), Usage { output_tokens: Some(3), cached_tokens: Some(288) });
+        }
+        // Without the details vLLM writes none; a null is no figure.
+        assert_eq!(Usage::of(br#"{"usage":{"prompt_tokens":9,"completion_tokens":1}}"#).cached_tokens, None);
+        assert_eq!(Usage::of(br#"{"prompt_tokens_details":{"cached_tokens":null}}"#).cached_tokens, None);
+        // A stream's figures stay as later chunks without usage pass.
+        let mut usage = Usage::default();
+        usage.update(chat);
+        usage.update(b"data: [DONE]");
+        assert_eq!(usage, Usage { output_tokens: Some(3), cached_tokens: Some(288) });
     }
 
     #[test]

@@ -73,6 +73,10 @@ pub struct StreamReport {
     pub output_tokens: Option<u32>,
     #[prost(uint32, optional, tag = "5")]
     pub age_us: Option<u32>,
+    #[prost(uint32, optional, tag = "6")]
+    pub cached_tokens: Option<u32>,
+    #[prost(uint32, optional, tag = "7")]
+    pub status: Option<u32>,
 }
 
 impl From<LifecycleReport> for StreamReport {
@@ -83,6 +87,8 @@ impl From<LifecycleReport> for StreamReport {
             served: r.served,
             output_tokens: r.output_tokens,
             age_us: r.age_us,
+            cached_tokens: r.cached_tokens,
+            status: r.status.map(u32::from),
         }
     }
 }
@@ -98,6 +104,8 @@ impl TryFrom<StreamReport> for LifecycleReport {
             served: r.served,
             output_tokens: r.output_tokens,
             age_us: r.age_us,
+            cached_tokens: r.cached_tokens,
+            status: r.status.and_then(|s| u16::try_from(s).ok()),
         })
     }
 }
@@ -314,6 +322,8 @@ mod tests {
             served: Some("10.0.0.8:8000".into()),
             output_tokens: Some(42),
             age_us: Some(1500),
+            cached_tokens: Some(96),
+            status: None,
         };
         let call = RouteCall { reports: vec![report.clone().into()], ..Default::default() };
         let decoded = RouteCall::decode(call.encode_to_vec().as_slice()).unwrap();

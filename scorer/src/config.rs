@@ -315,9 +315,12 @@ pub struct Config {
     /// the cache off.
     #[serde(default = "default_tokenizer_cache_tokens")]
     pub tokenizer_cache_tokens: u64,
-    /// Tokens per KV block: must equal the engines' `--block-size`.
-    #[serde(default = "default_block_size")]
-    pub block_size: usize,
+    /// Tokens per KV block. Absent (the default), it is learned from the engines: every KV
+    /// event and `vllm:cache_config_info` states it, and requests are hashed in blocks of
+    /// that size from the first one heard (until then, in blocks of 16: nothing is credited
+    /// from an engine not yet heard). Set, it is checked: an engine stating another size is
+    /// an error naming both, and its cache is not indexed.
+    pub block_size: Option<usize>,
     /// `model` names that are LoRA adapters (their blocks are hashed apart). kvgate also
     /// learns them from the pods — their KV events' `lora_name` and their
     /// `vllm:lora_requests_info` — so list here only adapters whose first requests must hash
@@ -456,16 +459,15 @@ fn default_tokenizer_cache_tokens() -> u64 {
     4 << 20
 }
 
-fn default_block_size() -> usize {
-    16
-}
+/// Tokens per block requests are hashed in until the engines state theirs.
+pub const PROVISIONAL_BLOCK_SIZE: usize = 16;
 
 impl Config {
     /// The routing state machine's settings: what the scorer routes with, and what the
     /// cluster simulator builds its routers from (same defaults, same validation).
     pub fn router_config(&self) -> RouterConfig {
         RouterConfig {
-            block_size: self.block_size,
+            block_size: self.block_size.unwrap_or(PROVISIONAL_BLOCK_SIZE),
             index: self.index.clone(),
             load: self.load.clone(),
             policy: self.policy.clone(),
@@ -700,7 +702,7 @@ mod tests {
     fn defaults_are_sane() {
         let c = Config::parse(MINIMAL).unwrap();
         assert_eq!(c.listen.to_string(), "127.0.0.1:7070");
-        assert_eq!(c.block_size, 16);
+        assert_eq!(c.block_size, None, "learned from the engines");
         assert_eq!(c.policy, PolicyConfig::default());
         assert_eq!(c.pods[0].role, Role::Both);
         assert!(c.pods[0].kv_events.is_none());

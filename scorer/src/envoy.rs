@@ -39,10 +39,11 @@ pub enum EppBodyMode {
 
 impl EppBodyMode {
     /// (request body, response headers, response body, response trailers) modes of the
-    /// routing filter.
+    /// routing filter. The picker sees every answer's headers, as Istio's and llm-d's
+    /// gateways send them: its status tells an engine's refusal (a 4xx) from a first token.
     fn modes(self) -> (&'static str, &'static str, &'static str, &'static str) {
         match self {
-            EppBodyMode::Streamed => ("STREAMED", "SKIP", "STREAMED", "SEND"),
+            EppBodyMode::Streamed => ("STREAMED", "SEND", "STREAMED", "SEND"),
             EppBodyMode::Buffered => ("BUFFERED", "SEND", "STREAMED", "SEND"),
             EppBodyMode::FullDuplex => ("FULL_DUPLEX_STREAMED", "SEND", "FULL_DUPLEX_STREAMED", "SEND"),
         }
@@ -308,6 +309,9 @@ mod tests {
         let buffered = epp(EppBodyMode::Buffered);
         assert!(buffered.contains("request_body_mode: BUFFERED") && buffered.contains("response_body_mode: STREAMED"));
         assert!(epp(EppBodyMode::Streamed).contains("send_body_without_waiting_for_header_response: true"));
+        for mode in [EppBodyMode::Streamed, EppBodyMode::Buffered, EppBodyMode::FullDuplex] {
+            assert!(epp(mode).contains("response_header_mode: SEND"), "{mode:?}: the picker sees each answer's status");
+        }
         let tls = Config::parse("epp: {}\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n").unwrap();
         let out = render(&tls, &EnvoyOptions { picker: Picker::Epp, ..options() }).unwrap();
         assert!(out.contains("UpstreamTlsContext") && out.contains("sni: kvgate-epp"));

@@ -31,6 +31,9 @@ pub struct Metrics {
     pub kv_replays: IntCounterVec,
     pub lifecycle_reports: IntCounterVec,
     pub lifecycle_unknown: IntCounter,
+    pub prefix_predictions: IntCounterVec,
+    pub prefix_overcredited_tokens: IntCounterVec,
+    pub error_responses: IntCounterVec,
     pub bookings_expired: IntCounter,
     pub bookings_reconciled: IntCounter,
     pub bookings_moved: IntCounter,
@@ -208,6 +211,26 @@ impl Metrics {
             ),
             lifecycle_reports: r.counters("lifecycle_reports_total", "Lifecycle reports received.", &["event"]),
             lifecycle_unknown: r.counter("lifecycle_unknown_total", "Lifecycle reports naming no in-flight request."),
+            prefix_predictions: r.counters(
+                "prefix_predictions_total",
+                "Finished requests whose engine said how many prompt tokens it served from its cache (vLLM's \
+                 `usage` with `--enable-prompt-tokens-details`), by how the tokens kvgate credited the pod that \
+                 served compare: exact; evicted (more than served, the engine having evicted a credited block \
+                 while the request was in flight: cache pressure); over (more than served, no eviction seen: \
+                 kvgate believed in blocks the engine did not hold); under.",
+                &["pod", "outcome"],
+            ),
+            prefix_overcredited_tokens: r.counters(
+                "prefix_overcredited_tokens_total",
+                "Of those credited more than served (evicted or over), the tokens credited beyond it.",
+                &["pod"],
+            ),
+            error_responses: r.counters(
+                "error_responses_total",
+                "Routed requests answered with an error status (4xx: the engine refused the request; 5xx: it \
+                 failed, or the proxy found no way to it), by the pod they were booked on.",
+                &["pod", "class"],
+            ),
             bookings_expired: r.counter("bookings_expired_total", "In-flight bookings dropped after their TTL."),
             bookings_reconciled: r.counter(
                 "bookings_reconciled_total",

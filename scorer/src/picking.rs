@@ -11,7 +11,7 @@
 use crate::metrics::Metrics;
 use crate::scorer::{Limits, Scorer};
 use bytes::Bytes;
-use kvgate_route_api::{Api, ErrorBody, HEADER_API_PATH, LifecycleEvent, LifecycleReport, Refusal, Refused};
+use kvgate_route_api::{Api, ErrorBody, HEADER_API_PATH, LifecycleReport, Refusal, Refused};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -96,8 +96,8 @@ impl Picker {
 
     /// One lifecycle event of a booking (the picker's exchange reads them from the responses
     /// it relays); false if it named no booking.
-    pub fn report(&self, booking: &str, event: LifecycleEvent, output_tokens: Option<u32>) -> bool {
-        self.scorer.report(booking, event, output_tokens)
+    pub fn report(&self, report: &LifecycleReport) -> bool {
+        self.scorer.report(report)
     }
 
     /// The gateway reports that `address` served the booking's request (its retries may have

@@ -1,6 +1,8 @@
 //! Scraping a pod's vLLM `/metrics`: reported load, the engine's identity (its process
 //! start time), and health (a refused connection takes the pod out at once, consecutive
-//! failures after `health.unhealthy_after`; one success brings it back).
+//! failures after `health.unhealthy_after`; one success brings it back). Beside it, the
+//! engine's `/v1/models` (on the same server) names the LoRA adapters it serves — loaded at
+//! start or since — before any of them has run.
 
 use crate::scorer::{Scorer, Scrape};
 use kvgate_routing::pod_set::PodId;
@@ -21,6 +23,8 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: String) {
     };
     let mut interval = tokio::time::interval(Duration::from_millis(health.scrape_interval_ms));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let models_url = models_url(&url);
+    let mut models_read: Option<tokio::time::Instant> = None;
     loop {
         interval.tick().await;
         let scrape = match client.get(&url).send().await {
@@ -29,6 +33,7 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: String) {
                     load,
                     started_at: process_start_time(&text),
                     adapters: adapters(&text),
+                    block_size: block_size(&text),
                 })
             }) {
                 Some(answered) => answered,
@@ -37,7 +42,49 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: String) {
             Err(e) if e.is_connect() => Scrape::Refused,
             _ => Scrape::Failed,
         };
+        let answered = matches!(scrape, Scrape::Answered { .. });
         scorer.scraped(pod, scrape);
+        // The models it serves: at its first answer, then every `MODELS_INTERVAL`.
+        if answered
+            && let Some(models_url) = &models_url
+            && models_read.is_none_or(|at| at.elapsed() >= MODELS_INTERVAL)
+            && let Ok(r) = client.get(models_url).send().await
+            && r.status().is_success()
+            && let Ok(text) = r.text().await
+        {
+            models_read = Some(tokio::time::Instant::now());
+            adapters_served(&text).iter().for_each(|name| scorer.learn_adapter(name));
+        }
+    }
+}
+
+/// How often a pod's `/v1/models` is read again (adapters loaded at run time).
+const MODELS_INTERVAL: Duration = Duration::from_secs(10);
+
+/// `/v1/models` on the server of a metrics URL (`http://host:port/metrics` →
+/// `http://host:port/v1/models`).
+fn models_url(metrics_url: &str) -> Option<String> {
+    let after_scheme = metrics_url.find("://")? + 3;
+    let origin_end = metrics_url[after_scheme..].find('/').map_or(metrics_url.len(), |i| after_scheme + i);
+    Some(format!("{}/v1/models", &metrics_url[..origin_end]))
+}
+
+/// The LoRA adapters of an OpenAI `/v1/models` answer as vLLM gives it: the models with a
+/// `parent` (the base model they adapt).
+pub fn adapters_served(text: &str) -> Vec<String> {
+    #[derive(serde::Deserialize)]
+    struct Models {
+        data: Vec<Model>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Model {
+        id: String,
+        #[serde(default)]
+        parent: Option<String>,
+    }
+    match serde_json::from_str::<Models>(text) {
+        Ok(models) => models.data.into_iter().filter(|m| m.parent.is_some()).map(|m| m.id).collect(),
+        Err(_) => Vec::new(),
     }
 }
 
@@ -98,6 +145,14 @@ pub fn adapters(text: &str) -> Option<PodAdapters> {
         })
 }
 
+/// Tokens per KV block, as `vllm:cache_config_info`'s `block_size` label states it.
+pub fn block_size(text: &str) -> Option<usize> {
+    text.lines()
+        .filter(|l| l.starts_with("vllm:cache_config_info{"))
+        .find_map(|l| label(l.rsplit_once(' ')?.0, "block_size")?.parse().ok())
+        .filter(|&n| n > 0)
+}
+
 /// `process_start_time_seconds` (the Prometheus client's process collector, which vLLM
 /// exposes): a restarted engine has a new one.
 pub fn process_start_time(text: &str) -> Option<f64> {
@@ -138,8 +193,24 @@ mod tests {
         );
         assert_eq!(parse("vllm:gpu_cache_usage_perc 0.9\n").unwrap().kv_cache_usage, 0.9, "pre-0.11 name");
         assert_eq!(parse("<html>not metrics</html>"), None);
+        assert_eq!(block_size(text), Some(16));
+        assert_eq!(block_size("vllm:num_requests_running 1.0\n"), None);
         assert_eq!(process_start_time("# HELP x\nprocess_start_time_seconds 1.7954e9\n"), Some(1.7954e9));
         assert_eq!(process_start_time(text), None);
+    }
+
+    #[test]
+    fn reads_the_adapters_an_engine_serves_from_its_models() {
+        // As vLLM 0.32 answers `/v1/models` with `--lora-modules tiny-sql=...` (trimmed).
+        let text = r#"{"object":"list","data":[
+            {"id":"kvgate/qwen3-tiny","object":"model","root":"/m/model","parent":null,"max_model_len":4096},
+            {"id":"tiny-sql","object":"model","root":"/m/adapter","parent":"kvgate/qwen3-tiny","max_model_len":null}]}"#;
+        assert_eq!(adapters_served(text), vec!["tiny-sql".to_string()]);
+        assert!(adapters_served(r#"{"object":"list","data":[{"id":"m"}]}"#).is_empty(), "a base model only");
+        assert!(adapters_served("<html>").is_empty());
+        assert_eq!(models_url("http://10.0.0.1:8000/metrics").as_deref(), Some("http://10.0.0.1:8000/v1/models"));
+        assert_eq!(models_url("http://[::1]:8000").as_deref(), Some("http://[::1]:8000/v1/models"));
+        assert_eq!(models_url("10.0.0.1:8000/metrics"), None);
     }
 
     #[test]

@@ -49,6 +49,8 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
     let mut tracker = SequenceTracker::default();
     let mut engine_changes;
     let mut resumed = false;
+    // Since when nothing has listened at the endpoint (warned once past `SILENT_WARNING`).
+    let mut refused_since: Option<(tokio::time::Instant, bool)> = None;
     loop {
         let mut socket = SubSocket::new();
         let mut monitor = socket.monitor();
@@ -64,10 +66,24 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
         };
         if let Err(e) = connected {
             tracing::debug!(pod = %name, %endpoint, "kv events: cannot connect ({e}); retrying in {backoff:?}");
+            let (since, warned) = refused_since.get_or_insert((tokio::time::Instant::now(), false));
+            // Only a publisher never heard: one heard before is a stopped engine (down).
+            if !resumed && !*warned && since.elapsed() >= SILENT_WARNING {
+                *warned = true;
+                tracing::warn!(
+                    pod = %name,
+                    %endpoint,
+                    "kv events: nothing has listened at {endpoint} for {SILENT_WARNING:?} ({e}). vLLM's publisher binds \
+                     only when its --kv-events-config endpoint is `tcp://*:PORT` (or ipc://); given \
+                     `tcp://HOST:PORT` it connects out instead and no subscriber hears it. Until the pod's events \
+                     are heard, nothing it caches is credited."
+                );
+            }
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(1));
             continue;
         }
+        refused_since = None;
         if resumed {
             tracing::info!(pod = %name, %endpoint, "kv events: subscribed again; index rebuilt from this stream");
             scorer.resync(pod);
@@ -132,6 +148,9 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
         tokio::time::sleep(backoff).await;
     }
 }
+
+/// A publisher nobody listens at for this long is warned of (the bind/connect trap).
+const SILENT_WARNING: Duration = Duration::from_secs(10);
 
 /// How often a subscriber looks whether its pod's engine was found changed elsewhere.
 const ENGINE_CHECK: Duration = Duration::from_millis(250);

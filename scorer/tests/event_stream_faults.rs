@@ -317,7 +317,7 @@ async fn an_event_flood_is_bounded_and_every_lost_batch_is_counted() {
     let body = json!({"prompt": tokens, "max_tokens": 1});
     let (status, d) = scorer.route("/v1/completions", "flood-probe", &body, false).await;
     assert_eq!(status, 200, "{d}");
-    assert_eq!(d["cached_tokens"], 128);
+    assert_eq!(d["cached_tokens"], 112, "all 8 blocks but the one of its last token");
     eprintln!(
         "flood: {FLOOD} batches ({flood_bytes} bytes), {missed} missed, scorer peak RSS {growth} bytes above its size before"
     );

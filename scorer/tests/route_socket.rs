@@ -49,13 +49,7 @@ fn call(id: u64, prompt: &str) -> RouteCall {
 
 /// The report of request `id`'s end (4 tokens out).
 fn done(id: &str) -> StreamReport {
-    StreamReport::from(LifecycleReport {
-        request_id: id.into(),
-        event: LifecycleEvent::Done,
-        output_tokens: Some(4),
-        served: None,
-        age_us: None,
-    })
+    StreamReport::from(LifecycleReport { output_tokens: Some(4), ..LifecycleReport::new(id, LifecycleEvent::Done) })
 }
 
 async fn send(socket: &mut (impl AsyncWrite + Unpin), calls: &[RouteCall]) {

@@ -306,6 +306,11 @@ async fn route_streams_are_served_on_listen_threads_and_do_not_hold_up_a_stop() 
     };
     let pods = pods(1, &[]).await;
     let mut scorer = ScorerProcess::start(&config(&pods, false, "listen_threads: 3\n")).await;
+    // A thread names itself once it first runs: on a busy machine, some time after the start.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while api_threads(scorer.pid()) < 3 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert_eq!(api_threads(scorer.pid()), 3);
 
     // A route stream, as Envoy's filter keeps one open per worker.

@@ -277,7 +277,7 @@ impl RequestFlow {
             }
             PdMode::Envoy => {
                 proxy.count(Counter::PdLocalPrefill);
-                self.report(proxy, LifecycleEvent::PrefillDone, None, None);
+                self.report(proxy, LifecycleEvent::PrefillDone, None);
             }
         }
         self.route(config, proxy, &destination).into()
@@ -296,7 +296,7 @@ impl RequestFlow {
     ) -> Next {
         let Phase::Prefilling { decode } = &mut self.phase else { return Next::Hold };
         let decode = std::mem::take(decode);
-        self.report(proxy, LifecycleEvent::PrefillDone, None, None);
+        self.report(proxy, LifecycleEvent::PrefillDone, None);
         let body = match leg {
             Ok((Some(200), answer)) => decode_leg_body(original, answer),
             Ok((status, _)) => Err(format!("prefill pod answered {status:?}")),
@@ -340,7 +340,7 @@ impl RequestFlow {
         }
         if self.response.body(&chunk(), end_of_stream) {
             let served = self.served.take();
-            self.report(proxy, LifecycleEvent::FirstToken, None, served);
+            self.report(proxy, LifecycleEvent::FirstToken, served);
         }
     }
 
@@ -350,24 +350,19 @@ impl RequestFlow {
     pub fn complete(&mut self, proxy: &mut impl Proxy) {
         let phase = std::mem::replace(&mut self.phase, Phase::Settled);
         if matches!(phase, Phase::Prefilling { .. }) {
-            self.report(proxy, LifecycleEvent::PrefillDone, None, None);
+            self.report(proxy, LifecycleEvent::PrefillDone, None);
         }
         if matches!(phase, Phase::Routed | Phase::Deciding | Phase::Prefilling { .. })
             && let Some(end) = self.response.finish()
         {
-            self.report(proxy, end.event, end.output_tokens, None);
+            // An error answer brought no first token: where it came from comes with its end.
+            let served = if end.event == LifecycleEvent::ErrorStatus { self.served.take() } else { None };
+            proxy.report(LifecycleReport { served, ..LifecycleReport::ended(self.request_id.clone(), &end) });
         }
     }
 
-    fn report(
-        &self,
-        proxy: &mut impl Proxy,
-        event: LifecycleEvent,
-        output_tokens: Option<u32>,
-        served: Option<String>,
-    ) {
-        let request_id = self.request_id.clone();
-        proxy.report(LifecycleReport { request_id, event, served, output_tokens, age_us: None });
+    fn report(&self, proxy: &mut impl Proxy, event: LifecycleEvent, served: Option<String>) {
+        proxy.report(LifecycleReport { served, ..LifecycleReport::new(self.request_id.clone(), event) });
     }
 
     fn route(&mut self, config: &ProxyConfig, proxy: &mut impl Proxy, destination: &str) -> Next {
@@ -633,15 +628,23 @@ mod tests {
         assert_eq!(proxy.reports[0].served.as_deref(), Some("10.0.0.2:8000"), "the first token names who served");
         assert_eq!(proxy.reports[1].output_tokens, Some(9));
         assert_eq!(proxy.counts, [Counter::Routed]);
-        // A response that fails, or a client that leaves: cancelled.
-        for (status, complete) in [(Some(500), true), (Some(200), false)] {
-            let mut proxy = Recorder::default();
-            let mut flow = deciding(&config, &mut proxy);
-            flow.answer(&config, &mut proxy, Ok(&pick("10.0.0.1:8000", &[], None)));
-            flow.response_headers(status, complete, || None);
-            flow.complete(&mut proxy);
-            assert_eq!(proxy.events(), [LifecycleEvent::Cancelled], "{status:?} {complete}");
-        }
+        // A client that leaves: cancelled.
+        let mut proxy = Recorder::default();
+        let mut flow = deciding(&config, &mut proxy);
+        flow.answer(&config, &mut proxy, Ok(&pick("10.0.0.1:8000", &[], None)));
+        flow.response_headers(Some(200), false, || None);
+        flow.complete(&mut proxy);
+        assert_eq!(proxy.events(), [LifecycleEvent::Cancelled]);
+        // The pod answers an error (a fallback of the pick, here): no first token, an error
+        // status with its status and who answered.
+        let mut proxy = Recorder::default();
+        let mut flow = deciding(&config, &mut proxy);
+        flow.answer(&config, &mut proxy, Ok(&answer));
+        flow.response_headers(Some(404), false, || Some("10.0.0.2:8000".into()));
+        flow.response_body(&mut proxy, true, || br#"{"error":{"message":"no such model"}}"#.to_vec());
+        flow.complete(&mut proxy);
+        assert_eq!(proxy.events(), [LifecycleEvent::ErrorStatus]);
+        assert_eq!((proxy.reports[0].status, proxy.reports[0].served.as_deref()), (Some(404), Some("10.0.0.2:8000")));
         // The client left while the scorer was deciding: the booking it may have made ends.
         let mut proxy = Recorder::default();
         let mut flow = deciding(&config, &mut proxy);

@@ -65,13 +65,7 @@ mod tests {
     use std::time::Duration;
 
     fn report(id: &str) -> LifecycleReport {
-        LifecycleReport {
-            request_id: id.into(),
-            event: LifecycleEvent::Done,
-            served: None,
-            output_tokens: None,
-            age_us: None,
-        }
+        LifecycleReport::new(id, LifecycleEvent::Done)
     }
 
     #[test]

@@ -150,22 +150,19 @@ impl PodBlocks {
         holders.insert(seq, pod);
     }
 
-    /// Drops one announcement of `engine`; false if the tier did not hold it.
-    fn remove(&mut self, holders: &mut BlockHolders, pod: PodId, engine: EngineHash) -> bool {
+    /// Drops one announcement of `engine`: `None` if the tier did not hold it, else whether
+    /// the block is gone (`Some(Some(seq))`) or still announced again (`Some(None)`).
+    fn remove(&mut self, holders: &mut BlockHolders, pod: PodId, engine: EngineHash) -> Option<Option<SequenceHash>> {
         if let Some(extra) = self.extra_refs.get_mut(&engine) {
             *extra -= 1;
             if *extra == 0 {
                 self.extra_refs.remove(&engine);
             }
-            return true;
+            return Some(None);
         }
-        match self.by_engine.remove(&engine) {
-            Some(seq) => {
-                holders.remove(seq, pod);
-                true
-            }
-            None => false,
-        }
+        let seq = self.by_engine.remove(&engine)?;
+        holders.remove(seq, pod);
+        Some(Some(seq))
     }
 
     /// Forgets the oldest blocks beyond `cap`; returns how many.
@@ -290,12 +287,21 @@ pub struct KvIndex {
     /// Per KV-cache group after the first (by group − 1), the pods holding each GPU block.
     group_holders: Vec<BlockHolders>,
     pods: PodMap<PodCache>,
+    /// What the last batch applied evicted (see [`KvIndex::evicted`]).
+    evicted: Vec<SequenceHash>,
 }
 
 impl KvIndex {
     pub fn new(block_size: usize, config: IndexConfig) -> Self {
         assert!(block_size > 0, "block_size must be positive");
-        Self { block_size, config, holders: Default::default(), group_holders: Vec::new(), pods: PodMap::default() }
+        Self {
+            block_size,
+            config,
+            holders: Default::default(),
+            group_holders: Vec::new(),
+            pods: PodMap::default(),
+            evicted: Vec::new(),
+        }
     }
 
     pub fn config(&self) -> &IndexConfig {
@@ -344,8 +350,10 @@ impl KvIndex {
         }
     }
 
-    /// Applies one decoded batch of `pod`'s events.
+    /// Applies one decoded batch of `pod`'s events; [`KvIndex::evicted`] then lists the GPU
+    /// blocks it took from the pod.
     pub fn apply(&mut self, pod: PodId, batch: &EventBatch<'_>) {
+        self.evicted.clear();
         for event in &batch.events {
             match event {
                 KvEvent::BlockStored(stored) => self.store(pod, stored),
@@ -354,11 +362,16 @@ impl KvIndex {
                     let holders = holders_of(&mut self.holders, &mut self.group_holders, target);
                     let cache = self.pods.get_mut(pod);
                     for &h in block_hashes {
-                        let known = cache.blocks(target).remove(holders, pod, h);
-                        match (known, target) {
-                            (false, _) => cache.stats.unknown_removals += 1,
-                            (true, Target::Tier(1..)) => cache.stats.offload_removed_blocks += 1,
-                            (true, _) => cache.stats.removed_blocks += 1,
+                        let removed = cache.blocks(target).remove(holders, pod, h);
+                        match (removed, target) {
+                            (None, _) => cache.stats.unknown_removals += 1,
+                            (Some(_), Target::Tier(1..)) => cache.stats.offload_removed_blocks += 1,
+                            (Some(gone), _) => {
+                                cache.stats.removed_blocks += 1;
+                                if let (Some(seq), Target::Tier(0)) = (gone, target) {
+                                    self.evicted.push(seq);
+                                }
+                            }
                         }
                     }
                 }
@@ -431,6 +444,29 @@ impl KvIndex {
         }
         let cap = if matches!(target, Target::Tier(1..)) { offload_cap } else { cap };
         cache.stats.cap_evictions += cache.blocks(target).enforce_cap(holders, pod, cap);
+    }
+
+    /// The blocks (of the first KV-cache group) the last batch applied took from its pod's
+    /// GPU cache.
+    pub fn evicted(&self) -> &[SequenceHash] {
+        &self.evicted
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The engines' blocks hold `block_size` tokens (learned from them): what was indexed at
+    /// another size is forgotten.
+    pub fn set_block_size(&mut self, block_size: usize) {
+        assert!(block_size > 0, "block_size must be positive");
+        if block_size != self.block_size {
+            for pod in 0..self.pods.len() {
+                self.clear_pod(PodId(pod as u32));
+            }
+            self.block_size = block_size;
+        }
     }
 
     /// Forgets everything `pod` holds, in every tier and group (`AllBlocksCleared`, a

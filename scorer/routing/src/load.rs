@@ -22,7 +22,7 @@ use crate::hash::SequenceHash;
 use crate::pod_set::{PodId, PodMap};
 use crate::speed::{PodSpeeds, SpeedConfig, SpeedView};
 use crate::validate::{Invalid, check, non_negative, positive};
-use ahash::AHashMap;
+use ahash::{AHashMap, AHashSet};
 use serde::Deserialize;
 use std::sync::Arc;
 
@@ -217,6 +217,9 @@ struct PodState {
     queued_prefill_tokens: u64,
     queued_prefill_work: f64,
     shared_blocks: AHashMap<SequenceHash, u32>,
+    /// Blocks of requests in flight that the engine evicted since they were booked (kept
+    /// while a request in flight holds them).
+    evicted_blocks: AHashSet<SequenceHash>,
     private_blocks: u64,
 }
 
@@ -228,6 +231,17 @@ impl Inflight {
         self.prefill_tokens = prompt - cached;
         self.prefill_work = prefill_work(prompt, cached);
     }
+}
+
+/// The cache a booking was credited with ([`LoadTracker::booked_credit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Credit {
+    pub pod: PodId,
+    /// Prompt tokens credited as cached on `pod`.
+    pub tokens: u32,
+    pub prompt_tokens: u32,
+    /// The engine evicted a credited block after the booking.
+    pub evicted: bool,
 }
 
 /// Lifecycle reports from the gateway.
@@ -352,6 +366,34 @@ impl LoadTracker {
         Ok(from)
     }
 
+    /// Tokens per KV block from now on (learned from the engines): requests in flight keep
+    /// the blocks they were booked with.
+    pub fn set_block_size(&mut self, block_size: usize) {
+        self.block_size = block_size;
+    }
+
+    /// The engine of `pod` evicted `block`: noted if a request in flight there holds it.
+    pub fn evicted(&mut self, pod: PodId, block: SequenceHash) {
+        if let Some(state) = self.pods.get(pod)
+            && state.shared_blocks.contains_key(&block)
+        {
+            self.pods.get_mut(pod).evicted_blocks.insert(block);
+        }
+    }
+
+    /// What a request was booked with: its pod, the prompt tokens credited as cached there,
+    /// and whether the engine has evicted any block of that credit since.
+    pub fn booked_credit(&self, key: &BookingKey) -> Option<Credit> {
+        let r = self.requests.get(key)?;
+        let tokens = r.prompt_tokens - r.prefill_tokens.min(u64::from(r.prompt_tokens)) as u32;
+        let credited = r.prompt_blocks.iter().take((tokens as usize).div_ceil(self.block_size));
+        let evicted = self
+            .pods
+            .get(r.pod)
+            .is_some_and(|p| !p.evicted_blocks.is_empty() && credited.clone().any(|b| p.evicted_blocks.contains(b)));
+        Some(Credit { pod: r.pod, tokens, evicted, prompt_tokens: r.prompt_tokens })
+    }
+
     /// The prompt blocks (shared, not copied) and size of a booked request.
     pub fn booked_prompt(&self, key: &BookingKey) -> Option<(Arc<[SequenceHash]>, u32)> {
         self.requests.get(key).map(|r| (r.prompt_blocks.clone(), r.prompt_tokens))
@@ -466,6 +508,7 @@ impl LoadTracker {
                 *n -= 1;
                 if *n == 0 {
                     pod.shared_blocks.remove(h);
+                    pod.evicted_blocks.remove(h);
                 }
             }
         }

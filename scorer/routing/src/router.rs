@@ -17,7 +17,7 @@ use crate::hash::SequenceHash;
 use crate::index::IndexConfig;
 use crate::index::{KvIndex, TieredMatch};
 use crate::load::LoadConfig;
-use crate::load::{Booking, BookingKey, BookingUpdate, Leg, Lifecycle, LoadTracker, Origin, UnknownRequest};
+use crate::load::{Booking, BookingKey, BookingUpdate, Credit, Leg, Lifecycle, LoadTracker, Origin, UnknownRequest};
 use crate::pod_set::{PodId, PodSet};
 use crate::policy::PolicyConfig;
 use crate::policy::{AdapterFit, Candidate, Decision, Policy, ReportedLoad, RouteInput};
@@ -668,6 +668,9 @@ impl Router {
         let offload = self.index.config().offload;
         let tokens =
             |blocks: u32| (u64::from(blocks) * u64::from(self.block_size)).min(u64::from(request.prompt_tokens)) as u32;
+        // vLLM computes at least a prompt's last token: a hit is at most the whole blocks
+        // before it (a block-aligned prompt held whole is served one block short).
+        let max_hit = request.prompt_tokens.saturating_sub(1) / self.block_size;
         // Rendezvous hashing of the prompt's first block: its own order of pods.
         let first_block = request.chain.first();
         let tie_rank = |p: PodId| {
@@ -691,11 +694,10 @@ impl Router {
                         let overlap = |o: &[u32]| o.get(p.index()).copied().unwrap_or(0);
                         let mut indexed = overlap(&self.overlap).max(overlap(&self.approx_overlap));
                         if self.index.is_hybrid(p) {
-                            // A hybrid model's groups: vLLM computes at least the last token.
-                            let max_blocks = (request.prompt_tokens.saturating_sub(1) / self.block_size) as usize;
-                            indexed = self.index.hybrid_prefix(request.chain, p, indexed as usize, max_blocks) as u32;
+                            indexed =
+                                self.index.hybrid_prefix(request.chain, p, indexed as usize, max_hit as usize) as u32;
                         }
-                        let blocks = indexed.max(self.load.inflight_prefix(p, request.chain) as u32);
+                        let blocks = indexed.max(self.load.inflight_prefix(p, request.chain) as u32).min(max_hit);
                         let cached = tokens(blocks);
                         // Blocks past the GPU prefix the pod holds offloaded: loaded, not computed.
                         let run = if offloaded {
@@ -746,6 +748,18 @@ impl Router {
         self.report_leg(request_id, Leg::Serve, event, now).map(|_| ())
     }
 
+    /// Where `request_id` is served and the prompt tokens credited as cached there; `None`
+    /// for a request not in flight, and for a disaggregated one: its prompt is computed on
+    /// its prefill pod (whose leg may be over), and its decode pod is credited the whole
+    /// prompt — which no pod serving a request alone is, vLLM computing its last token.
+    pub fn credited(&self, request_id: &str) -> Option<Credit> {
+        if self.load.pod_of(&BookingKey::local(request_id, Leg::Prefill)).is_some() {
+            return None;
+        }
+        let credit = self.load.booked_credit(&BookingKey::local(request_id, Leg::Serve))?;
+        (credit.tokens < credit.prompt_tokens || credit.prompt_tokens == 0).then_some(credit)
+    }
+
     /// `request_id` finished with `output_tokens` (its usage): the pod's decode speed learns
     /// from it. Call before its `done` report.
     pub fn decoded(&mut self, request_id: &str, output_tokens: u32, now: f64) {
@@ -773,9 +787,33 @@ impl Router {
         Ok(Some(booked))
     }
 
+    /// Tokens per KV block: the configured size, or the one learned since.
+    pub fn block_size(&self) -> usize {
+        self.block_size as usize
+    }
+
+    /// The engines' KV blocks hold `block_size` tokens (learned from their events or
+    /// metrics): requests are hashed in blocks of that size from now on, and what was indexed
+    /// at another size is forgotten (the precise index drops an engine's blocks of a size not
+    /// its own, so it held none).
+    pub fn set_block_size(&mut self, block_size: usize) {
+        if block_size == 0 || block_size == self.block_size as usize {
+            return;
+        }
+        self.block_size = block_size as u32;
+        self.index.set_block_size(block_size);
+        self.load.set_block_size(block_size);
+        for pod in 0..self.pods.len() {
+            self.approx.clear_pod(PodId(pod as u32));
+        }
+    }
+
     /// Applies one decoded event batch of a pod.
     pub fn apply_events(&mut self, pod: PodId, batch: &EventBatch<'_>) {
         self.index.apply(pod, batch);
+        for &block in self.index.evicted() {
+            self.load.evicted(pod, block);
+        }
     }
 
     /// The pod's cache can no longer be trusted (lost events, a restarted engine): forget
@@ -943,6 +981,24 @@ mod tests {
     }
 
     #[test]
+    fn a_prompt_held_whole_is_credited_up_to_its_last_token_only() {
+        // vLLM computes a prompt's last token whatever it holds: of a block-aligned prompt held
+        // whole it serves one block short (a real engine reported 96 of 128; kvgate said 128).
+        let mut r = router(u32::MAX);
+        let pod = r.add_pod(Role::Both, true);
+        announce(&mut r, pod, 32, crate::events::Tier::Gpu);
+        let cached = |r: &mut Router, tokens: u32| {
+            let c = chain(1, tokens);
+            r.route(&RouteRequest::new("q", &c, tokens, Some(1)), 0.0).unwrap().decode.cached_tokens
+        };
+        assert_eq!(cached(&mut r, 512), 496, "32 blocks held, 31 served");
+        assert_eq!(cached(&mut r, 513), 512, "a token past them: all 32");
+        assert_eq!(cached(&mut r, 17), 16);
+        assert_eq!(cached(&mut r, 16), 0);
+        assert_eq!(cached(&mut r, 1), 0);
+    }
+
+    #[test]
     fn a_request_served_elsewhere_takes_its_adapter_along() {
         let mut r = router(u32::MAX);
         let pods: Vec<PodId> = (0..2).map(|_| r.add_pod(Role::Both, true)).collect();
@@ -1046,7 +1102,7 @@ mod tests {
         r.report("a", Lifecycle::Done, false, 1.0).unwrap();
         let again = r.route(&req("b"), 2.0).unwrap();
         assert_eq!(again.decode.pod, first.decode.pod, "the approximate index remembers where the prefix went");
-        assert_eq!(again.cached_tokens(), 512);
+        assert_eq!(again.cached_tokens(), 496, "all but the block of its last token");
         assert_eq!(r.load().load(again.decode.pod, 2.0).inflight_requests, 1);
         r.report("b", Lifecycle::Done, false, 3.0).unwrap();
         assert!(pods.iter().all(|&p| r.load().load(p, 3.0).inflight_requests == 0));
@@ -1228,7 +1284,7 @@ mod tests {
         // (approximate index) where a sent it.
         let again = b.route(&RouteRequest::new("r1", &long, 512, Some(8)), 0.2).unwrap();
         assert_eq!((again.prefill, again.decode.pod), (None, first.decode.pod));
-        assert_eq!(again.cached_tokens(), 512);
+        assert_eq!(again.cached_tokens(), 496, "all but the block of its last token");
         assert_eq!(seen(&b, first.decode.pod), 2);
 
         // a's lifecycle follows: prefill done, then done.

@@ -28,7 +28,7 @@ impl Scorer {
                 if let Some(served) = r.served.as_deref().and_then(|a| a.parse().ok()) {
                     self.served_locked(&mut core, &r.request_id, served, at);
                 }
-                !self.report_locked(&mut core, &r.request_id, r.event, r.output_tokens, at)
+                !self.report_locked(&mut core, r, at)
             })
             .count();
         drop(core);
@@ -38,11 +38,11 @@ impl Scorer {
         unknown
     }
 
-    /// One lifecycle event of a request (the Endpoint Picker's, read from the response it
+    /// One lifecycle report of a request (the Endpoint Picker's, read from the response it
     /// relays); false if it named no in-flight request.
-    pub fn report(&self, request_id: &str, event: LifecycleEvent, output_tokens: Option<u32>) -> bool {
+    pub fn report(&self, report: &LifecycleReport) -> bool {
         let now = self.now();
-        let known = self.report_locked(&mut self.lock(), request_id, event, output_tokens, now);
+        let known = self.report_locked(&mut self.lock(), report, now);
         if !known {
             self.metrics.lifecycle_unknown.inc();
         }
@@ -51,28 +51,63 @@ impl Scorer {
         known
     }
 
-    fn report_locked(
-        &self,
-        core: &mut Core,
-        request_id: &str,
-        event: LifecycleEvent,
-        output_tokens: Option<u32>,
-        now: f64,
-    ) -> bool {
-        let (lifecycle, label) = match event {
+    fn report_locked(&self, core: &mut Core, report: &LifecycleReport, now: f64) -> bool {
+        let request_id = report.request_id.as_str();
+        let (lifecycle, label) = match report.event {
             LifecycleEvent::FirstToken => (Lifecycle::FirstToken, "first_token"),
             LifecycleEvent::Done => (Lifecycle::Done, "done"),
             LifecycleEvent::Cancelled => (Lifecycle::Cancelled, "cancelled"),
             LifecycleEvent::PrefillDone => (Lifecycle::Done, "prefill_done"),
+            LifecycleEvent::ErrorStatus => (Lifecycle::Cancelled, "error_status"),
         };
         self.metrics.lifecycle_reports.with_label_values(&[label]).inc();
-        if let Some(n) = output_tokens {
+        match report.event {
+            LifecycleEvent::Done => self.check_prediction(core, request_id, report.cached_tokens),
+            LifecycleEvent::ErrorStatus => {
+                let class = match report.status {
+                    Some(400..=499) => "4xx",
+                    Some(500..=599) => "5xx",
+                    _ => "other",
+                };
+                let pod = core.router.credited(request_id).map_or("", |credit| core.name(credit.pod));
+                self.metrics.error_responses.with_label_values(&[pod, class]).inc();
+            }
+            _ => {}
+        }
+        if let Some(n) = report.output_tokens {
             self.metrics.output_tokens.inc_by(u64::from(n));
-            if event == LifecycleEvent::Done {
+            if report.event == LifecycleEvent::Done {
                 core.router.decoded(request_id, n, now);
             }
         }
-        core.router.report(request_id, lifecycle, event == LifecycleEvent::PrefillDone, now).is_ok()
+        core.router.report(request_id, lifecycle, report.event == LifecycleEvent::PrefillDone, now).is_ok()
+    }
+
+    /// A request is done and its engine said how many of its prompt tokens it served from
+    /// its cache: held against what kvgate credited the pod with. More credited than served
+    /// is a pick made for a cache that was not there: `evicted` if the engine evicted a
+    /// credited block while the request was in flight (cache pressure), else `over` (kvgate
+    /// believed in blocks the engine did not hold: worth a warning).
+    fn check_prediction(&self, core: &Core, request_id: &str, served: Option<u32>) {
+        let (Some(served), Some(credit)) = (served, core.router.credited(request_id)) else { return };
+        let name = core.name(credit.pod);
+        let outcome = match credit.tokens.cmp(&served) {
+            std::cmp::Ordering::Equal => "exact",
+            std::cmp::Ordering::Less => "under",
+            std::cmp::Ordering::Greater => {
+                let over = u64::from(credit.tokens - served);
+                self.metrics.prefix_overcredited_tokens.with_label_values(&[name]).inc_by(over);
+                let credited = credit.tokens;
+                if credit.evicted {
+                    tracing::debug!(pod = %name, request_id, credited, served, "the engine evicted credited blocks before the request used them");
+                    "evicted"
+                } else {
+                    tracing::warn!(pod = %name, request_id, credited, served, "credited more cached tokens than the engine held");
+                    "over"
+                }
+            }
+        };
+        self.metrics.prefix_predictions.with_label_values(&[name, outcome]).inc();
     }
 
     /// The proxy reports that `address` served the request (its retries may have moved it

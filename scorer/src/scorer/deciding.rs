@@ -118,9 +118,10 @@ impl Scorer {
         let info = prompt::extract(&self.tokenizer, api, body, &adapters)?;
         drop(adapters);
         self.metrics.tokenize_seconds.with_label_values(&[api.label()]).observe(t0.elapsed().as_secs_f64());
-        let mut chain = Vec::with_capacity(info.tokens.len() / self.config.block_size + 1);
+        let block_size = self.block_size();
+        let mut chain = Vec::with_capacity(info.tokens.len() / block_size + 1);
         let root = root_hash(info.lora_name.as_deref(), info.cache_salt.as_deref());
-        sequence_hashes(root, &info.tokens, self.config.block_size, &mut chain);
+        sequence_hashes(root, &info.tokens, block_size, &mut chain);
         Ok(Prepared {
             chain,
             prompt_tokens: info.tokens.len() as u32,
@@ -170,6 +171,7 @@ impl Scorer {
         // Every candidate, when explaining (disaggregated: the decode candidates).
         let explained: Vec<Arc<Pod>> =
             if limits.explain { routed.candidates.iter().map(|c| pod(c.pod)).collect() } else { Vec::new() };
+        let block_size = core.router.block_size() as u32;
         drop(core);
 
         let explain = limits.explain.then(|| {
@@ -182,7 +184,7 @@ impl Scorer {
                 .map(|(i, ((c, cost), p))| PodExplain {
                     pod: p.name.clone(),
                     address: p.address.clone(),
-                    cached_blocks: c.cached_tokens / self.config.block_size as u32,
+                    cached_blocks: c.cached_tokens / block_size,
                     cached_tokens: c.cached_tokens,
                     offloaded_tokens: c.offloaded_tokens,
                     queued_prefill_tokens: c.load.queued_prefill_tokens,

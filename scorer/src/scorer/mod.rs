@@ -31,7 +31,7 @@ use kvgate_routing::pod_set::{PodId, PodMap, PodSet};
 use kvgate_routing::router::Router;
 use kvgate_tokenize::Tokenizer;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, TryLockError};
 use std::time::Instant;
 
@@ -76,6 +76,8 @@ struct PodHealth {
     engine_changes: u64,
     /// Its subscriber has not yet rebuilt its index from its replay buffer (start-up).
     catching_up: bool,
+    /// Tokens per KV block, as its engine last stated (its events, its metrics).
+    block_size: Option<usize>,
 }
 
 /// One pod as the runtime knows it, beside its routing state (the router's, under the same
@@ -91,10 +93,20 @@ struct PodEntry {
 
 struct Core {
     router: Router,
+    /// Whose block size requests are hashed with: configured, learned from a pod (its
+    /// name), or not yet known (`None`: the provisional size).
+    block_size_from: Option<BlockSizeFrom>,
     /// By the id the router gave each pod; a removed pod keeps its id and its entry.
     pods: PodMap<PodEntry>,
     /// Pods by the address the proxy routes to (subset hints, served endpoints).
     by_address: AHashMap<SocketAddr, PodId>,
+}
+
+/// Where the scorer's KV block size comes from.
+enum BlockSizeFrom {
+    Configured,
+    /// The first pod whose engine stated it.
+    Learned(String),
 }
 
 impl Core {
@@ -122,6 +134,8 @@ pub struct Scorer {
     pub metrics: Metrics,
     tokenizer: Tokenizer,
     core: Mutex<Core>,
+    /// Tokens per KV block requests are hashed in (the router's), read without the lock.
+    block_size: AtomicUsize,
     started: Instant,
     bookings: AtomicU64,
     /// Requests waiting for a pod with room (with `admission`).
@@ -165,11 +179,14 @@ impl Scorer {
         if config.sync.is_some() {
             router.share_bookings();
         }
-        let core = Core { router, pods: PodMap::default(), by_address: AHashMap::new() };
+        let block_size_from = config.block_size.map(|_| BlockSizeFrom::Configured);
+        let block_size = AtomicUsize::new(router.block_size());
+        let core = Core { router, block_size_from, pods: PodMap::default(), by_address: AHashMap::new() };
         let mut scorer = Self {
             metrics: Metrics::new(),
             tokenizer,
             core: Mutex::new(core),
+            block_size,
             started: Instant::now(),
             bookings: AtomicU64::new(0),
             queue: config.admission.as_ref().map(|a| Queue::new(a.queue_limit)),
@@ -384,13 +401,7 @@ mod tests {
     }
 
     fn report(id: &str, event: LifecycleEvent, served: Option<&str>) -> LifecycleReport {
-        LifecycleReport {
-            request_id: id.into(),
-            event,
-            output_tokens: None,
-            served: served.map(str::to_string),
-            age_us: None,
-        }
+        LifecycleReport { served: served.map(str::to_string), ..LifecycleReport::new(id, event) }
     }
 
     #[tokio::test]
@@ -486,6 +497,69 @@ mod tests {
         assert!(e.to_string().contains("pods[0].slowness"), "{e}");
     }
 
+    /// A batch storing `blocks` blocks of `block_size` tokens (token ids from 1).
+    fn stored(blocks: usize, block_size: usize) -> kvgate_routing::events::EventBatch<'static> {
+        use kvgate_routing::events::{BlockStored, EventBatch, GroupKind, KvEvent, Tier};
+        let stored = BlockStored {
+            block_hashes: (0..blocks as u64).map(|h| kvgate_routing::hash::EngineHash(h + 1)).collect(),
+            parent_block_hash: None,
+            token_ids: (1..=(blocks * block_size) as u32).collect(),
+            block_size,
+            lora_name: None,
+            first_block_extra: vec![],
+            opaque_extra_keys: false,
+            tier: Tier::Gpu,
+            group: 0,
+            group_kind: GroupKind::FullAttention,
+        };
+        EventBatch { ts: 0.0, events: vec![KvEvent::BlockStored(stored)], data_parallel_rank: None }
+    }
+
+    #[test]
+    fn the_block_size_is_learned_from_the_first_engine_and_checked_against_the_others() {
+        let s = Scorer::new(
+            Config::parse("pods:\n  - {name: a, address: '10.0.0.1:8000'}\n  - {name: b, address: '10.0.0.2:8000'}\n")
+                .unwrap(),
+            Tokenizer::fallback(),
+        );
+        let (a, b) = (PodId(0), PodId(1));
+        assert_eq!(s.block_size(), crate::config::PROVISIONAL_BLOCK_SIZE, "none stated yet");
+        s.apply_events(a, &stored(4, 32));
+        assert_eq!((s.block_size(), s.lock().router.block_size()), (32, 32), "a's events state 32");
+        assert_eq!(s.lock().router.index().pod_blocks(a), 4, "and are indexed at it");
+        // b's engine states 16: an error; b's blocks are not indexed, the size stays.
+        s.apply_events(b, &stored(4, 16));
+        assert_eq!(s.block_size(), 32);
+        assert_eq!(s.lock().router.index().pod_blocks(b), 0);
+        assert_eq!(s.lock().router.index().stats(b).block_size_mismatches, 4);
+        // A scrape states it too: b's metrics say 16 again (no new error), a's 32.
+        let answered = |block_size| Scrape::Answered {
+            load: ReportedLoad::default(),
+            started_at: None,
+            adapters: None,
+            block_size: Some(block_size),
+        };
+        s.scraped(b, answered(16));
+        s.scraped(a, answered(32));
+        assert_eq!(s.block_size(), 32);
+        // Configured, the size is the configuration's: an engine stating another is not indexed.
+        let s = Scorer::new(
+            Config::parse("block_size: 16\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n").unwrap(),
+            Tokenizer::fallback(),
+        );
+        s.scraped(a, answered(32));
+        s.apply_events(a, &stored(4, 32));
+        assert_eq!((s.block_size(), s.lock().router.index().pod_blocks(a)), (16, 0));
+        // Learned from a scrape before any event: the events that follow are indexed.
+        let s = Scorer::new(
+            Config::parse("pods:\n  - {name: a, address: '10.0.0.1:8000'}\n").unwrap(),
+            Tokenizer::fallback(),
+        );
+        s.scraped(a, answered(32));
+        s.apply_events(a, &stored(2, 32));
+        assert_eq!((s.block_size(), s.lock().router.index().pod_blocks(a)), (32, 2));
+    }
+
     #[test]
     fn batched_reports_are_dated_by_their_age() {
         let s = scorer("policy: {name: round-robin}\nload: {pod_speed: {prior_samples: 2}}\n");
@@ -524,7 +598,7 @@ mod tests {
                 .unwrap();
             let only_a: PodSet = [a].into_iter().collect();
             let pick = s.decide("warm", &prepared, &Limits { subset: Some(&only_a), ..Limits::default() }).unwrap();
-            s.report("warm", LifecycleEvent::Done, None);
+            s.report(&LifecycleReport::new("warm", LifecycleEvent::Done));
             assert_eq!(pick.decode.id, a);
         };
         let blocks = |s: &Scorer| s.lock().router.pod_blocks(a);
@@ -532,6 +606,7 @@ mod tests {
             load: ReportedLoad::default(),
             started_at: Some(started_at),
             adapters: None,
+            block_size: None,
         };
         s.scraped(a, answered(100.0));
         stored(&s);

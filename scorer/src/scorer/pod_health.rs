@@ -1,19 +1,20 @@
 //! Pod health: what scrapes and event streams say of each pod — its load, its engine's
 //! identity, its event batches — and pods going down and coming back.
 
-use super::{Core, Scorer};
+use super::{BlockSizeFrom, Core, Scorer};
 use crate::scrape::PodAdapters;
 use kvgate_routing::adapters::ReportedAdapters;
 use kvgate_routing::events::{EventBatch, KvEvent};
 use kvgate_routing::pod_set::PodId;
 use kvgate_routing::policy::ReportedLoad;
+use std::sync::atomic::Ordering;
 
 /// What one scrape of a pod's `/metrics` found.
 #[derive(Clone, Debug)]
 pub enum Scrape {
     /// Its load, its engine's identity when the page has one (`process_start_time_seconds`:
     /// a restart changes it), and the LoRA adapters it runs, when it serves some.
-    Answered { load: ReportedLoad, started_at: Option<f64>, adapters: Option<PodAdapters> },
+    Answered { load: ReportedLoad, started_at: Option<f64>, adapters: Option<PodAdapters>, block_size: Option<usize> },
     /// The connection was refused or reset: nothing listens there (down at once).
     Refused,
     /// A timeout, an error status, a page without vLLM's metrics (down after
@@ -79,10 +80,12 @@ impl Scorer {
     /// Applies one decoded event batch of a pod.
     pub fn apply_events(&self, pod: PodId, batch: &EventBatch<'_>) {
         let (mut stored, mut removed, mut cleared) = (0u64, 0u64, 0u64);
+        let mut block_size = None;
         for e in &batch.events {
             match e {
                 KvEvent::BlockStored(s) => {
                     stored += s.block_hashes.len() as u64;
+                    block_size = block_size.or((s.block_size > 0).then_some(s.block_size));
                     if let Some(adapter) = s.lora_name {
                         self.learn_adapter(adapter);
                     }
@@ -94,6 +97,9 @@ impl Scorer {
         }
         let p = {
             let mut core = self.lock();
+            if let Some(block_size) = block_size {
+                self.engine_block_size(&mut core, pod, block_size, "KV events");
+            }
             core.router.apply_events(pod, batch);
             core.health(pod).events_received += 1;
             core.info(pod)
@@ -103,6 +109,43 @@ impl Scorer {
                 self.metrics.kv_events.with_label_values(&[p.name.as_str(), kind]).inc_by(n);
             }
         }
+    }
+
+    /// The pod's engine stated its KV block size (`source`: where): the first statement
+    /// sets the size requests are hashed in, unless configured; one that disagrees with it
+    /// is an error, once per pod and size (that engine's blocks cannot be indexed).
+    fn engine_block_size(&self, core: &mut Core, pod: PodId, stated: usize, source: &str) {
+        if core.health(pod).block_size.replace(stated) == Some(stated) {
+            return;
+        }
+        let name = core.name(pod).to_string();
+        let current = core.router.block_size();
+        match &core.block_size_from {
+            None => {
+                core.router.set_block_size(stated);
+                self.block_size.store(stated, Ordering::Relaxed);
+                core.block_size_from = Some(BlockSizeFrom::Learned(name.clone()));
+                tracing::info!(pod = %name, "KV blocks of {stated} tokens, as pod {name}'s engine states in its {source}");
+            }
+            Some(_) if stated == current => {}
+            Some(from) => {
+                let ours = match from {
+                    BlockSizeFrom::Configured => format!("`block_size` is {current}"),
+                    BlockSizeFrom::Learned(first) => format!("the fleet's are {current} (learned from pod {first})"),
+                };
+                tracing::error!(
+                    pod = %name,
+                    "pod {name}'s engine states KV blocks of {stated} tokens (its {source}), but {ours}: its cache \
+                     cannot be indexed and nothing it holds is credited. Serve every pod with one --block-size, \
+                     and leave `block_size` out of the configuration (kvgate learns it) or set it to the engines'."
+                );
+            }
+        }
+    }
+
+    /// Tokens per KV block requests are hashed in now.
+    pub fn block_size(&self) -> usize {
+        self.block_size.load(Ordering::Relaxed)
     }
 
     /// A message from the pod's event socket could not be decoded.
@@ -158,7 +201,10 @@ impl Scorer {
         }
         let was_healthy = core.router.is_healthy(pod);
         match scrape {
-            Scrape::Answered { load, started_at, adapters } => {
+            Scrape::Answered { load, started_at, adapters, block_size } => {
+                if let Some(block_size) = block_size {
+                    self.engine_block_size(core, pod, block_size, "metrics (vllm:cache_config_info)");
+                }
                 if let Some(a) = &adapters {
                     a.running.iter().chain(&a.waiting).for_each(|name| self.learn_adapter(name));
                     core.router.reported_adapters(pod, ReportedAdapters::named(&a.running, &a.waiting, a.max_lora));

@@ -37,6 +37,9 @@ pub struct PodView {
     /// Duplicate or late batches dropped by their sequence number.
     pub event_batches_stale: u64,
     pub event_decode_errors: u64,
+    /// Tokens per KV block its engine states (its events, its metrics); one unlike the
+    /// scorer's is an error in its log, and its cache is not indexed.
+    pub block_size: Option<usize>,
     pub reported: Option<ReportedView>,
     /// The LoRA adapters it runs and has waiting, and how many it holds at once (its last
     /// scrape's `vllm:lora_requests_info`).
@@ -82,6 +85,7 @@ impl Scorer {
                     event_batches_missed: h.batches_missed,
                     event_batches_stale: h.batches_stale,
                     event_decode_errors: h.decode_errors,
+                    block_size: h.block_size,
                     reported: core.router.reported_load(p.id).map(|r| ReportedView {
                         running: r.running,
                         waiting: r.waiting,

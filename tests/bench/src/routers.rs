@@ -61,13 +61,13 @@ impl Kvgate {
         let encoder = EventEncoder {
             format: EventFormat::Map,
             hashes: HashFormat::U64,
-            block_size: config.block_size,
+            block_size: router.block_size(),
             data_parallel_rank: None,
         };
         Ok(Self {
+            block_size: router.block_size(),
             router,
             encoder,
-            block_size: config.block_size,
             chain: Vec::new(),
             informed: false,
             known_speed: false,

@@ -39,7 +39,7 @@ use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 use futures::Stream;
 use kvgate_route_api::lifecycle::ResponseWatch;
-use kvgate_route_api::{Api, ErrorBody, HEADER_OBJECTIVE, LifecycleEvent, Refused};
+use kvgate_route_api::{Api, ErrorBody, HEADER_OBJECTIVE, LifecycleEvent, LifecycleReport, Refused};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -439,7 +439,7 @@ impl Exchange {
             self.response_ended();
         } else if self.modes.response == BodyMode::None && self.booking.is_some() && self.response.first_token() {
             // No body will be seen: the headers are as close to the first token as it gets.
-            self.report(LifecycleEvent::FirstToken, None);
+            self.report(|id| LifecycleReport::new(id, LifecycleEvent::FirstToken));
         }
         self.send(Answer::ResponseHeaders(HeadersResponse::default()), None)
     }
@@ -451,7 +451,7 @@ impl Exchange {
         }
         self.saw_response = true;
         if self.booking.is_some() && self.response.body(&b.body, b.end_of_stream) {
-            self.report(LifecycleEvent::FirstToken, None);
+            self.report(|id| LifecycleReport::new(id, LifecycleEvent::FirstToken));
         }
         if b.end_of_stream {
             self.response_ended();
@@ -463,13 +463,13 @@ impl Exchange {
         self.send(answer, None)
     }
 
-    fn report(&self, event: LifecycleEvent, output_tokens: Option<u32>) {
+    fn report(&self, report: impl FnOnce(&str) -> LifecycleReport) {
         if let Some(booking) = &self.booking {
-            self.picker.report(&booking.id, event, output_tokens);
+            self.picker.report(&report(&booking.id));
         }
     }
 
-    /// The response is complete: `done` if it succeeded, else `cancelled`.
+    /// The response is complete: `done` if it succeeded, `error_status` if it was an error.
     fn response_ended(&mut self) {
         self.response_over = true;
         self.response.completed();
@@ -477,7 +477,7 @@ impl Exchange {
             if let Some(booking) = &self.booking {
                 tracing::debug!(stream = self.stream, request_id = %booking.request_id, "ext_proc: response ended ({:?})", end.event);
             }
-            self.report(end.event, end.output_tokens);
+            self.report(|id| LifecycleReport::ended(id, &end));
         }
         self.booking = None;
     }
@@ -505,7 +505,7 @@ impl Drop for Exchange {
         }
         tracing::debug!(stream = self.stream, request_id = %booking.request_id, "ext_proc: stream ended before the response");
         if let Some(end) = self.response.finish() {
-            self.picker.report(&booking.id, end.event, end.output_tokens);
+            self.picker.report(&LifecycleReport::ended(booking.id, &end));
         }
     }
 }
