@@ -1,6 +1,7 @@
 # kvgate — the two commands of the README, and their parts.
 #   make test   every test (unit, integration over real sockets, peer-router checks)
-#   make setup  what the tests need beyond Cargo (wasm target, Python venv, tokenizer, vLLM code)
+#   make setup  what the tests need beyond Cargo (wasm target, Python venv, tokenizer, vLLM code,
+#               the real vLLM engine and its model)
 SHELL := /bin/bash
 CARGO ?= cargo
 export KVGATE_ROOT := $(CURDIR)
@@ -11,7 +12,7 @@ export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 BIN := $(TARGET_DIR)/release
 
-.PHONY: docs profile setup build test lint audit licenses native bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos picker-failover demo-replicas measure-fresh
+.PHONY: docs profile setup build test lint audit licenses native bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos picker-failover demo-replicas measure-fresh sim-check demo-engines
 
 setup:
 	@bash tests/tools/setup.sh
@@ -57,6 +58,12 @@ test: setup lint audit wasm native
 demo: setup wasm
 	$(CARGO) build --workspace --release --bins
 	$(BIN)/kvgate-demo
+
+# The main job on real engines: two vLLM engines (vLLM 0.32 on CPU, the tiny model make setup
+# makes) instead of the simulated pods, the same workload and report.
+demo-engines: setup wasm
+	$(CARGO) build --workspace --release --bins
+	$(BIN)/kvgate-demo --engines 2
 
 # The P/D variant: 2 prefill + 2 decode pods; conditional vs always vs never disaggregating.
 demo-pd: setup wasm
@@ -119,6 +126,13 @@ chaos: setup wasm
 picker-failover: setup
 	$(CARGO) build --workspace --release --bins
 	$(BIN)/kvgate-picker-failover $(FAILOVER_ARGS)
+
+# The simulator checked against the real engine: one trace of SIM_CHECK_ARGS (default 500
+# requests) on a real vLLM engine and on kvgate-sim configured alike; results in
+# target/sim-check/.
+sim-check: setup
+	$(CARGO) build --workspace --release --bins
+	$(BIN)/kvgate-sim-check $(SIM_CHECK_ARGS)
 
 # Routing quality in virtual time: every workload x every policy (and SGLang's cache_aware
 # rule) on simulated engines; results in target/bench/cluster/.

@@ -3,16 +3,30 @@
 //! measuring them from the client's side.
 
 pub mod failover;
+pub mod sim_check;
 
 use futures::StreamExt;
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
+/// A bootstrap's virtual host changed to name, in each response, the upstream Envoy reached
+/// (`x-kvgate-upstream: ip:port`): real engines do not say who they are, as simulated pods do.
+pub fn name_the_upstream(bootstrap: String) -> String {
+    let routes = "              routes:\n";
+    assert!(bootstrap.contains(routes), "no virtual host's routes in the bootstrap");
+    bootstrap.replacen(
+        routes,
+        "              response_headers_to_add:\n              - header: {key: x-kvgate-upstream, value: \"%UPSTREAM_HOST%\"}\n              routes:\n",
+        1,
+    )
+}
+
 /// One request as the client saw it.
 #[derive(Clone, Debug, Default)]
 pub struct Measured {
     pub status: u16,
-    /// `x-kvgate-pod` of the pod that answered.
+    /// `x-kvgate-pod` of the pod that answered (a simulated one), else the address Envoy
+    /// reached, where its bootstrap names it in `x-kvgate-upstream` ([`name_the_upstream`]).
     pub pod: Option<String>,
     /// Time to the first generated text (streaming) or to the whole answer (non-streaming).
     pub ttft: Duration,
@@ -21,6 +35,8 @@ pub struct Measured {
     pub cached_tokens: u64,
     /// The generated text (for multi-turn conversations).
     pub text: String,
+    /// The body of an error answer.
+    pub error: Option<String>,
 }
 
 /// Each of `bodies` sent to `url`, `in_flight` at a time; each measured, in sending order.
@@ -53,7 +69,8 @@ pub async fn send(client: &reqwest::Client, url: &str, body: &Value) -> Measured
         Err(_) => return Measured { status: 0, total: start.elapsed(), ..Default::default() },
     };
     let status = response.status().as_u16();
-    let pod = response.headers().get("x-kvgate-pod").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let header = |name: &str| response.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
+    let pod = header("x-kvgate-pod").or_else(|| header("x-kvgate-upstream"));
     let mut out = Measured { status, pod, ..Default::default() };
     let mut buffer = Vec::new();
     let mut stream = response.bytes_stream();
@@ -68,6 +85,9 @@ pub async fn send(client: &reqwest::Client, url: &str, body: &Value) -> Measured
         out.ttft = out.total;
     }
     let text = String::from_utf8_lossy(&buffer);
+    if status >= 400 {
+        out.error = Some(text.to_string());
+    }
     for line in text.lines().map(|l| l.trim_start_matches("data: ")).filter(|l| l.starts_with('{')) {
         let Ok(json) = serde_json::from_str::<Value>(line) else { continue };
         read_chunk(&json, &mut out);

@@ -3,6 +3,9 @@
 //! then through its Endpoint Picker (ext_proc, as Gateway API Inference Extension gateways
 //! ask), then through plain Envoy round robin, each on freshly started pods; a report.
 //!
+//! `--engines N` (`make demo-engines`): the same on N real vLLM engines (vLLM 0.32 on CPU
+//! serving a tiny model, `make setup` installs them) instead of simulated pods.
+//!
 //! `--replicas N` (`make demo-replicas`): the gateway as one Envoy + scorer, N Envoys asking
 //! one scorer, N Envoy + scorer replicas sharing their bookings over a real `nats-server`,
 //! and N that do not, the client's requests spread over the gateways in turn; the mixed
@@ -10,8 +13,10 @@
 //! freshly started pods; one report with the replicas' sync lag.
 
 use clap::Parser;
-use kvgate_e2e::{Measured, ms, percentile, send};
-use kvgate_test_harness::{EPP_PORT, EnvoyProcess, NatsServer, ScorerProcess, Sim, qwen3_tokenizer, text};
+use kvgate_e2e::{Measured, ms, name_the_upstream, percentile, send};
+use kvgate_test_harness::{
+    ENGINE_MODEL, EPP_PORT, Engine, EngineOptions, EnvoyProcess, NatsServer, ScorerProcess, Sim, qwen3_tokenizer, text,
+};
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -26,6 +31,15 @@ struct Args {
     /// Simulated pods.
     #[arg(long, default_value_t = 4)]
     pods: usize,
+    /// Real vLLM engines instead of simulated pods (1 or 2: each takes a CPU and ≈ 3 GB),
+    /// serving the tiny model `make setup` makes; `--pods`, `--time-scale` and `--num-blocks`
+    /// then do not apply.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=2))]
+    engines: u32,
+    /// KV blocks per engine (32 tokens each), with `--engines`: 16k tokens, as the simulated
+    /// pods'.
+    #[arg(long, default_value_t = 512)]
+    engine_blocks: u64,
     /// Wall seconds per simulated second (1 = an 8B model on an H100, in real time).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
@@ -70,8 +84,54 @@ struct Args {
     burst_documents: usize,
 }
 
-const MODEL: &str = "Qwen/Qwen3-8B";
+/// The model the simulated pods serve.
+const SIM_MODEL: &str = "Qwen/Qwen3-8B";
 const MAX_TOKENS: u32 = 32;
+
+impl Args {
+    /// The model every request names.
+    fn model(&self) -> &'static str {
+        if self.engines > 0 { ENGINE_MODEL } else { SIM_MODEL }
+    }
+}
+
+/// A pod of the demo: simulated, or a real engine.
+enum Pod {
+    Sim(Sim),
+    Engine(Engine),
+}
+
+impl Pod {
+    fn name(&self) -> &str {
+        match self {
+            Pod::Sim(p) => &p.pod_id,
+            Pod::Engine(e) => &e.name,
+        }
+    }
+
+    /// (`ip:port`, KV-event endpoint, replay endpoint, base URL).
+    fn endpoints(&self) -> (String, &str, &str, &str) {
+        match self {
+            Pod::Sim(p) => (format!("127.0.0.1:{}", p.port), &p.events, &p.replay, &p.url),
+            Pod::Engine(e) => (format!("127.0.0.1:{}", e.port), &e.events, &e.replay, &e.url),
+        }
+    }
+
+    /// Starts the pods again: empty caches.
+    async fn restart_all(pods: &mut [Pod]) {
+        for p in pods.iter_mut() {
+            match p {
+                Pod::Sim(sim) => sim.restart().await,
+                Pod::Engine(engine) => engine.respawn(),
+            }
+        }
+        for p in pods.iter_mut() {
+            if let Pod::Engine(engine) = p {
+                engine.wait_ready().await;
+            }
+        }
+    }
+}
 
 fn progress(done: &AtomicUsize, total: usize) {
     let n = done.fetch_add(1, Ordering::Relaxed) + 1;
@@ -101,21 +161,21 @@ impl Gateways {
 
 /// A session's next request: sessions take the chat, Anthropic Messages and OpenAI Responses
 /// APIs in turn (the conversation is the same; each API carries it in its own shape).
-fn session_request(session: usize, messages: &[Value]) -> (&'static str, Value) {
+fn session_request(model: &str, session: usize, messages: &[Value]) -> (&'static str, Value) {
     let (system, turns) = (&messages[0]["content"], &messages[1..]);
     match session % 3 {
         0 => (
             "/v1/chat/completions",
-            json!({"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "stream": true,
+            json!({"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "stream": true,
                    "stream_options": {"include_usage": true}}),
         ),
         1 => (
             "/v1/messages",
-            json!({"model": MODEL, "system": system, "messages": turns, "max_tokens": MAX_TOKENS, "stream": true}),
+            json!({"model": model, "system": system, "messages": turns, "max_tokens": MAX_TOKENS, "stream": true}),
         ),
         _ => (
             "/v1/responses",
-            json!({"model": MODEL, "instructions": system, "input": turns, "max_output_tokens": MAX_TOKENS,
+            json!({"model": model, "instructions": system, "input": turns, "max_output_tokens": MAX_TOKENS,
                    "stream": true}),
         ),
     }
@@ -134,7 +194,7 @@ async fn workload(gateways: &Gateways, args: &Args) -> Vec<Measured> {
     for s in 0..args.sessions {
         let (client, gateways, gate, done) = (client.clone(), gateways.clone(), gate.clone(), done.clone());
         let system = systems[s % systems.len()].clone();
-        let turns = args.turns;
+        let (turns, model) = (args.turns, args.model());
         tasks.push(tokio::spawn(async move {
             let mut messages = vec![json!({"role": "system", "content": system})];
             let mut out = Vec::new();
@@ -142,7 +202,7 @@ async fn workload(gateways: &Gateways, args: &Args) -> Vec<Measured> {
                 messages.push(
                     json!({"role": "user", "content": format!("User {s}, question {t}: {}", text("detail", 30))}),
                 );
-                let (path, body) = session_request(s, &messages);
+                let (path, body) = session_request(model, s, &messages);
                 let permit = gate.acquire().await.expect("semaphore");
                 let m = send(&client, &format!("{}{path}", gateways.next()), &body).await;
                 drop(permit);
@@ -155,8 +215,9 @@ async fn workload(gateways: &Gateways, args: &Args) -> Vec<Measured> {
     }
     for u in 0..args.unique {
         let (client, gateways, gate, done) = (client.clone(), gateways.clone(), gate.clone(), done.clone());
+        let model = args.model();
         tasks.push(tokio::spawn(async move {
-            let body = json!({"model": MODEL, "prompt": text(&format!("unique{u}x"), 400), "max_tokens": MAX_TOKENS,
+            let body = json!({"model": model, "prompt": text(&format!("unique{u}x"), 400), "max_tokens": MAX_TOKENS,
                               "stream": true, "stream_options": {"include_usage": true}});
             let permit = gate.acquire().await.expect("semaphore");
             let m = send(&client, &format!("{}/v1/completions", gateways.next()), &body).await;
@@ -184,10 +245,13 @@ struct Row {
     errors: usize,
 }
 
-fn summarize(name: &str, results: &[Measured]) -> Row {
+/// One leg's row; `pods` names the pods real engines are known by (their `ip:port`).
+fn summarize(name: &str, results: &[Measured], pods: &[Pod]) -> Row {
+    let names: BTreeMap<String, &str> = pods.iter().map(|p| (p.endpoints().0, p.name())).collect();
     let mut per_pod = BTreeMap::new();
     for r in results {
-        *per_pod.entry(r.pod.clone().unwrap_or_else(|| "-".into())).or_insert(0) += 1;
+        let pod = r.pod.as_deref().map(|p| names.get(p).copied().unwrap_or(p));
+        *per_pod.entry(pod.unwrap_or("-").to_string()).or_insert(0) += 1;
     }
     let ok: Vec<&Measured> = results.iter().filter(|r| r.status == 200).collect();
     let prompt: u64 = ok.iter().map(|r| r.prompt_tokens).sum();
@@ -206,8 +270,18 @@ fn summarize(name: &str, results: &[Measured]) -> Row {
     }
 }
 
-/// Starts the pods: all `both`, or with `--pd` half prefill, half decode.
-async fn start_pods(args: &Args) -> Vec<Sim> {
+/// Starts the pods: real engines with `--engines`, else simulated ones, all `both` or with
+/// `--pd` half prefill, half decode.
+async fn start_pods(args: &Args) -> Vec<Pod> {
+    if args.engines > 0 {
+        let options = |cpu| EngineOptions { kv_blocks: args.engine_blocks, cpu, ..EngineOptions::default() };
+        let mut engines: Vec<Engine> =
+            (0..args.engines as usize).map(|i| Engine::spawn(&format!("engine-{}", i + 1), &options(i % 2))).collect();
+        for e in &mut engines {
+            e.wait_ready().await;
+        }
+        return engines.into_iter().map(Pod::Engine).collect();
+    }
     let tokenizer = qwen3_tokenizer();
     let scale = args.time_scale.to_string();
     let blocks = args.num_blocks.to_string();
@@ -224,20 +298,20 @@ async fn start_pods(args: &Args) -> Vec<Sim> {
             "--time-scale",
             &scale,
             "--model",
-            MODEL,
+            SIM_MODEL,
             "--num-blocks",
             &blocks,
             "--role",
             role,
         ];
         let name = if args.pd { format!("{role}-{i}") } else { format!("pod-{i}") };
-        pods.push(Sim::start(&name, &flags).await);
+        pods.push(Pod::Sim(Sim::start(&name, &flags).await));
     }
     pods
 }
 
 /// The scorer configuration for `pods`, with extra top-level YAML.
-fn scorer_config(pods: &[Sim], args: &Args, extra: &str) -> String {
+fn scorer_config(pods: &[Pod], args: &Args, extra: &str) -> String {
     let mut config = format!("tokenizer: {}\n{extra}pods:\n", qwen3_tokenizer().display());
     for (i, p) in pods.iter().enumerate() {
         let role = match (args.pd, i < args.pods / 2) {
@@ -245,9 +319,10 @@ fn scorer_config(pods: &[Sim], args: &Args, extra: &str) -> String {
             (true, true) => "prefill",
             (true, false) => "decode",
         };
+        let (address, events, replay, url) = p.endpoints();
         config.push_str(&format!(
-            "  - {{name: {}, role: {role}, address: '127.0.0.1:{}', kv_events: '{}', kv_events_replay: '{}', metrics: '{}/metrics'}}\n",
-            p.pod_id, p.port, p.events, p.replay, p.url
+            "  - {{name: {}, role: {role}, address: '{address}', kv_events: '{events}', kv_events_replay: '{replay}', metrics: '{url}/metrics'}}\n",
+            p.name()
         ));
     }
     config
@@ -293,16 +368,14 @@ async fn pd_demo(args: &Args) -> anyhow::Result<Vec<Row>> {
     let mut rows = Vec::new();
     for (step, (name, extra)) in variants.iter().enumerate() {
         if step > 0 {
-            for p in &mut pods {
-                p.restart().await;
-            }
+            Pod::restart_all(&mut pods).await;
         }
         let scorer = ScorerProcess::start(&scorer_config(&pods, args, extra)).await;
         let envoy = EnvoyProcess::start(&scorer, &[]).await;
         tokio::time::sleep(Duration::from_millis(500)).await;
         println!("[{}/4] workload: {name}", step + 2);
         let results = workload(&Gateways::new(vec![envoy.url.clone()]), args).await;
-        let mut row = summarize(name, &results);
+        let mut row = summarize(name, &results, &pods);
         row.paths = Some(paths(&scorer).await);
         rows.push(row);
     }
@@ -314,16 +387,21 @@ async fn pd_demo(args: &Args) -> anyhow::Result<Vec<Row>> {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     kvgate_test_harness::quiet_children();
+    let pods = if args.engines > 0 {
+        format!(
+            "{} real vLLM engines (vLLM 0.32 on CPU, a tiny model, {} KV blocks of 32 tokens each)",
+            args.engines, args.engine_blocks
+        )
+    } else {
+        format!("{} simulated pods ({} KV blocks each, time scale {})", args.pods, args.num_blocks, args.time_scale)
+    };
     println!(
-        "kvgate demo: {} simulated pods ({} KV blocks each, time scale {}), {} conversations × {} turns (chat, messages and responses APIs in turn) sharing {} system prompts, {} unique prompts, {} in flight",
-        args.pods,
-        args.num_blocks,
-        args.time_scale,
-        args.sessions,
-        args.turns,
-        args.system_prompts,
-        args.unique,
-        args.concurrency
+        "kvgate demo: {pods}, {} conversations × {} turns (chat, messages and responses APIs in turn) sharing {} system prompts, {} unique prompts, {} in flight",
+        args.sessions, args.turns, args.system_prompts, args.unique, args.concurrency
+    );
+    anyhow::ensure!(
+        args.engines == 0 || (!args.pd && args.replicas == 1),
+        "--engines runs the main demo only (not --pd, not --replicas)"
     );
     let rows = if args.replicas > 1 {
         replicas_demo(&args).await?
@@ -361,14 +439,17 @@ async fn demo(args: &Args) -> anyhow::Result<Vec<Row>> {
     for (i, (name, picker)) in legs.iter().enumerate() {
         if i > 0 {
             println!("    restarting the pods: every leg starts from cold caches");
-            for p in &mut pods {
-                p.restart().await;
-            }
+            Pod::restart_all(&mut pods).await;
         }
-        let envoy = EnvoyProcess::start(&scorer, &["--picker", picker]).await;
+        // Real engines do not name themselves in their answers: Envoy names the upstream.
+        let envoy = EnvoyProcess::start_patched(&scorer.config_path, &["--picker", picker], name_the_upstream).await;
+        if args.engines > 0 {
+            // A restarted engine is indexed from its events once the scorer heard it again.
+            scorer.wait_ready(Duration::from_secs(60)).await;
+        }
         tokio::time::sleep(Duration::from_millis(500)).await;
         println!("[{}/{steps}] workload through {name} ({})", i + 2, envoy.url);
-        rows.push(summarize(name, &workload(&Gateways::new(vec![envoy.url.clone()]), args).await));
+        rows.push(summarize(name, &workload(&Gateways::new(vec![envoy.url.clone()]), args).await, &pods));
     }
     println!("\nreport\n");
     let baseline = rows.last().expect("the round-robin leg").ttft_p90;
@@ -397,7 +478,7 @@ async fn burst(gateways: &Gateways, args: &Args) -> Vec<Measured> {
         .map(|i| {
             let url = format!("{}/v1/completions", gateways.next());
             let prompt = format!("{}\nQuestion {i}: {}", documents[i % documents.len()], text(&format!("ask{i}"), 20));
-            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": true,
+            let body = json!({"model": args.model(), "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": true,
                               "stream_options": {"include_usage": true}});
             let (client, done) = (client.clone(), done.clone());
             tokio::spawn(async move {
@@ -466,9 +547,7 @@ async fn replicas_demo(args: &Args) -> anyhow::Result<Vec<Row>> {
             step += 1;
             if step > 2 {
                 println!("    restarting the pods: every run starts from cold caches");
-                for p in &mut pods {
-                    p.restart().await;
-                }
+                Pod::restart_all(&mut pods).await;
             }
             let mut scorers = Vec::new();
             for r in 0..*scorer_count {
@@ -490,7 +569,7 @@ async fn replicas_demo(args: &Args) -> anyhow::Result<Vec<Row>> {
             println!("[{step}/{steps}] {workload_name} workload through {name}");
             let gateways = Gateways::new(envoys.iter().map(|e| e.url.clone()).collect());
             let results = if is_burst { burst(&gateways, args).await } else { workload(&gateways, args).await };
-            rows.push(summarize(&format!("{workload_name}: {name}"), &results));
+            rows.push(summarize(&format!("{workload_name}: {name}"), &results, &pods));
             if *synced {
                 lags.push((workload_name, sync_lag(&scorers).await));
             }

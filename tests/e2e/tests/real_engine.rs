@@ -1,0 +1,533 @@
+//! The real-engine leg: two real vLLM engines (vLLM 0.32 built for CPU, a tiny Qwen3 with
+//! random weights and a LoRA adapter, all from `make setup`) behind a real Envoy and kvgate,
+//! on each way in — the wasm filter, the native module, the Endpoint Picker.
+//!
+//! Every request's answer says how many prompt tokens its engine served from its prefix cache
+//! (`usage`, with `--enable-prompt-tokens-details`); the proxy reports it with the request's
+//! end and the scorer holds it against what it credited the pod that served
+//! (`kvgate_prefix_predictions_total{outcome}`). The leg sends its requests one at a time
+//! wherever it checks them one by one, so that each request's outcome is its own: `exact`, on
+//! every request of every API, through conversations, a LoRA adapter the scorer learns from
+//! the engines, block-aligned prompts, retries and regenerations, evictions, a scorer restart
+//! (the index rebuilt from the engines' replay buffers) and an engine restart. Then, under
+//! load (clients at once), every request still `exact`, none failing open and no engine
+//! marked down; an engine's own refusals (404, 400) counted as error statuses.
+//!
+//! No block size and no adapter is configured: the scorer learns both from the engines.
+
+use kvgate_e2e::sim_check::{EvictionCounter, compare, table, trace};
+use kvgate_e2e::{Measured, name_the_upstream, send};
+use kvgate_test_harness::{
+    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_MODEL, EPP_PORT, Engine, EngineOptions, EnvoyProcess, ScorerProcess, Sim,
+    qwen3_tokenizer,
+};
+use serde_json::{Value, json};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// How Envoy asks kvgate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Wasm,
+    Native,
+    Epp,
+}
+
+impl Path {
+    fn scorer_config(self) -> String {
+        match self {
+            Path::Wasm => String::new(),
+            Path::Native => format!(
+                "route_socket_path: {}\n",
+                std::env::temp_dir().join(format!("kvgate-real-engine-{}.sock", std::process::id())).display()
+            ),
+            Path::Epp => format!("epp: {{listen: '127.0.0.1:{EPP_PORT}'}}\n"),
+        }
+    }
+
+    fn envoy_flags(self) -> Vec<&'static str> {
+        match self {
+            Path::Wasm => vec!["--picker", "wasm"],
+            Path::Native => vec!["--picker", "native"],
+            Path::Epp => vec!["--picker", "epp"],
+        }
+    }
+
+    /// Requests Envoy let through without a decision (fail-open).
+    async fn failed_open(self, envoy: &EnvoyProcess) -> u64 {
+        match self {
+            Path::Wasm => envoy.stat("wasmcustom.kvgate_fail_open").await,
+            Path::Native => envoy.stat("kvgate.fail_open").await,
+            Path::Epp => envoy.stat("http.kvgate.ext_proc.failure_mode_allowed").await,
+        }
+    }
+}
+
+/// The scorer's counts of finished requests by how its credit compared with the engine's.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Predictions {
+    exact: u64,
+    /// Credited more than served, the engine having evicted a credited block meanwhile.
+    evicted: u64,
+    over: u64,
+    under: u64,
+}
+
+impl Predictions {
+    fn total(&self) -> u64 {
+        self.exact + self.evicted + self.over + self.under
+    }
+
+    fn since(&self, before: &Predictions) -> Predictions {
+        Predictions {
+            exact: self.exact - before.exact,
+            evicted: self.evicted - before.evicted,
+            over: self.over - before.over,
+            under: self.under - before.under,
+        }
+    }
+}
+
+/// One way in, in front of the engines.
+struct Stack {
+    path: Path,
+    scorer: ScorerProcess,
+    envoy: EnvoyProcess,
+    client: reqwest::Client,
+    /// Engine names by the address Envoy reaches them at.
+    names: HashMap<String, String>,
+    /// Follow-up turns sent, and those served where their conversation's previous turn was.
+    follow_ups: (u32, u32),
+    checked: u64,
+}
+
+impl Stack {
+    async fn start(path: Path, engines: &[Engine]) -> Stack {
+        let mut config = format!(
+            "tokenizer: {}\nhealth: {{scrape_interval_ms: 200}}\n{}pods:\n",
+            qwen3_tokenizer().display(),
+            path.scorer_config()
+        );
+        for e in engines {
+            config.push_str(&format!(
+                "  - {{name: {}, address: '127.0.0.1:{}', kv_events: '{}', kv_events_replay: '{}', metrics: '{}/metrics'}}\n",
+                e.name, e.port, e.events, e.replay, e.url
+            ));
+        }
+        let scorer = ScorerProcess::start(&config).await;
+        scorer.wait_ready(Duration::from_secs(30)).await;
+        let envoy = EnvoyProcess::start_patched(&scorer.config_path, &path.envoy_flags(), name_the_upstream).await;
+        let names = engines.iter().map(|e| (format!("127.0.0.1:{}", e.port), e.name.clone())).collect();
+        let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
+        Stack { path, scorer, envoy, client, names, follow_ups: (0, 0), checked: 0 }
+    }
+
+    async fn predictions(&self) -> Predictions {
+        let text = self.scorer.metrics_text().await;
+        let count = |outcome: &str| -> u64 {
+            let label = format!("outcome=\"{outcome}\"");
+            text.lines()
+                .filter(|l| l.starts_with("kvgate_prefix_predictions_total{") && l.contains(&label))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum::<f64>() as u64
+        };
+        Predictions { exact: count("exact"), evicted: count("evicted"), over: count("over"), under: count("under") }
+    }
+
+    /// Sends one request and waits for the scorer's verdict on it; panics unless the engine
+    /// served exactly the cached tokens kvgate credited. Returns the answer and the engine.
+    async fn exact(&mut self, what: &str, api: &str, body: &Value) -> (Measured, String) {
+        let before = self.predictions().await;
+        let answer = send(&self.client, &format!("{}{api}", self.envoy.url), body).await;
+        assert_eq!(answer.status, 200, "{:?} {what}: {api} answered {:?}", self.path, answer.error);
+        let upstream = answer.pod.clone().unwrap_or_else(|| panic!("{what}: no x-kvgate-upstream"));
+        let engine = self.names.get(&upstream).cloned().unwrap_or_else(|| panic!("{what}: upstream {upstream}"));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let verdict = loop {
+            let now = self.predictions().await.since(&before);
+            if now.total() > 0 {
+                break now;
+            }
+            assert!(Instant::now() < deadline, "{:?} {what}: the scorer never compared its credit", self.path);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert_eq!(
+            verdict,
+            Predictions { exact: 1, ..Predictions::default() },
+            "{:?} {what} ({api} on {engine}): the engine served {} cached tokens of {}; kvgate credited otherwise",
+            self.path,
+            answer.cached_tokens,
+            answer.prompt_tokens
+        );
+        self.checked += 1;
+        (answer, engine)
+    }
+
+    /// A turn of a conversation whose previous turn `last` served: counted as a follow-up.
+    async fn turn(&mut self, what: &str, api: &str, body: &Value, last: Option<&str>) -> (Measured, String) {
+        let (answer, engine) = self.exact(what, api, body).await;
+        if let Some(last) = last {
+            self.follow_ups.0 += 1;
+            self.follow_ups.1 += u32::from(last == engine);
+        }
+        (answer, engine)
+    }
+
+    async fn scorer_counter(&self, name: &str) -> u64 {
+        self.scorer.metric(name).await as u64
+    }
+}
+
+/// A distinctive text of `words` words.
+fn words(seed: &str, words: usize) -> String {
+    (0..words).map(|i| format!("{seed}{}", i % 89)).collect::<Vec<_>>().join(" ")
+}
+
+/// A conversation on one API: its history as that API writes it.
+struct Conversation {
+    api: &'static str,
+    model: &'static str,
+    system: String,
+    /// (user, assistant) turns so far.
+    turns: Vec<(String, String)>,
+    engine: Option<String>,
+}
+
+impl Conversation {
+    fn new(api: &'static str, model: &'static str, system: String) -> Self {
+        Conversation { api, model, system, turns: Vec::new(), engine: None }
+    }
+
+    /// The next request, asking `question`; streamed or not.
+    fn request(&self, question: &str, stream: bool) -> Value {
+        let history = self.turns.iter().flat_map(|(u, a)| [("user", u.as_str()), ("assistant", a.as_str())]);
+        match self.api {
+            "/v1/chat/completions" => {
+                let mut messages = vec![json!({"role": "system", "content": self.system})];
+                messages.extend(history.map(|(role, text)| json!({"role": role, "content": text})));
+                messages.push(json!({"role": "user", "content": question}));
+                with_usage(json!({"model": self.model, "max_tokens": 12, "messages": messages}), stream)
+            }
+            "/v1/completions" => {
+                let mut prompt = self.system.clone();
+                for (role, text) in history {
+                    prompt.push_str(&format!("\n{role}: {text}"));
+                }
+                prompt.push_str(&format!("\nuser: {question}\nassistant:"));
+                with_usage(json!({"model": self.model, "max_tokens": 12, "prompt": prompt}), stream)
+            }
+            "/v1/messages" => {
+                let mut messages: Vec<Value> =
+                    history.map(|(role, text)| json!({"role": role, "content": text})).collect();
+                messages.push(json!({"role": "user", "content": [{"type": "text", "text": question}]}));
+                json!({"model": self.model, "max_tokens": 12, "system": self.system, "messages": messages, "stream": stream})
+            }
+            "/v1/responses" => {
+                let mut input: Vec<Value> =
+                    history.map(|(role, text)| json!({"role": role, "content": text})).collect();
+                input.push(json!({"role": "user", "content": [{"type": "input_text", "text": question}]}));
+                json!({"model": self.model, "max_output_tokens": 12, "instructions": self.system, "input": input,
+                       "stream": stream})
+            }
+            other => panic!("no such API {other}"),
+        }
+    }
+
+    /// Sends turn `n` and keeps the answer in the history.
+    async fn next(&mut self, s: &mut Stack, what: &str, n: usize) {
+        let question = words(&format!("q{n}{what}"), 24);
+        let body = self.request(&question, n % 2 == 1);
+        let (answer, engine) = s.turn(&format!("{what} turn {n}"), self.api, &body, self.engine.as_deref()).await;
+        self.turns.push((question, answer.text));
+        self.engine = Some(engine);
+    }
+}
+
+/// An OpenAI request streamed or not; streamed, it asks for its usage (vLLM refuses
+/// `stream_options` without `stream`).
+fn with_usage(mut body: Value, stream: bool) -> Value {
+    body["stream"] = json!(stream);
+    if stream {
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    body
+}
+
+/// Completions with a prompt of exactly `tokens` token ids (block-aligned when a multiple of
+/// the block size).
+fn token_prompt(seed: u32, tokens: u32) -> Value {
+    let ids: Vec<u32> = (0..tokens).map(|i| 1000 + (seed * 7919 + i * 13) % 50_000).collect();
+    json!({"model": ENGINE_MODEL, "max_tokens": 2, "prompt": ids})
+}
+
+async fn wait_healthy(s: &Stack, engine: &str, healthy: bool) {
+    s.scorer.wait_pod(engine, Duration::from_secs(120), |p| p["healthy"] == healthy).await;
+}
+
+/// Everything the leg checks of one way in; `restart_engine`: the engine-restart phase too.
+async fn leg(path: Path, engines: &mut [Engine], restart_engine: bool) {
+    let mut s = Stack::start(path, engines).await;
+    let started = Instant::now();
+    println!("{path:?}: scorer ready, rebuilt from the engines' replay buffers");
+    // Learned from the engines, configured nowhere.
+    for e in engines.iter() {
+        let pod = s.scorer.wait_pod(&e.name, Duration::from_secs(10), |p| !p["block_size"].is_null()).await;
+        assert_eq!(pod["block_size"], ENGINE_BLOCK_SIZE, "{}", e.name);
+    }
+
+    // Conversations on every API, two each, four turns, streamed and not; their system
+    // prompts are the same on every way in (the engines may hold them from the last one).
+    let mut conversations = Vec::new();
+    for api in ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"] {
+        for k in 0..2 {
+            conversations.push(Conversation::new(api, ENGINE_MODEL, words(&format!("system{k}{}", &api[4..8]), 260)));
+        }
+    }
+    for n in 0..4 {
+        for (c, conversation) in conversations.iter_mut().enumerate() {
+            conversation.next(&mut s, &format!("{path:?}c{c}"), n).await;
+        }
+    }
+    // The adapter: named by no configuration; the engines' /v1/models say what it is.
+    let mut adapted: Vec<Conversation> = (0..2)
+        .map(|k| Conversation::new("/v1/chat/completions", ENGINE_ADAPTER, words(&format!("sqlsystem{k}"), 200)))
+        .collect();
+    for n in 0..3 {
+        for (c, conversation) in adapted.iter_mut().enumerate() {
+            conversation.next(&mut s, &format!("{path:?}lora{c}"), n).await;
+        }
+    }
+    // Block-aligned prompts (held whole, served one block short), each retried as a client
+    // would; a chat answer regenerated (the same request again).
+    for (k, tokens) in [128, 256, 100].into_iter().enumerate() {
+        let body = token_prompt(k as u32 + 17 * path as u32, tokens);
+        let (_, first) = s.exact(&format!("{tokens} token ids"), "/v1/completions", &body).await;
+        let (again, engine) =
+            s.turn(&format!("{tokens} token ids again"), "/v1/completions", &body, Some(&first)).await;
+        let expected = (tokens - 1) / ENGINE_BLOCK_SIZE as u32 * ENGINE_BLOCK_SIZE as u32;
+        assert_eq!(again.cached_tokens, u64::from(expected), "{path:?}: {tokens} held on {engine}");
+    }
+    let regenerated = conversations[0].request("regenerate this", false);
+    let (_, first) = s.exact("regeneration", "/v1/chat/completions", &regenerated).await;
+    s.turn("regeneration again", "/v1/chat/completions", &regenerated, Some(&first)).await;
+    println!("{path:?}: {} requests exact in {:.0?}", s.checked, started.elapsed());
+
+    // Documents past both caches: evictions, each request still exact.
+    let documents: Vec<String> = (0..12).map(|d| words(&format!("document{d}x"), 300)).collect();
+    for round in 0..2 {
+        for (d, document) in documents.iter().enumerate() {
+            let body =
+                json!({"model": ENGINE_MODEL, "max_tokens": 2, "prompt": format!("{document}\nquestion {round}:")});
+            s.exact(&format!("document {d} round {round}"), "/v1/completions", &body).await;
+        }
+    }
+    let removed = samples(&s, "kvgate_kv_events_total", "type=\"block_removed\"").await;
+    assert!(removed > 0.0, "{path:?}: the documents evicted blocks");
+
+    // The scorer restarts: it rebuilds both indexes from the engines' replay buffers, and the
+    // conversations go on where they were.
+    s.scorer.kill();
+    s.scorer.restart().await;
+    s.scorer.wait_ready(Duration::from_secs(30)).await;
+    if path != Path::Epp {
+        // The proxy's route stream or socket is back (until then requests fail open).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while s.scorer_counter("kvgate_route_streams").await == 0 {
+            assert!(Instant::now() < deadline, "{path:?}: the proxy never reconnected to the restarted scorer");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    for (c, conversation) in conversations.iter_mut().enumerate().take(4) {
+        conversation.next(&mut s, &format!("{path:?}c{c}"), 4).await;
+    }
+
+    if restart_engine {
+        engine_restart(&mut s, engines, &mut conversations).await;
+    }
+
+    // Load: clients at once, each its own conversation, every request judged after. Past
+    // what the caches hold, an engine may evict blocks a request was credited with while it
+    // waits its turn behind others: the scorer sees the engine's BlockRemoved for a block of
+    // the request's credit and counts it apart (`evicted`). Nothing else may differ: never a
+    // credit the engine did not hold (`over`), never less than it served (`under`).
+    let before =
+        (s.predictions().await, path.failed_open(&s.envoy).await, s.scorer_counter("kvgate_pods_down_total").await);
+    let sent = loaded(&s, 8, 6).await;
+    let verdicts = settled(&s, &before.0, sent).await;
+    println!("{path:?}: under load {verdicts:?}");
+    assert_eq!(
+        (verdicts.exact + verdicts.evicted, verdicts.over, verdicts.under),
+        (sent, 0, 0),
+        "{path:?} under load: {verdicts:?}"
+    );
+    assert_eq!(path.failed_open(&s.envoy).await, before.1, "{path:?}: no request failed open under load");
+    assert_eq!(
+        s.scorer_counter("kvgate_pods_down_total").await,
+        before.2,
+        "{path:?}: no engine marked down under load"
+    );
+
+    // The engines' own refusals: an unknown model (404), a prompt past the model's length
+    // (400). Counted as error statuses, never as a first token.
+    let refusals = [
+        json!({"model": "no-such-model", "max_tokens": 2, "prompt": "hello"}),
+        json!({"model": ENGINE_MODEL, "max_tokens": 2, "prompt": (0..5000).map(|i| 1000 + i).collect::<Vec<u32>>()}),
+    ];
+    let reports = |event: &'static str| samples(&s, "kvgate_lifecycle_reports_total", event);
+    let (errors, first_tokens) = (reports("error_status").await, reports("first_token").await);
+    let refused_4xx = samples(&s, "kvgate_error_responses_total", "class=\"4xx\"").await;
+    for (body, status) in refusals.iter().zip([404, 400]) {
+        let answer = send(&s.client, &format!("{}/v1/completions", s.envoy.url), body).await;
+        assert_eq!(answer.status, status, "{path:?}: {body}");
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while reports("error_status").await < errors + 2.0 {
+        assert!(Instant::now() < deadline, "{path:?}: the engines' refusals were not reported as error statuses");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(samples(&s, "kvgate_error_responses_total", "class=\"4xx\"").await, refused_4xx + 2.0);
+    assert_eq!(reports("first_token").await, first_tokens, "{path:?}: a refusal is no first token");
+    s.scorer.wait_idle(Duration::from_secs(10)).await;
+
+    let (follow_ups, home) = s.follow_ups;
+    println!(
+        "{path:?}: {} requests exact one by one, {sent} under load; {home} of {follow_ups} follow-ups on their \
+         conversation's engine; {:.0?}",
+        s.checked,
+        started.elapsed()
+    );
+    assert!(f64::from(home) >= 0.95 * f64::from(follow_ups), "{path:?}: {home} of {follow_ups} follow-ups stayed");
+    assert_eq!(s.scorer_counter("kvgate_lifecycle_unknown_total").await, 0, "{path:?}: every report named a request");
+}
+
+/// The sum of the scorer's samples of `name` whose labels include `label`.
+async fn samples(s: &Stack, name: &str, label: &str) -> f64 {
+    let text = s.scorer.metrics_text().await;
+    text.lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|rest| rest.starts_with('{')) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// The second engine is killed while conversations go on (theirs move to the first), then
+/// started again: the scorer indexes the new engine from its events.
+async fn engine_restart(s: &mut Stack, engines: &mut [Engine], conversations: &mut [Conversation]) {
+    let victim = engines[1].name.clone();
+    engines[1].kill();
+    wait_healthy(s, &victim, false).await;
+    for (c, conversation) in conversations.iter_mut().enumerate().skip(4) {
+        let moved = conversation.engine.as_deref() == Some(victim.as_str());
+        if moved {
+            conversation.engine = None; // not a follow-up where its engine died
+        }
+        conversation.next(s, &format!("{:?}c{c}", s.path), 5).await;
+    }
+    engines[1].respawn();
+    engines[1].wait_ready().await;
+    wait_healthy(s, &victim, true).await;
+    // New prompts until one lands on the restarted engine: its (empty) cache exactly known.
+    for k in 0..16 {
+        let body = json!({"model": ENGINE_MODEL, "max_tokens": 2, "prompt": words(&format!("fresh{k}"), 400)});
+        let (_, engine) = s.exact(&format!("after the restart {k}"), "/v1/completions", &body).await;
+        if engine == victim {
+            let again = s.exact(&format!("after the restart {k} again"), "/v1/completions", &body).await;
+            assert_eq!(again.1, victim, "its prefix is known there");
+            return;
+        }
+    }
+    panic!("nothing was sent to the restarted engine {victim}");
+}
+
+/// Waits until the scorer has judged `sent` requests since `before` (their last reports may
+/// trail the answers); what it judged.
+async fn settled(s: &Stack, before: &Predictions, sent: u64) -> Predictions {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.predictions().await.since(before).total() < sent && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    s.predictions().await.since(before)
+}
+
+/// `clients` at once, each a conversation of `turns` turns on the chat API (streamed): how
+/// many requests were sent. Every answer must be a 200.
+async fn loaded(s: &Stack, clients: usize, turns: usize) -> u64 {
+    let url = format!("{}/v1/chat/completions", s.envoy.url);
+    let tasks: Vec<_> = (0..clients)
+        .map(|c| {
+            let (client, url) = (s.client.clone(), url.clone());
+            tokio::spawn(async move {
+                let mut conversation =
+                    Conversation::new("/v1/chat/completions", ENGINE_MODEL, words(&format!("load{c}"), 300));
+                for n in 0..turns {
+                    let question = words(&format!("lq{c}{n}"), 20);
+                    let answer = send(&client, &url, &conversation.request(&question, true)).await;
+                    assert_eq!(answer.status, 200, "client {c} turn {n}");
+                    conversation.turns.push((question, answer.text));
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("client");
+    }
+    (clients * turns) as u64
+}
+
+/// The simulator against `engine` (fresh: nothing cached), configured alike: one trace of
+/// `requests`, one request at a time to each.
+async fn simulator_agrees(engine: &Engine, kv_blocks: u64, max_loras: u32, requests: usize) {
+    let tokenizer = qwen3_tokenizer();
+    let (blocks, loras, block_size) = (kv_blocks.to_string(), max_loras.to_string(), ENGINE_BLOCK_SIZE.to_string());
+    let sim = Sim::start(
+        "sim",
+        &[
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--model",
+            ENGINE_MODEL,
+            "--lora-module",
+            ENGINE_ADAPTER,
+            "--max-loras",
+            &loras,
+            "--block-size",
+            &block_size,
+            "--num-blocks",
+            &blocks,
+            "--max-model-len",
+            "4096",
+            "--time-scale",
+            "0",
+        ],
+    )
+    .await;
+    let counters = (
+        EvictionCounter::subscribe(&engine.events).await.expect("engine events"),
+        EvictionCounter::subscribe(&sim.events).await.expect("simulator events"),
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await; // subscriptions settle
+    let steps = trace(ENGINE_MODEL, ENGINE_ADAPTER, requests, 46);
+    let compared = compare(&engine.url, &sim.url, (&counters.0, &counters.1), &steps, |_, _| {}).await.expect("trace");
+    println!("simulator against {} ({kv_blocks} blocks):\n{}", engine.name, table(&compared));
+    let (equal, all) = compared.equal(None);
+    assert!(equal * 100 >= all * 99, "cached tokens equal on {equal} of {all} requests");
+    assert_eq!(compared.engine_evicted, compared.sim_evicted, "blocks evicted");
+    for kind in ["conversation", "document", "adapter"] {
+        assert!(compared.equal(Some(kind)).1 > 0, "the trace has {kind} requests");
+    }
+    assert!(compared.engine_evicted > 0 && compared.sim_evicted > 0, "the trace evicts: {compared:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_engines_under_kvgate_on_every_way_in() {
+    // One roomy engine and one with a small cache (evictions), each on its own core, both
+    // able to run the adapter.
+    let options = |kv_blocks, cpu| EngineOptions { kv_blocks, cpu, max_loras: 1, ..EngineOptions::default() };
+    let mut engines = [Engine::spawn("engine-a", &options(512, 0)), Engine::spawn("engine-b", &options(192, 1))];
+    for e in engines.iter_mut() {
+        e.wait_ready().await;
+    }
+    simulator_agrees(&engines[1], 192, 1, 300).await;
+    for (path, restart_engine) in [(Path::Wasm, true), (Path::Native, false), (Path::Epp, false)] {
+        leg(path, &mut engines, restart_engine).await;
+    }
+}
