@@ -487,8 +487,9 @@ impl Engine {
             });
         }
         let needed = (prompt + output).div_ceil(self.config.block_size) * self.groups();
-        if needed > self.config.num_blocks {
-            return Err(EngineError::TooManyBlocks { needed, available: self.config.num_blocks });
+        let available = self.pool.num_blocks();
+        if needed > available {
+            return Err(EngineError::TooManyBlocks { needed, available });
         }
         let id = self.next_id;
         self.next_id += 1;
