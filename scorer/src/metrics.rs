@@ -46,6 +46,7 @@ pub struct Metrics {
     pub engine_restarts: IntCounterVec,
     pub output_tokens: IntCounter,
     pub scrape_failures: IntCounterVec,
+    pub scrapes_late: IntCounterVec,
     pub index_blocks: GaugeVec,
     pub index_entries: GaugeVec,
     pub inflight_requests: GaugeVec,
@@ -178,7 +179,11 @@ impl Metrics {
                 "How long those waits for the scorer's state took.",
                 buckets(),
             ),
-            route_streams: r.int_gauge("route_streams", "Route streams open (one per Envoy worker and filter)."),
+            route_streams: r.int_gauge(
+                "route_streams",
+                "Route streams and sockets open: one per Envoy worker and filter, and one more per Envoy for the wasm \
+                 filter (its VM on Envoy's main thread keeps one too).",
+            ),
             prompt_tokens: r.counter("routed_prompt_tokens_total", "Prompt tokens of routed requests."),
             cached_tokens: r.counter("routed_cached_tokens_total", "Of those, tokens cached on the chosen pod."),
             kv_events: r.counters("kv_events_total", "KV events applied, by type.", &["pod", "type"]),
@@ -278,6 +283,11 @@ impl Metrics {
                 "Completion tokens of finished requests (from their usage).",
             ),
             scrape_failures: r.counters("scrape_failures_total", "Failed scrapes of a pod's /metrics.", &["pod"]),
+            scrapes_late: r.counters(
+                "scrapes_late_total",
+                "Scrapes of a pod's /metrics not answered in time while its engine sent KV events (busy, not down).",
+                &["pod"],
+            ),
             index_blocks: r.gauges(
                 "index_blocks",
                 "Blocks indexed per pod: on its GPU by index (precise, approximate), and offloaded.",

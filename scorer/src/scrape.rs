@@ -40,6 +40,7 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: String) {
                 None => Scrape::Failed,
             },
             Err(e) if e.is_connect() => Scrape::Refused,
+            Err(e) if e.is_timeout() => Scrape::TimedOut,
             _ => Scrape::Failed,
         };
         let answered = matches!(scrape, Scrape::Answered { .. });

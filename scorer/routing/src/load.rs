@@ -258,6 +258,10 @@ pub struct LoadTracker {
     config: LoadConfig,
     pods: PodMap<PodState>,
     requests: AHashMap<BookingKey, Inflight>,
+    /// Bookings dropped with their pod (it went down while they were in flight): their
+    /// pod and expiry. Their proxies still report their end; those reports are theirs, not
+    /// unknown.
+    ended_with_pod: AHashMap<BookingKey, (PodId, f64)>,
     speeds: PodSpeeds,
     output_share: OutputShare,
     expired: u64,
@@ -321,6 +325,7 @@ impl LoadTracker {
             config,
             pods: PodMap::default(),
             requests: AHashMap::new(),
+            ended_with_pod: AHashMap::new(),
             speeds,
             output_share,
             expired: 0,
@@ -331,6 +336,7 @@ impl LoadTracker {
     /// in flight is released first (a retried request replaces its earlier booking).
     pub fn book(&mut self, key: &BookingKey, booking: &Booking<'_>, now: f64) -> Arc<[SequenceHash]> {
         self.release(key);
+        self.ended_with_pod.remove(key);
         let output = booking.max_output_tokens.unwrap_or(self.config.default_output_tokens);
         let partial_block = !(booking.prompt_tokens as usize).is_multiple_of(self.block_size);
         let mut req = Inflight {
@@ -440,7 +446,13 @@ impl LoadTracker {
     /// Applies a lifecycle report.
     pub fn report(&mut self, key: &BookingKey, event: Lifecycle, now: f64) -> Result<PodId, UnknownRequest> {
         let Some(req) = self.requests.get_mut(key) else {
-            return Err(UnknownRequest::of(key));
+            let Some(&(pod, _)) = self.ended_with_pod.get(key) else {
+                return Err(UnknownRequest::of(key));
+            };
+            if event != Lifecycle::FirstToken {
+                self.ended_with_pod.remove(key);
+            }
+            return Ok(pod);
         };
         let pod = req.pod;
         // The end of the pod's prefill: the first token, or a prefill leg done.
@@ -532,6 +544,7 @@ impl LoadTracker {
         for id in &stale {
             self.release(id);
         }
+        self.ended_with_pod.retain(|_, &mut (_, expires_at)| expires_at > now);
         self.expired += stale.len() as u64;
         stale.len()
     }
@@ -558,11 +571,14 @@ impl LoadTracker {
         self.expired
     }
 
-    /// Drops every booking of a pod (it died or left).
+    /// Drops every booking of a pod (it died or left); their ends, still to be reported,
+    /// are recognised until they would have expired.
     pub fn clear_pod(&mut self, pod: PodId) {
         let state = std::mem::take(self.pods.get_mut(pod));
         for id in state.inflight {
-            self.requests.remove(&id);
+            if let Some(req) = self.requests.remove(&id) {
+                self.ended_with_pod.insert(id, (pod, req.expires_at));
+            }
         }
     }
 
@@ -929,15 +945,23 @@ mod tests {
     }
 
     #[test]
-    fn clearing_a_pod_drops_its_bookings() {
+    fn clearing_a_pod_drops_its_bookings_and_knows_their_ends() {
         let (mut t, a, b) = tracker();
         let c = chain(2);
         t.book(&k("1"), &eight_tokens(a, &c), 0.0);
         t.book(&k("2"), &eight_tokens(b, &c), 0.0);
+        t.book(&k("3"), &eight_tokens(a, &c), 0.0);
         t.clear_pod(a);
         assert_eq!(t.load(a, 0.0), PodLoad::default());
         assert_eq!(t.inflight(), 1);
-        assert!(t.report(&k("1"), Lifecycle::Done, 0.0).is_err());
+        // The proxies still report how they ended: theirs, once, changing nothing.
+        assert_eq!(t.report(&k("1"), Lifecycle::FirstToken, 1.0), Ok(a));
+        assert_eq!(t.report(&k("1"), Lifecycle::Cancelled, 1.0), Ok(a));
+        assert!(t.report(&k("1"), Lifecycle::Done, 1.0).is_err(), "ended once");
+        assert_eq!(t.load(a, 1.0), PodLoad::default());
+        // Remembered until they would have expired.
+        t.expire(61.0);
+        assert!(t.report(&k("3"), Lifecycle::Done, 61.0).is_err());
     }
 
     #[test]

@@ -862,7 +862,7 @@ impl Router {
     }
 
     /// The pod is unhealthy: not chosen until it reports again; its in-flight bookings are
-    /// released (they will not report back in any useful way).
+    /// released (their proxies' reports of how they ended are still recognised).
     pub fn unhealthy(&mut self, pod: PodId) {
         let state = &mut self.pods[pod.index()];
         state.healthy = false;

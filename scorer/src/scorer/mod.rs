@@ -67,6 +67,8 @@ struct PodHealth {
     /// The engine's `process_start_time_seconds`, as last scraped.
     started_at: Option<f64>,
     events_received: u64,
+    /// A KV-event batch arrived since its last scrape (a sign of life).
+    events_since_scrape: bool,
     event_gaps: u64,
     batches_missed: u64,
     batches_stale: u64,
@@ -631,5 +633,27 @@ mod tests {
         assert!(s.lock().router.is_healthy(a));
         s.scraped(a, Scrape::Failed);
         assert!(!s.lock().router.is_healthy(a));
+    }
+
+    #[test]
+    fn a_late_scrape_of_an_engine_sending_events_is_not_a_failure() {
+        let s = scorer("");
+        let a = PodId(0);
+        let healthy = |s: &Scorer| s.lock().router.is_healthy(a);
+        // Busy: every scrape times out, but its engine stores blocks between them.
+        for _ in 0..5 {
+            s.apply_events(a, &stored(1, 16));
+            s.scraped(a, Scrape::TimedOut);
+        }
+        assert!(healthy(&s), "late while it sends events: in");
+        assert_eq!(s.metrics.scrapes_late.with_label_values(&["a"]).get(), 5);
+        assert_eq!(s.metrics.scrape_failures.with_label_values(&["a"]).get(), 0);
+        // Silent: timeouts count, as do error answers while it sends events.
+        s.scraped(a, Scrape::TimedOut);
+        s.apply_events(a, &stored(1, 16));
+        s.scraped(a, Scrape::Failed);
+        assert!(healthy(&s));
+        s.scraped(a, Scrape::TimedOut);
+        assert!(!healthy(&s), "three failures in a row: out");
     }
 }

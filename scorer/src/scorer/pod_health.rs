@@ -17,8 +17,12 @@ pub enum Scrape {
     Answered { load: ReportedLoad, started_at: Option<f64>, adapters: Option<PodAdapters>, block_size: Option<usize> },
     /// The connection was refused or reset: nothing listens there (down at once).
     Refused,
-    /// A timeout, an error status, a page without vLLM's metrics (down after
-    /// `health.unhealthy_after` in a row: a busy pod may be slow to answer).
+    /// No answer within `health.scrape_timeout_ms`: a failure (below) unless the pod's
+    /// engine sent KV events since its last scrape — a busy engine's `/metrics` can answer
+    /// late while it serves, and its events show it alive.
+    TimedOut,
+    /// An error status, a page without vLLM's metrics, a timeout of a silent pod (down
+    /// after `health.unhealthy_after` in a row).
     Failed,
 }
 
@@ -101,7 +105,9 @@ impl Scorer {
                 self.engine_block_size(&mut core, pod, block_size, "KV events");
             }
             core.router.apply_events(pod, batch);
-            core.health(pod).events_received += 1;
+            let health = core.health(pod);
+            health.events_received += 1;
+            health.events_since_scrape = true;
             core.info(pod)
         };
         for (kind, n) in [("block_stored", stored), ("block_removed", removed), ("all_blocks_cleared", cleared)] {
@@ -200,6 +206,7 @@ impl Scorer {
             return; // removed by discovery while this scrape was in flight
         }
         let was_healthy = core.router.is_healthy(pod);
+        let events_since_scrape = std::mem::take(&mut core.health(pod).events_since_scrape);
         match scrape {
             Scrape::Answered { load, started_at, adapters, block_size } => {
                 if let Some(block_size) = block_size {
@@ -236,7 +243,10 @@ impl Scorer {
                 self.metrics.scrape_failures.with_label_values(&[core.name(pod)]).inc();
                 self.pod_down(core, pod, DownReason::ScrapeRefused, now);
             }
-            Scrape::Failed => {
+            Scrape::TimedOut if events_since_scrape => {
+                self.metrics.scrapes_late.with_label_values(&[core.name(pod)]).inc();
+            }
+            Scrape::TimedOut | Scrape::Failed => {
                 self.metrics.scrape_failures.with_label_values(&[core.name(pod)]).inc();
                 let health = &mut core.health(pod);
                 health.consecutive_failures += 1;
