@@ -264,8 +264,18 @@ async fn wait_healthy(s: &Stack, engine: &str, healthy: bool) {
     s.scorer.wait_pod(engine, Duration::from_secs(120), |p| p["healthy"] == healthy).await;
 }
 
+/// How the engine-restart phase stops an engine.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stop {
+    /// SIGKILL while idle.
+    Kill,
+    /// SIGTERM (a rolling update's) while streams are in flight on it: it drains them
+    /// (`--shutdown-timeout`).
+    Terminate,
+}
+
 /// Everything the leg checks of one way in; `restart_engine`: the engine-restart phase too.
-async fn leg(path: Path, engines: &mut [Engine], restart_engine: bool) {
+async fn leg(path: Path, engines: &mut [Engine], restart_engine: Option<Stop>) {
     let mut s = Stack::start(path, engines).await;
     let started = Instant::now();
     println!("{path:?}: scorer ready, rebuilt from the engines' replay buffers");
@@ -341,8 +351,8 @@ async fn leg(path: Path, engines: &mut [Engine], restart_engine: bool) {
         conversation.next(&mut s, &format!("{path:?}c{c}"), 4).await;
     }
 
-    if restart_engine {
-        engine_restart(&mut s, engines, &mut conversations).await;
+    if let Some(stop) = restart_engine {
+        engine_restart(&mut s, engines, &mut conversations, stop).await;
     }
 
     // Load: clients at once, each its own conversation, every request judged after. Past
@@ -352,9 +362,11 @@ async fn leg(path: Path, engines: &mut [Engine], restart_engine: bool) {
     // credit the engine did not hold (`over`), never less than it served (`under`).
     let before =
         (s.predictions().await, path.failed_open(&s.envoy).await, s.scorer_counter("kvgate_pods_down_total").await);
+    let scrape_failures = s.scorer_counter("kvgate_scrape_failures_total").await;
     let sent = loaded(&s, 8, 6).await;
     let verdicts = settled(&s, &before.0, sent).await;
-    println!("{path:?}: under load {verdicts:?}");
+    let scrape_failures = s.scorer_counter("kvgate_scrape_failures_total").await - scrape_failures;
+    println!("{path:?}: under load {verdicts:?}, {scrape_failures} scrapes failed");
     assert_eq!(
         (verdicts.exact + verdicts.evicted, verdicts.over, verdicts.under),
         (sent, 0, 0),
@@ -398,6 +410,14 @@ async fn leg(path: Path, engines: &mut [Engine], restart_engine: bool) {
     );
     assert!(f64::from(home) >= 0.95 * f64::from(follow_ups), "{path:?}: {home} of {follow_ups} follow-ups stayed");
     assert_eq!(s.scorer_counter("kvgate_lifecycle_unknown_total").await, 0, "{path:?}: every report named a request");
+    // One Envoy worker: one route stream or socket, whatever happened on the way (the wasm
+    // filter's VM on Envoy's main thread keeps one too); the picker needs none.
+    let route_streams = match path {
+        Path::Wasm => 2,
+        Path::Native => 1,
+        Path::Epp => 0,
+    };
+    assert_eq!(s.scorer_counter("kvgate_route_streams").await, route_streams, "{path:?}: route streams");
 }
 
 /// The sum of the scorer's samples of `name` whose labels include `label`.
@@ -411,9 +431,12 @@ async fn samples(s: &Stack, name: &str, label: &str) -> f64 {
 
 /// The second engine is killed while conversations go on (theirs move to the first), then
 /// started again: the scorer indexes the new engine from its events.
-async fn engine_restart(s: &mut Stack, engines: &mut [Engine], conversations: &mut [Conversation]) {
+async fn engine_restart(s: &mut Stack, engines: &mut [Engine], conversations: &mut [Conversation], stop: Stop) {
     let victim = engines[1].name.clone();
-    engines[1].kill();
+    match stop {
+        Stop::Kill => engines[1].kill(),
+        Stop::Terminate => streams_drained_by_a_stopping_engine(s, &engines[1]).await,
+    }
     wait_healthy(s, &victim, false).await;
     for (c, conversation) in conversations.iter_mut().enumerate().skip(4) {
         let moved = conversation.engine.as_deref() == Some(victim.as_str());
@@ -436,6 +459,36 @@ async fn engine_restart(s: &mut Stack, engines: &mut [Engine], conversations: &m
         }
     }
     panic!("nothing was sent to the restarted engine {victim}");
+}
+
+/// Long streams on both engines, then SIGTERM to `engine` (a rolling update's): it drains —
+/// every stream ends whole, none cut or left hanging — and their bookings end.
+async fn streams_drained_by_a_stopping_engine(s: &Stack, engine: &Engine) {
+    let url = format!("{}/v1/completions", s.envoy.url);
+    let streams: Vec<_> = (0..4)
+        .map(|k| {
+            let (client, url) = (s.client.clone(), url.clone());
+            let body = json!({"model": ENGINE_MODEL, "prompt": words(&format!("longstream{k}"), 200), "max_tokens": 300,
+                              "ignore_eos": true, "stream": true});
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let answer = client.post(url).json(&body).send().await;
+                let whole = match answer {
+                    Ok(r) => r.text().await.is_ok_and(|t| t.trim_end().ends_with("data: [DONE]")),
+                    Err(_) => false,
+                };
+                (whole, started.elapsed())
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    engine.terminate();
+    for stream in streams {
+        let (whole, took) = stream.await.expect("stream task");
+        assert!(whole, "{:?}: a stream was cut by its engine's SIGTERM (after {took:?})", s.path);
+    }
+    println!("{:?}: SIGTERM to {} with 4 streams in flight: all ended whole", s.path, engine.name);
+    s.scorer.wait_idle(Duration::from_secs(10)).await;
 }
 
 /// Waits until the scorer has judged `sent` requests since `before` (their last reports may
@@ -520,14 +573,22 @@ async fn simulator_agrees(engine: &Engine, kv_blocks: u64, max_loras: u32, reque
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_engines_under_kvgate_on_every_way_in() {
     // One roomy engine and one with a small cache (evictions), each on its own core, both
-    // able to run the adapter.
-    let options = |kv_blocks, cpu| EngineOptions { kv_blocks, cpu, max_loras: 1, ..EngineOptions::default() };
+    // able to run the adapter, both draining on SIGTERM as deploy/base/vllm.yaml's do.
+    let options = |kv_blocks, cpu| EngineOptions {
+        kv_blocks,
+        cpu,
+        max_loras: 1,
+        extra: vec!["--shutdown-timeout".into(), "30".into()],
+        ..EngineOptions::default()
+    };
     let mut engines = [Engine::spawn("engine-a", &options(512, 0)), Engine::spawn("engine-b", &options(192, 1))];
     for e in engines.iter_mut() {
         e.wait_ready().await;
     }
     simulator_agrees(&engines[1], 192, 1, 300).await;
-    for (path, restart_engine) in [(Path::Wasm, true), (Path::Native, false), (Path::Epp, false)] {
+    for (path, restart_engine) in
+        [(Path::Wasm, Some(Stop::Kill)), (Path::Native, None), (Path::Epp, Some(Stop::Terminate))]
+    {
         leg(path, &mut engines, restart_engine).await;
     }
 }

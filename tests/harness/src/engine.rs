@@ -156,9 +156,10 @@ impl Engine {
         let _ = self.child.wait();
     }
 
-    /// Asks the engine to stop (SIGTERM to the API server, which stops the rest).
+    /// Asks the engine to stop as Kubernetes does: SIGTERM to the API server alone, which
+    /// stops the rest (draining first with `--shutdown-timeout`).
     pub fn terminate(&self) {
-        signal_group(self.child.id(), "-TERM");
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
     }
 
     /// Starts the engine again on the same ports and flags (an empty cache, its event
