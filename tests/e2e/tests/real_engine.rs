@@ -10,8 +10,11 @@
 //! every request of every API, through conversations, a LoRA adapter the scorer learns from
 //! the engines, block-aligned prompts, retries and regenerations, evictions, a scorer restart
 //! (the index rebuilt from the engines' replay buffers) and an engine restart. Then, under
-//! load (clients at once), every request still `exact`, none failing open and no engine
-//! marked down; an engine's own refusals (404, 400) counted as error statuses.
+//! load (clients at once), every request `exact` or `evicted` (the engine evicted a credited
+//! block while it waited), none failing open and no engine marked down; an engine's own
+//! refusals (404, 400) counted as error statuses; an engine stopped as a rolling update stops
+//! it finishing its streams. Last, prefill/decode: a prefill and a decode engine with vLLM's
+//! NIXL connector, the KV moved between them.
 //!
 //! No block size and no adapter is configured: the scorer learns both from the engines.
 
@@ -103,21 +106,27 @@ struct Stack {
 
 impl Stack {
     async fn start(path: Path, engines: &[Engine]) -> Stack {
+        let pods: Vec<_> = engines.iter().map(|e| (e, "both")).collect();
+        Stack::start_with(path, &pods, "").await
+    }
+
+    /// A stack in front of `pods` (an engine and its role), `config` added to the scorer's.
+    async fn start_with(path: Path, pods: &[(&Engine, &str)], config: &str) -> Stack {
         let mut config = format!(
-            "tokenizer: {}\nhealth: {{scrape_interval_ms: 200}}\n{}pods:\n",
+            "tokenizer: {}\nhealth: {{scrape_interval_ms: 200}}\n{}{config}pods:\n",
             qwen3_tokenizer().display(),
             path.scorer_config()
         );
-        for e in engines {
+        for (e, role) in pods {
             config.push_str(&format!(
-                "  - {{name: {}, address: '127.0.0.1:{}', kv_events: '{}', kv_events_replay: '{}', metrics: '{}/metrics'}}\n",
+                "  - {{name: {}, role: {role}, address: '127.0.0.1:{}', kv_events: '{}', kv_events_replay: '{}', metrics: '{}/metrics'}}\n",
                 e.name, e.port, e.events, e.replay, e.url
             ));
         }
         let scorer = ScorerProcess::start(&config).await;
         scorer.wait_ready(Duration::from_secs(30)).await;
         let envoy = EnvoyProcess::start_patched(&scorer.config_path, &path.envoy_flags(), name_the_upstream).await;
-        let names = engines.iter().map(|e| (format!("127.0.0.1:{}", e.port), e.name.clone())).collect();
+        let names = pods.iter().map(|(e, _)| (format!("127.0.0.1:{}", e.port), e.name.clone())).collect();
         let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
         Stack { path, scorer, envoy, client, names, follow_ups: (0, 0), checked: 0 }
     }
@@ -264,18 +273,18 @@ async fn wait_healthy(s: &Stack, engine: &str, healthy: bool) {
     s.scorer.wait_pod(engine, Duration::from_secs(120), |p| p["healthy"] == healthy).await;
 }
 
-/// How the engine-restart phase stops an engine.
+/// How a leg stops the second engine, beyond what every leg checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stop {
-    /// SIGKILL while idle.
-    Kill,
-    /// SIGTERM (a rolling update's) while streams are in flight on it: it drains them
-    /// (`--shutdown-timeout`).
+    /// SIGKILL while conversations go on, then started again ([`engine_restart`]).
+    KillAndRestart,
+    /// At the end, SIGTERM (a rolling update's) while streams are in flight on it: it drains
+    /// them (`--shutdown-timeout`, [`streams_drained_by_a_stopping_engine`]).
     Terminate,
 }
 
-/// Everything the leg checks of one way in; `restart_engine`: the engine-restart phase too.
-async fn leg(path: Path, engines: &mut [Engine], restart_engine: Option<Stop>) {
+/// Everything the leg checks of one way in, and `stop`.
+async fn leg(path: Path, engines: &mut [Engine], stop: Option<Stop>) {
     let mut s = Stack::start(path, engines).await;
     let started = Instant::now();
     println!("{path:?}: scorer ready, rebuilt from the engines' replay buffers");
@@ -351,8 +360,8 @@ async fn leg(path: Path, engines: &mut [Engine], restart_engine: Option<Stop>) {
         conversation.next(&mut s, &format!("{path:?}c{c}"), 4).await;
     }
 
-    if let Some(stop) = restart_engine {
-        engine_restart(&mut s, engines, &mut conversations, stop).await;
+    if stop == Some(Stop::KillAndRestart) {
+        engine_restart(&mut s, engines, &mut conversations).await;
     }
 
     // Load: clients at once, each its own conversation, every request judged after. Past
@@ -409,6 +418,10 @@ async fn leg(path: Path, engines: &mut [Engine], restart_engine: Option<Stop>) {
         started.elapsed()
     );
     assert!(f64::from(home) >= 0.95 * f64::from(follow_ups), "{path:?}: {home} of {follow_ups} follow-ups stayed");
+    if stop == Some(Stop::Terminate) {
+        streams_drained_by_a_stopping_engine(&s, &engines[1]).await;
+        wait_healthy(&s, &engines[1].name, false).await;
+    }
     assert_eq!(s.scorer_counter("kvgate_lifecycle_unknown_total").await, 0, "{path:?}: every report named a request");
     // One Envoy worker: one route stream or socket, whatever happened on the way (the wasm
     // filter's VM on Envoy's main thread keeps one too); the picker needs none.
@@ -431,12 +444,9 @@ async fn samples(s: &Stack, name: &str, label: &str) -> f64 {
 
 /// The second engine is killed while conversations go on (theirs move to the first), then
 /// started again: the scorer indexes the new engine from its events.
-async fn engine_restart(s: &mut Stack, engines: &mut [Engine], conversations: &mut [Conversation], stop: Stop) {
+async fn engine_restart(s: &mut Stack, engines: &mut [Engine], conversations: &mut [Conversation]) {
     let victim = engines[1].name.clone();
-    match stop {
-        Stop::Kill => engines[1].kill(),
-        Stop::Terminate => streams_drained_by_a_stopping_engine(s, &engines[1]).await,
-    }
+    engines[1].kill();
     wait_healthy(s, &victim, false).await;
     for (c, conversation) in conversations.iter_mut().enumerate().skip(4) {
         let moved = conversation.engine.as_deref() == Some(victim.as_str());
@@ -489,6 +499,46 @@ async fn streams_drained_by_a_stopping_engine(s: &Stack, engine: &Engine) {
     }
     println!("{:?}: SIGTERM to {} with 4 streams in flight: all ended whole", s.path, engine.name);
     s.scorer.wait_idle(Duration::from_secs(10)).await;
+}
+
+/// Prefill/decode on real engines, through the wasm filter (it sends the prefill leg itself
+/// and hands the prefill engine's `kv_transfer_params` to the decode engine, whose NIXL
+/// connector pulls the KV): long prompts take the P/D path and their KV moves; the decode
+/// engine then holds the prompt, and the conversation's next turn goes to it directly, its
+/// cached tokens as predicted.
+async fn pd_leg(prefill: &Engine, decode: &Engine) {
+    let path = Path::Wasm;
+    let mut s =
+        Stack::start_with(path, &[(prefill, "prefill"), (decode, "decode")], "pd: {threshold_tokens: 256}\n").await;
+    let transfers = decode.metric("vllm:nixl_xfer_time_seconds_count").await;
+    let prefilled = prefill.metric("vllm:prompt_tokens_total").await;
+    let url = format!("{}/v1/completions", s.envoy.url);
+    let n = 4;
+    for k in 0..n {
+        let prompt = words(&format!("handover{k}"), 400);
+        let body = match k % 2 {
+            0 => json!({"model": ENGINE_MODEL, "prompt": prompt, "max_tokens": 8}),
+            _ => json!({"model": ENGINE_MODEL, "prompt": prompt, "max_tokens": 8, "stream": true,
+                        "stream_options": {"include_usage": true}}),
+        };
+        let answer = send(&s.client, &url, &body).await;
+        assert_eq!(answer.status, 200, "P/D {k}: {:?}", answer.error);
+        assert_eq!(answer.pod.as_deref().and_then(|p| s.names.get(p)), Some(&decode.name), "P/D {k}: decoded there");
+        let next = json!({"model": ENGINE_MODEL, "prompt": format!("{prompt} and then"), "max_tokens": 2});
+        let (answer, engine) = s.exact(&format!("P/D {k}, next turn"), "/v1/completions", &next).await;
+        assert_eq!(engine, decode.name, "P/D {k}: the next turn went where the KV was moved");
+        assert!(answer.cached_tokens > 0, "P/D {k}: the decode engine holds the moved prompt");
+    }
+    s.scorer.wait_idle(Duration::from_secs(10)).await;
+    assert_eq!(decode.metric("vllm:nixl_xfer_time_seconds_count").await - transfers, f64::from(n), "KV transfers");
+    assert!(prefill.metric("vllm:prompt_tokens_total").await - prefilled >= f64::from(n * 400), "prefill legs");
+    assert_eq!(s.envoy.stat("wasmcustom.kvgate_pd_prefill_ok").await, u64::from(n), "prefill legs handed over");
+    assert_eq!(s.scorer.metric("kvgate_decisions_by_path_total{path=\"pd\"}").await as u32, n);
+    assert_eq!(path.failed_open(&s.envoy).await, 0);
+    println!(
+        "P/D: {n} prompts prefilled on {}, their KV moved by NIXL to {}, next turns exact there",
+        prefill.name, decode.name
+    );
 }
 
 /// Waits until the scorer has judged `sent` requests since `before` (their last reports may
@@ -586,9 +636,18 @@ async fn real_engines_under_kvgate_on_every_way_in() {
         e.wait_ready().await;
     }
     simulator_agrees(&engines[1], 192, 1, 300).await;
-    for (path, restart_engine) in
-        [(Path::Wasm, Some(Stop::Kill)), (Path::Native, None), (Path::Epp, Some(Stop::Terminate))]
+    for (path, stop) in
+        [(Path::Wasm, Some(Stop::KillAndRestart)), (Path::Native, None), (Path::Epp, Some(Stop::Terminate))]
     {
-        leg(path, &mut engines, restart_engine).await;
+        leg(path, &mut engines, stop).await;
     }
+    // A prefill and a decode engine with vLLM's NIXL connector, once the others are gone
+    // (its worker polls a core even while idle).
+    drop(engines);
+    let pd = |cpu| EngineOptions { kv_blocks: 512, cpu, kv_transfer: true, ..EngineOptions::default() };
+    let mut pd_engines = [Engine::spawn("prefill-a", &pd(0)), Engine::spawn("decode-b", &pd(1))];
+    for e in pd_engines.iter_mut() {
+        e.wait_ready().await;
+    }
+    pd_leg(&pd_engines[0], &pd_engines[1]).await;
 }

@@ -45,13 +45,24 @@ pub struct EngineOptions {
     pub max_model_len: u32,
     /// Serve [`ENGINE_ADAPTER`] (LoRA enabled, up to this many adapters at once); 0: no LoRA.
     pub max_loras: u32,
+    /// Run vLLM's NIXL connector (`kv_both`, KV buffers in host memory, its side channel on
+    /// a fresh loopback port): the engine can prefill for another or decode what another
+    /// prefilled.
+    pub kv_transfer: bool,
     /// More `vllm serve` flags.
     pub extra: Vec<String>,
 }
 
 impl Default for EngineOptions {
     fn default() -> Self {
-        EngineOptions { kv_blocks: 1024, cpu: 0, max_model_len: 4096, max_loras: 0, extra: Vec::new() }
+        EngineOptions {
+            kv_blocks: 1024,
+            cpu: 0,
+            max_model_len: 4096,
+            max_loras: 0,
+            kv_transfer: false,
+            extra: Vec::new(),
+        }
     }
 }
 
@@ -60,7 +71,7 @@ impl Default for EngineOptions {
 pub struct Engine {
     child: Child,
     args: Vec<String>,
-    cpu: usize,
+    env: Vec<(String, String)>,
     pub name: String,
     pub url: String,
     pub port: u16,
@@ -113,13 +124,21 @@ impl Engine {
             args.extend(["--max-lora-rank".into(), "8".into(), "--lora-modules".into()]);
             args.push(format!("{ENGINE_ADAPTER}={}", dir.join("adapter").display()));
         }
+        let mut env = vec![("VLLM_CPU_OMP_THREADS_BIND".to_string(), options.cpu.to_string())];
+        if options.kv_transfer {
+            let connector =
+                serde_json::json!({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"});
+            args.extend(["--kv-transfer-config".into(), connector.to_string()]);
+            env.push(("VLLM_NIXL_SIDE_CHANNEL_HOST".into(), "127.0.0.1".into()));
+            env.push(("VLLM_NIXL_SIDE_CHANNEL_PORT".into(), free_port().to_string()));
+        }
         args.extend(options.extra.iter().cloned());
         let log = std::env::temp_dir().join(format!("kvgate-engine-{name}-{port}.log"));
-        let child = spawn_engine(&args, options.cpu, &log);
+        let child = spawn_engine(&args, &env, &log);
         Engine {
             child,
             args,
-            cpu: options.cpu,
+            env,
             name: name.into(),
             url: format!("http://127.0.0.1:{port}"),
             port,
@@ -166,7 +185,7 @@ impl Engine {
     /// sequence from 0), without waiting for it.
     pub fn respawn(&mut self) {
         self.kill();
-        self.child = spawn_engine(&self.args, self.cpu, &self.log);
+        self.child = spawn_engine(&self.args, &self.env, &self.log);
     }
 
     /// The value of metric `name` (the sum of its samples) in the engine's `/metrics`.
@@ -179,7 +198,7 @@ impl Engine {
     }
 }
 
-fn spawn_engine(args: &[String], cpu: usize, log: &std::path::Path) -> Child {
+fn spawn_engine(args: &[String], env: &[(String, String)], log: &std::path::Path) -> Child {
     let dir = engine_dir();
     let out = std::fs::OpenOptions::new().create(true).append(true).open(log).expect("engine log");
     Command::new(dir.join("venv/bin/vllm"))
@@ -188,7 +207,7 @@ fn spawn_engine(args: &[String], cpu: usize, log: &std::path::Path) -> Child {
         .env("DO_NOT_TRACK", "1")
         .env("HF_HUB_OFFLINE", "1")
         .env("TRANSFORMERS_OFFLINE", "1")
-        .env("VLLM_CPU_OMP_THREADS_BIND", cpu.to_string())
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .env("VLLM_LOGGING_LEVEL", "WARNING")
         .stdin(Stdio::null())
         .stdout(out.try_clone().expect("engine log"))
