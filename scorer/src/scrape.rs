@@ -28,16 +28,15 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: String) {
     loop {
         interval.tick().await;
         let scrape = match client.get(&url).send().await {
-            Ok(r) if r.status().is_success() => match r.text().await.ok().and_then(|text| {
-                parse(&text).map(|load| Scrape::Answered {
+            Ok(r) if r.status().is_success() => match r.text().await {
+                Ok(text) => parse(&text).map_or(Scrape::Failed, |load| Scrape::Answered {
                     load,
                     started_at: process_start_time(&text),
                     adapters: adapters(&text),
                     block_size: block_size(&text),
-                })
-            }) {
-                Some(answered) => answered,
-                None => Scrape::Failed,
+                }),
+                Err(e) if e.is_timeout() => Scrape::TimedOut,
+                Err(_) => Scrape::Failed,
             },
             Err(e) if e.is_connect() => Scrape::Refused,
             Err(e) if e.is_timeout() => Scrape::TimedOut,
