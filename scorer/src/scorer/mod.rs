@@ -390,11 +390,19 @@ mod tests {
     use kvgate_routing::policy::ReportedLoad;
 
     fn scorer(extra: &str) -> Scorer {
-        let config = Config::parse(&format!(
+        scorer_of(&format!(
             "{extra}pods:\n  - {{name: a, address: '10.0.0.1:8000', metrics: 'http://10.0.0.1:8000/metrics'}}\n  - {{name: b, address: '10.0.0.2:8000'}}\n"
         ))
-        .unwrap();
-        Scorer::new(config, Tokenizer::fallback())
+    }
+
+    /// A scorer of configuration `yaml`, without an exact tokenizer.
+    fn scorer_of(yaml: &str) -> Scorer {
+        Scorer::new(Config::parse(yaml).unwrap(), Tokenizer::fallback())
+    }
+
+    /// A scrape that answered, stating the engine's start time and block size when given.
+    fn answered(started_at: Option<f64>, block_size: Option<usize>) -> Scrape {
+        Scrape::Answered { load: ReportedLoad::default(), started_at, adapters: None, block_size }
     }
 
     fn decide(s: &Scorer, id: &str) -> Pick {
@@ -481,11 +489,9 @@ mod tests {
     #[test]
     fn a_configured_slowness_applies_from_the_first_request() {
         let pods = |a: &str, b: &str| {
-            let config = Config::parse(&format!(
+            scorer_of(&format!(
                 "pods:\n  - {{name: a, address: '10.0.0.1:8000'{a}}}\n  - {{name: b, address: '10.0.0.2:8000'{b}}}\n"
             ))
-            .unwrap();
-            Scorer::new(config, Tokenizer::fallback())
         };
         let slowness = |s: &Scorer| s.pods_view().iter().map(|v| v.slowness).collect::<Vec<_>>();
         // Idle, with nothing cached: the pod declared faster is chosen, whichever it is.
@@ -519,11 +525,7 @@ mod tests {
 
     #[test]
     fn the_block_size_is_learned_from_the_first_engine_and_checked_against_the_others() {
-        let s = Scorer::new(
-            Config::parse("pods:\n  - {name: a, address: '10.0.0.1:8000'}\n  - {name: b, address: '10.0.0.2:8000'}\n")
-                .unwrap(),
-            Tokenizer::fallback(),
-        );
+        let s = scorer_of("pods:\n  - {name: a, address: '10.0.0.1:8000'}\n  - {name: b, address: '10.0.0.2:8000'}\n");
         let (a, b) = (PodId(0), PodId(1));
         assert_eq!(s.block_size(), crate::config::PROVISIONAL_BLOCK_SIZE, "none stated yet");
         s.apply_events(a, &stored(4, 32));
@@ -535,28 +537,17 @@ mod tests {
         assert_eq!(s.lock().router.index().pod_blocks(b), 0);
         assert_eq!(s.lock().router.index().stats(b).block_size_mismatches, 4);
         // A scrape states it too: b's metrics say 16 again (no new error), a's 32.
-        let answered = |block_size| Scrape::Answered {
-            load: ReportedLoad::default(),
-            started_at: None,
-            adapters: None,
-            block_size: Some(block_size),
-        };
+        let answered = |block_size| answered(None, Some(block_size));
         s.scraped(b, answered(16));
         s.scraped(a, answered(32));
         assert_eq!(s.block_size(), 32);
         // Configured, the size is the configuration's: an engine stating another is not indexed.
-        let s = Scorer::new(
-            Config::parse("block_size: 16\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n").unwrap(),
-            Tokenizer::fallback(),
-        );
+        let s = scorer_of("block_size: 16\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n");
         s.scraped(a, answered(32));
         s.apply_events(a, &stored(4, 32));
         assert_eq!((s.block_size(), s.lock().router.index().pod_blocks(a)), (16, 0));
         // Learned from a scrape before any event: the events that follow are indexed.
-        let s = Scorer::new(
-            Config::parse("pods:\n  - {name: a, address: '10.0.0.1:8000'}\n").unwrap(),
-            Tokenizer::fallback(),
-        );
+        let s = scorer_of("pods:\n  - {name: a, address: '10.0.0.1:8000'}\n");
         s.scraped(a, answered(32));
         s.apply_events(a, &stored(2, 32));
         assert_eq!((s.block_size(), s.lock().router.index().pod_blocks(a)), (32, 2));
@@ -604,12 +595,7 @@ mod tests {
             assert_eq!(pick.decode.id, a);
         };
         let blocks = |s: &Scorer| s.lock().router.pod_blocks(a);
-        let answered = |started_at| Scrape::Answered {
-            load: ReportedLoad::default(),
-            started_at: Some(started_at),
-            adapters: None,
-            block_size: None,
-        };
+        let answered = |started_at| answered(Some(started_at), None);
         s.scraped(a, answered(100.0));
         stored(&s);
         assert_eq!(blocks(&s), 4);

@@ -3,6 +3,7 @@
 //! measuring them from the client's side.
 
 pub mod failover;
+pub mod path;
 pub mod sim_check;
 
 use futures::StreamExt;

@@ -10,6 +10,9 @@
 //! engines hold the same blocks after each request.
 
 use kvgate_routing::events::{KvEvent, decode_batch};
+use kvgate_test_harness::{
+    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_MODEL, Engine, EngineOptions, Sim, qwen3_tokenizer,
+};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,6 +28,45 @@ pub struct Step {
     pub api: &'static str,
     pub body: Value,
     pub kind: &'static str,
+}
+
+/// `kvgate-sim` set up as `engine` (started with `options`) is — its model, adapter, block
+/// size, KV blocks, adapter slots and model length — in virtual time; and the blocks each of
+/// the two evicts from now on, counted from its events (engine's, simulator's).
+pub async fn simulator_beside(engine: &Engine, options: &EngineOptions) -> anyhow::Result<(Sim, [EvictionCounter; 2])> {
+    let tokenizer = qwen3_tokenizer();
+    let (blocks, loras, block_size, model_len) = (
+        options.kv_blocks.to_string(),
+        options.max_loras.to_string(),
+        ENGINE_BLOCK_SIZE.to_string(),
+        options.max_model_len.to_string(),
+    );
+    let tokenizer = tokenizer.to_str().expect("utf-8 path");
+    let sim = Sim::start(
+        "sim",
+        &[
+            "--tokenizer",
+            tokenizer,
+            "--model",
+            ENGINE_MODEL,
+            "--lora-module",
+            ENGINE_ADAPTER,
+            "--max-loras",
+            &loras,
+            "--block-size",
+            &block_size,
+            "--num-blocks",
+            &blocks,
+            "--max-model-len",
+            &model_len,
+            "--time-scale",
+            "0",
+        ],
+    )
+    .await;
+    let counters = [EvictionCounter::subscribe(&engine.events).await?, EvictionCounter::subscribe(&sim.events).await?];
+    tokio::time::sleep(Duration::from_millis(300)).await; // subscriptions settle
+    Ok((sim, counters))
 }
 
 /// A small deterministic generator (the trace is the same on every run and machine).

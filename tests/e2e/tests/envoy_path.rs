@@ -4,58 +4,14 @@
 //! scorer's Endpoint Picker over ext_proc (`Path::Epp`, in the bootstrap's default body
 //! mode). Every test runs on every path (`wasm::…`, `native::…` and `epp::…`).
 
+use kvgate_e2e::path::Path;
 use kvgate_test_harness::{
-    EPP_PORT, EnvoyProcess, ScorerProcess, Sim, envoy_validate, filter_native, filter_wasm, qwen3_tokenizer, root, text,
+    EnvoyProcess, ScorerProcess, Sim, envoy_validate, filter_native, filter_wasm, qwen3_tokenizer, root, text,
 };
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
 
 const MODEL: &str = "Qwen/Qwen3-8B";
-
-/// How Envoy asks kvgate.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Path {
-    /// The wasm filter calling the scorer's HTTP API.
-    Wasm,
-    /// The filter as an Envoy dynamic module, on its own route socket to the scorer.
-    Native,
-    /// The Endpoint Picker (ext_proc over gRPC, TLS with its self-signed certificate).
-    Epp,
-}
-
-impl Path {
-    /// The scorer configuration this path needs. A body limit given to Envoy
-    /// (`--body-limit-bytes`) is the picker's too: in streamed mode Envoy holds a body only
-    /// in flow-controlled pieces, so the picker enforces the limit (413).
-    fn scorer_config(self, envoy_flags: &[&str]) -> String {
-        let limit = envoy_flags.windows(2).find(|w| w[0] == "--body-limit-bytes").map(|w| w[1]);
-        match (self, limit) {
-            (Path::Wasm, _) => String::new(),
-            // The module on a Unix socket, as deployed beside the scorer (the garbage test's
-            // own configuration covers the module on TCP).
-            (Path::Native, _) => format!("route_socket_path: {}\n", unique_socket_path().display()),
-            (Path::Epp, None) => format!("epp: {{listen: '127.0.0.1:{EPP_PORT}'}}\n"),
-            (Path::Epp, Some(n)) => format!("epp: {{listen: '127.0.0.1:{EPP_PORT}', body_limit_bytes: {n}}}\n"),
-        }
-    }
-
-    /// `kvgate-envoy-config` flags for this path, then `extra`.
-    fn envoy_flags<'a>(self, extra: &[&'a str]) -> Vec<&'a str> {
-        let picker: &[&str] = match self {
-            Path::Wasm => &["--picker", "wasm"],
-            Path::Native => &["--picker", "native"],
-            Path::Epp => &["--picker", "epp"],
-        };
-        picker.iter().chain(extra).copied().collect()
-    }
-}
-
-/// A Unix socket path no other test of this run uses.
-fn unique_socket_path() -> std::path::PathBuf {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    std::env::temp_dir().join(format!("kvgate-e2e-{}-{n}.sock", std::process::id()))
-}
 
 /// The machine, shared by this file's tests; a test that compares latencies takes it alone
 /// (its figures would otherwise measure the other tests running beside it).
@@ -124,15 +80,7 @@ impl Stack {
 
     /// Requests Envoy let through without a decision (fail-open).
     async fn failed_open(&self) -> u64 {
-        failed_open(self.path, &self.envoy).await
-    }
-}
-
-async fn failed_open(path: Path, envoy: &EnvoyProcess) -> u64 {
-    match path {
-        Path::Wasm => envoy.stat("wasmcustom.kvgate_fail_open").await,
-        Path::Native => envoy.stat("kvgate.fail_open").await,
-        Path::Epp => envoy.stat("http.kvgate.ext_proc.failure_mode_allowed").await,
+        self.path.failed_open(&self.envoy).await
     }
 }
 
@@ -821,7 +769,7 @@ async fn a_scorer_answering_garbage_is_treated_as_down(path: Path) {
         let routed = if path == Path::Wasm { "wasmcustom.kvgate_routed" } else { "kvgate.routed" };
         assert_eq!(open.stat(routed).await, 0, "no garbage decision was followed");
     }
-    assert_eq!(failed_open(path, &open).await, 6);
+    assert_eq!(path.failed_open(&open).await, 6);
 }
 
 async fn a_pod_killed_costs_no_request_that_had_not_started(path: Path) {

@@ -18,53 +18,16 @@
 //!
 //! No block size and no adapter is configured: the scorer learns both from the engines.
 
-use kvgate_e2e::sim_check::{EvictionCounter, compare, table, trace};
+use kvgate_e2e::path::Path;
+use kvgate_e2e::sim_check::{compare, simulator_beside, table, trace};
 use kvgate_e2e::{Measured, name_the_upstream, send};
 use kvgate_test_harness::{
-    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_MODEL, EPP_PORT, Engine, EngineOptions, EnvoyProcess, ScorerProcess, Sim,
+    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_MODEL, Engine, EngineOptions, EnvoyProcess, ScorerProcess,
     qwen3_tokenizer,
 };
 use serde_json::{Value, json};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
-
-/// How Envoy asks kvgate.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Path {
-    Wasm,
-    Native,
-    Epp,
-}
-
-impl Path {
-    fn scorer_config(self) -> String {
-        match self {
-            Path::Wasm => String::new(),
-            Path::Native => format!(
-                "route_socket_path: {}\n",
-                std::env::temp_dir().join(format!("kvgate-real-engine-{}.sock", std::process::id())).display()
-            ),
-            Path::Epp => format!("epp: {{listen: '127.0.0.1:{EPP_PORT}'}}\n"),
-        }
-    }
-
-    fn envoy_flags(self) -> Vec<&'static str> {
-        match self {
-            Path::Wasm => vec!["--picker", "wasm"],
-            Path::Native => vec!["--picker", "native"],
-            Path::Epp => vec!["--picker", "epp"],
-        }
-    }
-
-    /// Requests Envoy let through without a decision (fail-open).
-    async fn failed_open(self, envoy: &EnvoyProcess) -> u64 {
-        match self {
-            Path::Wasm => envoy.stat("wasmcustom.kvgate_fail_open").await,
-            Path::Native => envoy.stat("kvgate.fail_open").await,
-            Path::Epp => envoy.stat("http.kvgate.ext_proc.failure_mode_allowed").await,
-        }
-    }
-}
 
 /// The scorer's counts of finished requests by how its credit compared with the engine's.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -115,7 +78,7 @@ impl Stack {
         let mut config = format!(
             "tokenizer: {}\nhealth: {{scrape_interval_ms: 200}}\n{}{config}pods:\n",
             qwen3_tokenizer().display(),
-            path.scorer_config()
+            path.scorer_config(&[])
         );
         for (e, role) in pods {
             config.push_str(&format!(
@@ -125,7 +88,7 @@ impl Stack {
         }
         let scorer = ScorerProcess::start(&config).await;
         scorer.wait_ready(Duration::from_secs(30)).await;
-        let envoy = EnvoyProcess::start_patched(&scorer.config_path, &path.envoy_flags(), name_the_upstream).await;
+        let envoy = EnvoyProcess::start_patched(&scorer.config_path, &path.envoy_flags(&[]), name_the_upstream).await;
         let names = pods.iter().map(|(e, _)| (format!("127.0.0.1:{}", e.port), e.name.clone())).collect();
         let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
         Stack { path, scorer, envoy, client, names, follow_ups: (0, 0), checked: 0 }
@@ -578,39 +541,12 @@ async fn loaded(s: &Stack, clients: usize, turns: usize) -> u64 {
 
 /// The simulator against `engine` (fresh: nothing cached), configured alike: one trace of
 /// `requests`, one request at a time to each.
-async fn simulator_agrees(engine: &Engine, kv_blocks: u64, max_loras: u32, requests: usize) {
-    let tokenizer = qwen3_tokenizer();
-    let (blocks, loras, block_size) = (kv_blocks.to_string(), max_loras.to_string(), ENGINE_BLOCK_SIZE.to_string());
-    let sim = Sim::start(
-        "sim",
-        &[
-            "--tokenizer",
-            tokenizer.to_str().unwrap(),
-            "--model",
-            ENGINE_MODEL,
-            "--lora-module",
-            ENGINE_ADAPTER,
-            "--max-loras",
-            &loras,
-            "--block-size",
-            &block_size,
-            "--num-blocks",
-            &blocks,
-            "--max-model-len",
-            "4096",
-            "--time-scale",
-            "0",
-        ],
-    )
-    .await;
-    let counters = (
-        EvictionCounter::subscribe(&engine.events).await.expect("engine events"),
-        EvictionCounter::subscribe(&sim.events).await.expect("simulator events"),
-    );
-    tokio::time::sleep(Duration::from_millis(300)).await; // subscriptions settle
+async fn simulator_agrees(engine: &Engine, options: &EngineOptions, requests: usize) {
+    let (sim, counters) = simulator_beside(engine, options).await.expect("the simulator beside the engine");
     let steps = trace(ENGINE_MODEL, ENGINE_ADAPTER, requests, 46);
-    let compared = compare(&engine.url, &sim.url, (&counters.0, &counters.1), &steps, |_, _| {}).await.expect("trace");
-    println!("simulator against {} ({kv_blocks} blocks):\n{}", engine.name, table(&compared));
+    let compared =
+        compare(&engine.url, &sim.url, (&counters[0], &counters[1]), &steps, |_, _| {}).await.expect("trace");
+    println!("simulator against {} ({} blocks):\n{}", engine.name, options.kv_blocks, table(&compared));
     let (equal, all) = compared.equal(None);
     assert!(equal * 100 >= all * 99, "cached tokens equal on {equal} of {all} requests");
     assert_eq!(compared.engine_evicted, compared.sim_evicted, "blocks evicted");
@@ -631,11 +567,12 @@ async fn real_engines_under_kvgate_on_every_way_in() {
         extra: vec!["--shutdown-timeout".into(), "30".into()],
         ..EngineOptions::default()
     };
-    let mut engines = [Engine::spawn("engine-a", &options(512, 0)), Engine::spawn("engine-b", &options(192, 1))];
+    let small = options(192, 1);
+    let mut engines = [Engine::spawn("engine-a", &options(512, 0)), Engine::spawn("engine-b", &small)];
     for e in engines.iter_mut() {
         e.wait_ready().await;
     }
-    simulator_agrees(&engines[1], 192, 1, 300).await;
+    simulator_agrees(&engines[1], &small, 300).await;
     for (path, stop) in
         [(Path::Wasm, Some(Stop::KillAndRestart)), (Path::Native, None), (Path::Epp, Some(Stop::Terminate))]
     {

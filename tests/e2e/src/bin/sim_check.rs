@@ -5,12 +5,10 @@
 //! `target/sim-check/`.
 
 use clap::Parser;
-use kvgate_e2e::sim_check::{EvictionCounter, compare, table, trace};
-use kvgate_test_harness::{
-    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_MODEL, Engine, EngineOptions, Sim, qwen3_tokenizer,
-};
+use kvgate_e2e::sim_check::{compare, simulator_beside, table, trace};
+use kvgate_test_harness::{ENGINE_ADAPTER, ENGINE_MODEL, Engine, EngineOptions};
 use std::io::Write;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 #[derive(Parser)]
 #[command(name = "kvgate-sim-check")]
@@ -51,37 +49,11 @@ async fn main() -> anyhow::Result<()> {
     eprintln!("starting a real engine ({} KV blocks) and the simulator configured alike…", args.kv_blocks);
     let options = EngineOptions { kv_blocks: args.kv_blocks, max_loras: args.max_loras, ..EngineOptions::default() };
     let engine = Engine::start("engine", &options).await;
-    let tokenizer = qwen3_tokenizer();
-    let (blocks, loras, block_size) =
-        (args.kv_blocks.to_string(), args.max_loras.to_string(), ENGINE_BLOCK_SIZE.to_string());
-    let sim = Sim::start(
-        "sim",
-        &[
-            "--tokenizer",
-            tokenizer.to_str().expect("utf-8 path"),
-            "--model",
-            ENGINE_MODEL,
-            "--lora-module",
-            ENGINE_ADAPTER,
-            "--max-loras",
-            &loras,
-            "--block-size",
-            &block_size,
-            "--num-blocks",
-            &blocks,
-            "--max-model-len",
-            "4096",
-            "--time-scale",
-            "0",
-        ],
-    )
-    .await;
-    let counters = (EvictionCounter::subscribe(&engine.events).await?, EvictionCounter::subscribe(&sim.events).await?);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (sim, counters) = simulator_beside(&engine, &options).await?;
     let steps = trace(ENGINE_MODEL, ENGINE_ADAPTER, args.requests, args.seed);
     eprintln!("ready after {:.0?}; {} requests to each", started.elapsed(), steps.len());
     let mut differences = Vec::new();
-    let compared = compare(&engine.url, &sim.url, (&counters.0, &counters.1), &steps, |i, a| {
+    let compared = compare(&engine.url, &sim.url, (&counters[0], &counters[1]), &steps, |i, a| {
         if a.engine_cached != a.sim_cached {
             differences.push(format!(
                 "request {i} ({}, {} prompt tokens): engine {} cached, simulator {}",
