@@ -131,22 +131,58 @@ pub async fn wait_child_ready(child: &mut Child, url: &str, limit: Duration) -> 
 }
 
 /// How often a process started on fresh ports is started again on other ports when it
-/// exits during start-up (another process may take a port between [`free_port`] and the
-/// child's bind; the OS also hands ephemeral ports to outgoing connections).
+/// exits during start-up (another process may bind a port between [`free_port`] and the
+/// child's bind).
 const START_ATTEMPTS: usize = 3;
 
 /// A free TCP port on 127.0.0.1 (bound, then released for the child to take). Never the
 /// same port twice in one test process, so parallel tests do not hand each other's ports out.
+///
+/// Taken below the kernel's ephemeral range, where no `bind(0)` and no outgoing connection
+/// lands: a child that binds many seconds after the pick (a vLLM engine binds its NIXL side
+/// channel after loading its model, while it and its neighbours open ports of their own)
+/// would otherwise race every socket on the machine for it.
 pub fn free_port() -> u16 {
     static HANDED_OUT: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let below = ephemeral_range_start();
+    let picks = PORT_FLOOR..below.max(PORT_FLOOR + 1);
     loop {
-        let port = std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port();
+        let port = if below > PORT_FLOOR + 1_000 {
+            let port = picks.start + (random_u64() % u64::from(picks.end - picks.start)) as u16;
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_err() {
+                continue;
+            }
+            port
+        } else {
+            // A machine whose ephemeral range leaves no room below it: the OS's pick.
+            std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+        };
         let mut handed_out = HANDED_OUT.lock().expect("port registry");
         if !handed_out.contains(&port) {
             handed_out.push(port);
             return port;
         }
     }
+}
+
+/// The lowest port [`free_port`] hands out (well above the ports services are known by).
+const PORT_FLOOR: u16 = 20_000;
+
+/// The first port of the kernel's ephemeral range (`ip_local_port_range`; 32768 by default).
+fn ephemeral_range_start() -> u16 {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|range| range.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32_768)
+}
+
+/// A random number from the standard library's per-process hasher keys.
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    static DRAWS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u64(DRAWS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    hasher.finish()
 }
 
 /// How long a pod may take to answer `/health` after its start.
