@@ -4,7 +4,9 @@
 //! VM: every request on the worker fails).
 
 use crate::config::FilterConfig;
-use kvgate_route_api::lifecycle::{AnswerNext, BodyNext, Counter, Next, Proxy, ReportQueue, RequestFlow};
+use kvgate_route_api::lifecycle::{
+    AnswerNext, BodyNext, CallsInFlight, Counter, Next, Proxy, ReportQueue, RequestFlow,
+};
 use kvgate_route_api::{
     HEADER_OBJECTIVE, HEADER_REQUEST_ID, LIFECYCLE_PATH, LifecycleBatch, LifecycleReport, ROUTE_STREAM_METHOD,
     ROUTE_STREAM_SERVICE, RouteAnswer, RouteCall, StreamReport, lifecycle,
@@ -69,14 +71,7 @@ struct Shared {
 struct RouteStream {
     token: Option<u32>,
     /// Calls sent and not answered yet, by the request's context id (the call's id).
-    waiting: HashMap<u32, Waiting>,
-    /// When the stream last answered anything.
-    last_answer: Option<SystemTime>,
-}
-
-struct Waiting {
-    flow: SharedFlow,
-    sent: SystemTime,
+    calls: CallsInFlight<u32, SharedFlow, SystemTime>,
 }
 
 impl Shared {
@@ -139,31 +134,23 @@ impl Shared {
 
     /// Every call still waiting on the stream fails (the stream closed or hangs).
     fn fail_waiting(&self, reason: &str) {
-        let waiting = std::mem::take(&mut self.route_stream.borrow_mut().waiting);
-        for (id, call) in waiting {
-            answered(self, id, &call.flow, Err(reason));
+        let waiting = self.route_stream.borrow_mut().calls.reset();
+        for (id, flow) in waiting {
+            answered(self, id, &flow, Err(reason));
         }
     }
 
     /// Calls unanswered past the scorer timeout fail; a stream that answered nothing since
     /// such a call was sent is stuck, and replaced.
     fn expire_waiting(&self) {
-        let now = now();
         let limit = Duration::from_millis(self.config.proxy.scorer_timeout_ms);
-        let (expired, stuck) = {
-            let mut stream = self.route_stream.borrow_mut();
-            let expired: Vec<(u32, Waiting)> = stream
-                .waiting
-                .extract_if(|_, call| now.duration_since(call.sent).is_ok_and(|waited| waited >= limit))
-                .collect();
-            let stuck = expired.iter().any(|(_, call)| stream.last_answer.is_none_or(|last| last < call.sent));
-            (expired, stuck)
-        };
+        let Some(sent_by) = now().checked_sub(limit) else { return };
+        let expired = self.route_stream.borrow_mut().calls.expire(sent_by);
         let reason = format!("no answer within {} ms", self.config.proxy.scorer_timeout_ms);
-        for (id, call) in expired {
-            answered(self, id, &call.flow, Err(&reason));
+        for (id, flow) in expired.calls {
+            answered(self, id, &flow, Err(&reason));
         }
-        if stuck {
+        if expired.stuck {
             let token = self.route_stream.borrow_mut().token.take();
             if let Some(token) = token {
                 log::warn!("kvgate: the route stream answers nothing; opening another");
@@ -218,16 +205,15 @@ impl Context for Root {
             }
         };
         shared.reports.borrow_mut().heard(&answer);
-        let waiting = {
-            let mut stream = shared.route_stream.borrow_mut();
-            stream.last_answer = Some(now());
-            u32::try_from(answer.call).ok().and_then(|id| stream.waiting.remove(&id).map(|call| (id, call)))
-        };
+        // A notice answers no call (0), and still shows the stream answers.
+        let id = u32::try_from(answer.call).unwrap_or(0);
+        let now = now();
+        let waiting = shared.route_stream.borrow_mut().calls.answered(&id, now);
         // Not waiting: timed out already, or the client left.
-        let Some((id, call)) = waiting else { return };
-        let ms = now().duration_since(call.sent).map(|d| d.as_millis() as u64).unwrap_or(0);
+        let Some((flow, sent)) = waiting else { return };
+        let ms = now.duration_since(sent).map(|d| d.as_millis() as u64).unwrap_or(0);
         let _ = hostcalls::record_metric(shared.metrics.callout_ms, ms);
-        answered(&shared, id, &call.flow, Ok(&answer));
+        answered(&shared, id, &flow, Ok(&answer));
     }
 
     fn on_grpc_stream_close(&mut self, token: u32, status: u32) {
@@ -492,8 +478,7 @@ impl Request {
             return self.unanswered(&format!("cannot send on the route stream: {status:?}"));
         }
         incr(shared.metrics.lifecycle_sent, call.reports.len() as i64);
-        let waiting = Waiting { flow: self.flow.clone(), sent: now() };
-        shared.route_stream.borrow_mut().waiting.insert(self.context_id, waiting);
+        shared.route_stream.borrow_mut().calls.sent(self.context_id, self.flow.clone(), now());
         Action::Pause
     }
 
@@ -564,7 +549,7 @@ impl HttpContext for Request {
 
     fn on_log(&mut self) {
         // No answer is awaited any more (the client may have left while it was).
-        self.shared.route_stream.borrow_mut().waiting.remove(&self.context_id);
+        self.shared.route_stream.borrow_mut().calls.forget(&self.context_id);
         self.flow.borrow_mut().flow.complete(&mut self.host());
     }
 }

@@ -8,13 +8,14 @@
 //! socket cannot take at once waits in `pending`, which the link's thread writes as the
 //! socket drains), so a call costs no wake-up of another thread; lifecycle reports wait in a
 //! queue and ride on the next call or the next flush — or go at once while the scorer says
-//! requests wait for admission (the room they free is owed now).
+//! requests wait for admission (the room they free is owed now). A call unanswered within the
+//! timeout fails; a socket that answered nothing since such a call went out is replaced
+//! ([`CallsInFlight`]: the wasm filter's rule for its route stream).
 
 use crate::abi::{self, LogLevel, Scheduler};
-use kvgate_route_api::lifecycle::ReportQueue;
+use kvgate_route_api::lifecycle::{CallsInFlight, ReportQueue};
 use kvgate_route_api::{Frames, LifecycleReport, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, frame};
 use socket2::{SockRef, Socket as WorkerSocket};
-use std::collections::HashMap;
 use std::io::{ErrorKind, Write};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
@@ -97,7 +98,7 @@ pub struct Link {
 struct Shared {
     config: LinkConfig,
     /// Calls sent and not answered yet, by call id.
-    waiting: Mutex<HashMap<u64, Waiting>>,
+    waiting: Mutex<CallsInFlight<u64, Arc<Slot>, Instant>>,
     writer: Mutex<Writer>,
     reports: Mutex<ReportQueue>,
     /// Wakes the link's thread: `pending` has bytes to write, or reports are due.
@@ -115,12 +116,6 @@ struct Writer {
     scratch: Vec<u8>,
 }
 
-/// A call sent and not answered yet.
-struct Waiting {
-    slot: Arc<Slot>,
-    deadline: Instant,
-}
-
 impl Link {
     /// Starts the link's thread, which opens a socket for each of `workers`.
     pub fn start(config: LinkConfig, workers: usize) -> std::io::Result<Link> {
@@ -128,7 +123,7 @@ impl Link {
             .map(|_| {
                 Arc::new(Shared {
                     config: config.clone(),
-                    waiting: Mutex::new(HashMap::new()),
+                    waiting: Mutex::new(CallsInFlight::default()),
                     writer: Mutex::new(Writer::default()),
                     reports: Mutex::new(ReportQueue::new(config.batch_max)),
                     wake: Notify::new(),
@@ -170,8 +165,7 @@ impl Link {
             return slot.deliver(Outcome::Unavailable("the scorer is not reading its route socket".into()));
         }
         call.reports = lock(&shared.reports).take_for_call(SystemTime::now);
-        let deadline = Instant::now() + shared.config.timeout;
-        lock(&shared.waiting).insert(call.call, Waiting { slot, deadline });
+        lock(&shared.waiting).sent(call.call, slot, Instant::now());
         let Writer { socket, pending, scratch } = &mut *writer;
         scratch.clear();
         frame(&call, scratch);
@@ -256,6 +250,7 @@ async fn run(shared: Arc<Shared>, mut stopped: watch::Receiver<()>) {
         };
         let mut frames = Frames::default();
         let opened = Instant::now();
+        let mut stuck = false;
         let why = loop {
             tokio::select! {
                 _ = stopped.changed() => return fail_waiting(&shared, "the filter's configuration was removed"),
@@ -278,7 +273,10 @@ async fn run(shared: Arc<Shared>, mut stopped: watch::Receiver<()>) {
                     }
                 }
                 _ = tick.tick() => {
-                    expire(&shared);
+                    if expire(&shared) {
+                        stuck = true;
+                        break format!("the route socket answered nothing for {} ms", config.timeout.as_millis());
+                    }
                     let now = Instant::now();
                     if now.duration_since(last_flush) >= config.flush {
                         last_flush = now;
@@ -292,8 +290,12 @@ async fn run(shared: Arc<Shared>, mut stopped: watch::Receiver<()>) {
         };
         crate::warn(&format!("kvgate: {why}; reopening"));
         fail_waiting(&shared, &why);
-        // Something that accepts and then breaks every connection is not hammered.
-        if opened.elapsed() < Duration::from_secs(1) && pause(&mut stopped, Duration::from_millis(200)).await.is_err() {
+        // Something that accepts and then breaks every connection is not hammered (a stuck
+        // socket has had a whole timeout already; its replacement is due at once).
+        if !stuck
+            && opened.elapsed() < Duration::from_secs(1)
+            && pause(&mut stopped, Duration::from_millis(200)).await.is_err()
+        {
             return;
         }
     }
@@ -306,9 +308,9 @@ fn fail_waiting(shared: &Shared, why: &str) {
         writer.socket = None;
         writer.pending.clear();
     }
-    let failed: Vec<Waiting> = lock(&shared.waiting).drain().map(|(_, call)| call).collect();
-    for call in failed {
-        call.slot.deliver(Outcome::Unavailable(why.to_string()));
+    let failed = lock(&shared.waiting).reset();
+    for (_, slot) in failed {
+        slot.deliver(Outcome::Unavailable(why.to_string()));
     }
 }
 
@@ -333,10 +335,10 @@ fn read_answers(socket: &Socket, frames: &mut Frames, shared: &Shared) -> Result
     }
     while let Some(answer) = frames.message::<RouteAnswer>()? {
         lock(&shared.reports).heard(&answer);
-        // Not waiting: timed out already.
-        let call = lock(&shared.waiting).remove(&answer.call);
-        if let Some(call) = call {
-            call.slot.deliver(Outcome::Answer(answer));
+        // Not waiting: timed out already (a notice answers no call).
+        let call = lock(&shared.waiting).answered(&answer.call, Instant::now());
+        if let Some((slot, _)) = call {
+            slot.deliver(Outcome::Answer(answer));
         }
     }
     Ok(true)
@@ -375,14 +377,16 @@ fn queue_reports(shared: &Shared) {
     }
 }
 
-/// Calls unanswered past the timeout fail.
-fn expire(shared: &Shared) {
-    let now = Instant::now();
-    let expired: Vec<Waiting> = lock(&shared.waiting).extract_if(|_, w| w.deadline <= now).map(|(_, w)| w).collect();
+/// Calls unanswered past the timeout fail; true if the socket answered nothing since one of
+/// them was sent (stuck: it is replaced, as the wasm filter replaces its route stream).
+fn expire(shared: &Shared) -> bool {
+    let Some(sent_by) = Instant::now().checked_sub(shared.config.timeout) else { return false };
+    let expired = lock(&shared.waiting).expire(sent_by);
     let why = format!("no answer within {} ms", shared.config.timeout.as_millis());
-    for call in expired {
-        call.slot.deliver(Outcome::Unavailable(why.clone()));
+    for (_, slot) in expired.calls {
+        slot.deliver(Outcome::Unavailable(why.clone()));
     }
+    expired.stuck
 }
 
 /// Opens a route socket to the scorer (`scorer` is `ip:port`, `host:port` or `unix:<path>`)

@@ -52,6 +52,7 @@ on_every_path!(
         hostile_requests_get_clean_answers,
         a_pod_killed_mid_stream_fails_cleanly_and_is_avoided,
         a_scorer_slower_than_the_timeout_is_treated_as_down,
+        a_connection_the_scorer_never_answers_on_is_replaced,
         a_scorer_answering_garbage_is_treated_as_down,
         a_pod_killed_costs_no_request_that_had_not_started,
         a_pick_that_refuses_connections_is_retried_on_its_fallback_and_the_booking_follows,
@@ -721,6 +722,108 @@ async fn a_scorer_slower_than_the_timeout_is_treated_as_down(path: Path) {
     assert_eq!(send(&s.envoy, "/v1/completions", &body, &[]).await.status, 200);
     assert_eq!(s.failed_open().await, 1);
     assert!(s.routed().await >= 1, "routing resumed");
+}
+
+/// A stuck connection to the scorer (accepted, never answered: a frozen replica behind a
+/// Service, a path the network black-holes) while the scorer itself is well: calls fail open
+/// within the timeout, the connection is replaced, and routing resumes on the new one.
+async fn a_connection_the_scorer_never_answers_on_is_replaced(path: Path) {
+    let flags = ["--failure-mode", "open", "--scorer-timeout-ms", "200"];
+    let s = stack(path, 1, &flags).await;
+    // Envoy reaches the scorer (or picker) through a relay that holds every connection it
+    // accepts while `stuck`, and forwards the later ones.
+    let target = if path == Path::Epp { s.scorer.epp_port.expect("the picker's port") } else { s.scorer.port };
+    let relay = Relay::start(target).await;
+    let config = std::fs::read_to_string(&s.scorer.config_path).unwrap();
+    let config: String = config
+        .lines()
+        .filter(|line| !line.starts_with("route_socket_path:"))
+        .map(|line| line.replace(&format!("127.0.0.1:{target}"), &format!("127.0.0.1:{}", relay.port)) + "\n")
+        .collect();
+    let config_path = std::env::temp_dir().join(format!("kvgate-relayed-{}.yaml", relay.port));
+    std::fs::write(&config_path, config).unwrap();
+    let envoy = EnvoyProcess::start_for(&config_path, &path.envoy_flags(&flags)).await;
+    let routed = || async {
+        match path {
+            Path::Wasm => envoy.stat("wasmcustom.kvgate_routed").await,
+            Path::Native => envoy.stat("kvgate.routed").await,
+            Path::Epp => scorer_metric(&s.scorer, "kvgate_decisions_total").await,
+        }
+    };
+    let body = json!({"model": MODEL, "prompt": "on a stuck connection", "max_tokens": 2});
+    for _ in 0..3 {
+        let started = Instant::now();
+        assert_eq!(send(&envoy, "/v1/completions", &body, &[]).await.status, 200, "fail-open");
+        assert!(started.elapsed() < Duration::from_secs(2), "answered within the timeout: {:?}", started.elapsed());
+    }
+    assert_eq!(routed().await, 0);
+    assert!(path.failed_open(&envoy).await >= 3);
+    relay.unstick();
+    // Bounded: a connection replaced once the proxy sees it stuck (Envoy's HTTP/2 keepalive
+    // for the gRPC clusters: a PING every 2 s, closed 2 s after one goes unanswered).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while routed().await == 0 {
+        assert!(Instant::now() < deadline, "routing never resumed: {} connections", relay.accepted());
+        assert_eq!(send(&envoy, "/v1/completions", &body, &[]).await.status, 200);
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(relay.accepted() >= 2, "the stuck connection was replaced");
+    let before = routed().await;
+    for _ in 0..3 {
+        assert_eq!(send(&envoy, "/v1/completions", &body, &[]).await.status, 200);
+    }
+    assert_eq!(routed().await, before + 3, "routing resumed");
+}
+
+/// A TCP relay to `127.0.0.1:target` that holds the connections it accepts while stuck
+/// (reads and drops what they send, answers nothing, closes only when they do) and forwards
+/// the rest.
+struct Relay {
+    port: u16,
+    stuck: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn start(target: u16) -> Relay {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let stuck = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (held, counted) = (stuck.clone(), accepted.clone());
+        let task = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                counted.fetch_add(1, Ordering::Relaxed);
+                let stuck = held.load(Ordering::Relaxed);
+                tokio::spawn(async move {
+                    if stuck {
+                        let _ = tokio::io::copy(&mut client, &mut tokio::io::sink()).await;
+                        return;
+                    }
+                    if let Ok(mut scorer) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut scorer).await;
+                    }
+                });
+            }
+        });
+        Relay { port, stuck, accepted, task }
+    }
+
+    fn unstick(&self) {
+        self.stuck.store(false, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
 }
 
 async fn a_scorer_answering_garbage_is_treated_as_down(path: Path) {
