@@ -6,6 +6,7 @@ pub mod admin;
 pub mod admission;
 pub mod config;
 pub mod discovery;
+pub mod engine_pages;
 pub mod envoy;
 pub mod metrics;
 pub mod picking;

@@ -24,8 +24,8 @@ pub use view::{PodView, ReportedView};
 
 use crate::admission::Queue;
 use crate::config::{Config, Role};
+use crate::engine_pages::PodAdapters;
 use crate::metrics::Metrics;
-use crate::scrape::PodAdapters;
 use ahash::AHashMap;
 use kvgate_routing::pod_set::{PodId, PodMap, PodSet};
 use kvgate_routing::router::Router;

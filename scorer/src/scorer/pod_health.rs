@@ -2,7 +2,7 @@
 //! identity, its event batches — and pods going down and coming back.
 
 use super::{BlockSizeFrom, Core, Scorer};
-use crate::scrape::PodAdapters;
+use crate::engine_pages::PodAdapters;
 use kvgate_routing::adapters::ReportedAdapters;
 use kvgate_routing::events::{EventBatch, KvEvent};
 use kvgate_routing::pod_set::PodId;

@@ -2,7 +2,7 @@
 
 use super::Scorer;
 use crate::config::Role;
-use crate::scrape::PodAdapters;
+use crate::engine_pages::PodAdapters;
 use kvgate_routing::index::PodIndexStats;
 use serde::Serialize;
 
