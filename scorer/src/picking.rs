@@ -35,6 +35,43 @@ pub struct PickRequest<'a> {
     pub explain: bool,
 }
 
+/// What a transport asks of the picking service, as a trait: [`Picker`] in the scorer, a fake
+/// of the test's in a transport's unit tests (the Endpoint Picker's exchange is driven so,
+/// without sockets).
+pub trait PickingService: Send + Sync + 'static {
+    /// Picks and books the pod for one request ([`Picker::pick`]).
+    fn pick(&self, request: PickRequest<'_>) -> impl std::future::Future<Output = Result<Pick, PickError>> + Send;
+    /// One lifecycle event of a booking; false if it named no booking.
+    fn report(&self, report: &LifecycleReport) -> bool;
+    /// `address` served the booking's request: the booking follows.
+    fn served(&self, booking: &str, address: SocketAddr);
+    /// A number for a booking id no other request of this process has.
+    fn next_booking(&self) -> u64;
+    fn metrics(&self) -> &Metrics;
+}
+
+impl PickingService for Picker {
+    fn pick(&self, request: PickRequest<'_>) -> impl std::future::Future<Output = Result<Pick, PickError>> + Send {
+        Picker::pick(self, request)
+    }
+
+    fn report(&self, report: &LifecycleReport) -> bool {
+        Picker::report(self, report)
+    }
+
+    fn served(&self, booking: &str, address: SocketAddr) {
+        Picker::served(self, booking, address)
+    }
+
+    fn next_booking(&self) -> u64 {
+        Picker::next_booking(self)
+    }
+
+    fn metrics(&self) -> &Metrics {
+        Picker::metrics(self)
+    }
+}
+
 /// The picking service (cheap to clone: every connection holds one).
 #[derive(Clone)]
 pub struct Picker {

@@ -24,7 +24,7 @@
 
 use super::Shared;
 use crate::config::EppSection;
-use crate::picking::{PickError, PickRequest, Picker};
+use crate::picking::{PickError, PickRequest, PickingService};
 use envoy_types::pb::envoy::config::core::v3::header_value_option::HeaderAppendAction;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode as BodyMode;
@@ -37,14 +37,14 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
-use futures::Stream;
+use futures::{Stream, StreamExt};
 use kvgate_route_api::lifecycle::ResponseWatch;
 use kvgate_route_api::{Api, ErrorBody, HEADER_OBJECTIVE, LifecycleEvent, LifecycleReport, Refused};
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use tonic::{Status, Streaming};
+use tonic::Status;
 
 /// The header and `envoy.lb` metadata key naming the pick and its fallbacks.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
@@ -136,8 +136,9 @@ struct Booking {
     joined: bool,
 }
 
-pub struct Exchange {
-    picker: Picker,
+/// One stream's exchange, asking `P` (the scorer's [`crate::picking::Picker`]; a fake in tests).
+pub struct Exchange<P: PickingService> {
+    picker: P,
     settings: Arc<EppSection>,
     shared: Arc<Shared>,
     stream: u64,
@@ -160,8 +161,8 @@ pub struct Exchange {
     response: ResponseWatch,
 }
 
-impl Exchange {
-    pub fn new(picker: Picker, settings: Arc<EppSection>, shared: Arc<Shared>, stream: u64) -> Self {
+impl<P: PickingService> Exchange<P> {
+    pub fn new(picker: P, settings: Arc<EppSection>, shared: Arc<Shared>, stream: u64) -> Self {
         picker.metrics().epp_exchanges_open.inc();
         Self {
             picker,
@@ -187,7 +188,7 @@ impl Exchange {
     /// earlier (the proxy reset the stream), the exchange cancels what it booked.
     pub fn answers(
         self,
-        inbound: Streaming<ProcessingRequest>,
+        inbound: impl Stream<Item = Result<ProcessingRequest, Status>> + Send + Unpin + 'static,
     ) -> impl Stream<Item = Result<ProcessingResponse, Status>> + Send + 'static {
         futures::stream::unfold((self, inbound), |(mut exchange, mut inbound)| async move {
             loop {
@@ -199,10 +200,10 @@ impl Exchange {
                 if exchange.failed || (exchange.observing && exchange.response_over) {
                     return None;
                 }
-                match inbound.message().await {
-                    Ok(Some(message)) => exchange.handle(message).await,
-                    Ok(None) => return None, // the proxy is done with this request
-                    Err(status) => {
+                match inbound.next().await {
+                    Some(Ok(message)) => exchange.handle(message).await,
+                    None => return None, // the proxy is done with this request
+                    Some(Err(status)) => {
                         tracing::debug!(stream = exchange.stream, "ext_proc stream ended: {status}");
                         return None;
                     }
@@ -483,7 +484,7 @@ impl Exchange {
     }
 }
 
-impl Drop for Exchange {
+impl<P: PickingService> Drop for Exchange<P> {
     /// The stream is over: a request still booked never finished (client gone, upstream
     /// reset, gateway gave up) and frees its booking.
     fn drop(&mut self) {
@@ -691,5 +692,244 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(joined_booking(Some(&context)).as_deref(), Some("epp-7"), "an observer finds the booking");
+    }
+
+    type Asked = (String, Vec<u8>, Option<String>);
+
+    /// A picking service of the test's: picks `10.0.0.1:8000` (fallback `10.0.0.2:8000`) or
+    /// refuses as told, and keeps what it was asked and told.
+    #[derive(Default)]
+    struct FakePicker {
+        refuse: Option<fn() -> PickError>,
+        /// Each request asked for: API path, body, objective.
+        asked: std::sync::Mutex<Vec<Asked>>,
+        reports: std::sync::Mutex<Vec<LifecycleReport>>,
+        served: std::sync::Mutex<Vec<(String, SocketAddr)>>,
+        bookings: std::sync::atomic::AtomicU64,
+        metrics: crate::metrics::Metrics,
+    }
+
+    impl PickingService for Arc<FakePicker> {
+        async fn pick(&self, request: PickRequest<'_>) -> Result<crate::picking::Pick, PickError> {
+            let asked =
+                (request.api_path.unwrap().to_string(), request.body.to_vec(), request.objective.map(String::from));
+            self.asked.lock().unwrap().push(asked);
+            if let Some(refuse) = self.refuse {
+                return Err(refuse());
+            }
+            let pod = |name: &str, address: &str| {
+                Arc::new(crate::picking::Pod { name: name.into(), address: address.into(), ..Default::default() })
+            };
+            Ok(crate::picking::Pick {
+                decode: pod("a", "10.0.0.1:8000"),
+                prefill: None,
+                fallbacks: vec![pod("b", "10.0.0.2:8000")],
+                policy: "fake",
+                prompt_tokens: 0,
+                cached_tokens: 0,
+                uncached_tokens: 0,
+                threshold_tokens: None,
+                explain: None,
+            })
+        }
+
+        fn report(&self, report: &LifecycleReport) -> bool {
+            self.reports.lock().unwrap().push(report.clone());
+            true
+        }
+
+        fn served(&self, booking: &str, address: SocketAddr) {
+            self.served.lock().unwrap().push((booking.to_string(), address));
+        }
+
+        fn next_booking(&self) -> u64 {
+            self.bookings.fetch_add(1, Ordering::Relaxed)
+        }
+
+        fn metrics(&self) -> &crate::metrics::Metrics {
+            &self.metrics
+        }
+    }
+
+    fn request(message: Message) -> ProcessingRequest {
+        ProcessingRequest { request: Some(message), ..Default::default() }
+    }
+
+    fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> HttpHeaders {
+        let headers = pairs
+            .iter()
+            .map(|(k, v)| HeaderValue { key: k.to_string(), raw_value: v.as_bytes().to_vec(), ..Default::default() })
+            .collect();
+        HttpHeaders { headers: Some(HeaderMap { headers }), end_of_stream, ..Default::default() }
+    }
+
+    fn body(bytes: &[u8], end_of_stream: bool) -> HttpBody {
+        HttpBody { body: bytes.to_vec(), end_of_stream, ..Default::default() }
+    }
+
+    fn post(path: &str, extra: &[(&str, &str)]) -> Message {
+        let mut pairs = vec![(":method", "POST"), (":path", path), ("x-request-id", "r-1")];
+        pairs.extend_from_slice(extra);
+        Message::RequestHeaders(headers(&pairs, false))
+    }
+
+    /// Runs one stream's messages through an exchange asking `picker`; its answers.
+    async fn exchange(picker: &Arc<FakePicker>, messages: Vec<ProcessingRequest>) -> Vec<ProcessingResponse> {
+        let settings = Arc::new(EppSection { body_limit_bytes: 1000, ..EppSection::default() });
+        let exchange = Exchange::new(picker.clone(), settings, Arc::default(), 0);
+        let inbound = futures::stream::iter(messages.into_iter().map(Ok));
+        exchange.answers(inbound).map(|answer| answer.expect("an answer, not a failed stream")).collect().await
+    }
+
+    fn set_headers(answer: &ProcessingResponse) -> Vec<(String, String)> {
+        let common = match &answer.response {
+            Some(Answer::RequestHeaders(h)) => h.response.as_ref(),
+            Some(Answer::RequestBody(b)) => b.response.as_ref(),
+            _ => None,
+        };
+        let mutation = common.and_then(|c| c.header_mutation.clone()).unwrap_or_default();
+        mutation
+            .set_headers
+            .into_iter()
+            .filter_map(|h| h.header)
+            .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
+            .collect()
+    }
+
+    fn streamed_body(answer: &ProcessingResponse) -> Option<(Vec<u8>, bool)> {
+        let Some(Answer::RequestBody(BodyResponse { response: Some(common) })) = &answer.response else { return None };
+        match &common.body_mutation.as_ref()?.mutation {
+            Some(body_mutation::Mutation::StreamedResponse(s)) => Some((s.body.clone(), s.end_of_stream)),
+            _ => None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_full_duplex_stream_is_picked_once_its_body_is_whole_and_its_response_reported() {
+        let picker = Arc::new(FakePicker::default());
+        let served = metadata(LB_NAMESPACE, SERVED, string_value("10.0.0.2:8000"));
+        let messages = vec![
+            request(post("/v1/chat/completions", &[(HEADER_OBJECTIVE, "gold")])),
+            request(Message::RequestBody(body(br#"{"messages":[{"role":"user","#, false))),
+            request(Message::RequestBody(body(br#""content":"hi"}]}"#, true))),
+            ProcessingRequest {
+                metadata_context: Some(served),
+                ..request(Message::ResponseHeaders(headers(&[(":status", "200")], false)))
+            },
+            request(Message::ResponseBody(body(b"data: {\"choices\":[]}\n\n", false))),
+            request(Message::ResponseBody(body(b"data: [DONE]\n\n", true))),
+        ];
+        let answers = exchange(&picker, messages).await;
+        // Nothing answered before the body was whole: the pick rides on the headers' answer.
+        let picked = &answers[0];
+        assert!(matches!(picked.response, Some(Answer::RequestHeaders(_))));
+        assert_eq!(set_headers(picked), vec![(DESTINATION.to_string(), "10.0.0.1:8000,10.0.0.2:8000".to_string())]);
+        let lb = &picked.dynamic_metadata.as_ref().expect("the decision's metadata").fields[LB_NAMESPACE];
+        assert!(
+            matches!(&lb.kind, Some(Kind::StructValue(s)) if s.fields[DESTINATION] == string_value("10.0.0.1:8000,10.0.0.2:8000"))
+        );
+        // The body goes back whole, its end marked once.
+        let returned: Vec<(Vec<u8>, bool)> = answers.iter().filter_map(streamed_body).collect();
+        let whole: Vec<u8> = returned.iter().flat_map(|(b, _)| b.clone()).collect();
+        assert_eq!(whole, br#"{"messages":[{"role":"user","content":"hi"}]}"#.to_vec());
+        assert_eq!(returned.iter().filter(|(_, end)| *end).count(), 1);
+        // The service was asked once, with the whole body and the objective.
+        let asked = picker.asked.lock().unwrap().clone();
+        assert_eq!(asked.len(), 1);
+        assert_eq!(asked[0].0, "/v1/chat/completions");
+        assert_eq!(asked[0].1, whole);
+        assert_eq!(asked[0].2.as_deref(), Some("gold"));
+        // The response: served by the fallback (the booking follows), first token, done.
+        assert_eq!(*picker.served.lock().unwrap(), vec![("epp-0".to_string(), "10.0.0.2:8000".parse().unwrap())]);
+        let events: Vec<LifecycleEvent> = picker.reports.lock().unwrap().iter().map(|r| r.event).collect();
+        assert_eq!(events, vec![LifecycleEvent::FirstToken, LifecycleEvent::Done]);
+        assert!(picker.reports.lock().unwrap().iter().all(|r| r.request_id == "epp-0"));
+        assert_eq!(answers.len(), 2 + 1 + 2, "headers, body back, response headers and two chunks");
+    }
+
+    #[tokio::test]
+    async fn a_buffered_stream_gets_the_pick_in_its_body_answer() {
+        let picker = Arc::new(FakePicker::default());
+        let config = ProtocolConfiguration {
+            request_body_mode: BodyMode::Buffered as i32,
+            response_body_mode: BodyMode::None as i32,
+            ..Default::default()
+        };
+        let messages = vec![
+            ProcessingRequest { protocol_config: Some(config), ..request(post("/v1/completions", &[])) },
+            request(Message::RequestBody(body(br#"{"prompt":"hi"}"#, true))),
+        ];
+        let answers = exchange(&picker, messages).await;
+        assert_eq!(answers.len(), 2);
+        assert!(set_headers(&answers[0]).is_empty(), "headers answered before the body, without a pick");
+        assert!(matches!(answers[1].response, Some(Answer::RequestBody(_))));
+        assert_eq!(set_headers(&answers[1])[0].1, "10.0.0.1:8000,10.0.0.2:8000");
+    }
+
+    #[tokio::test]
+    async fn a_refusal_is_the_clients_answer_in_its_apis_shape() {
+        let shed = || PickError::Shed { retry_after_seconds: 3, reason: "sheddable" };
+        let picker = Arc::new(FakePicker { refuse: Some(shed), ..FakePicker::default() });
+        let messages = vec![
+            request(post("/v1/messages", &[])),
+            request(Message::RequestBody(body(br#"{"model":"m","max_tokens":1,"messages":[]}"#, true))),
+        ];
+        let answers = exchange(&picker, messages).await;
+        assert_eq!(answers.len(), 1);
+        let Some(Answer::ImmediateResponse(refused)) = &answers[0].response else { panic!("{:?}", answers[0]) };
+        assert_eq!(refused.status.as_ref().unwrap().code, 429);
+        let set: Vec<(String, String)> = refused
+            .headers
+            .as_ref()
+            .unwrap()
+            .set_headers
+            .iter()
+            .filter_map(|h| h.header.clone())
+            .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
+            .collect();
+        assert!(set.contains(&("retry-after".to_string(), "3".to_string())), "{set:?}");
+        let error: serde_json::Value = serde_json::from_slice(&refused.body).unwrap();
+        assert_eq!(error["type"], "error", "Anthropic's error shape: {error}");
+        assert_eq!(error["error"]["type"], "rate_limit_error");
+        assert!(picker.reports.lock().unwrap().is_empty(), "nothing was booked");
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_is_refused_without_asking() {
+        let picker = Arc::new(FakePicker::default());
+        let messages = vec![
+            request(post("/v1/completions", &[])),
+            request(Message::RequestBody(body(&[b' '; 600], false))),
+            request(Message::RequestBody(body(&[b' '; 600], true))),
+        ];
+        let answers = exchange(&picker, messages).await;
+        let Some(Answer::ImmediateResponse(refused)) = &answers[0].response else { panic!("{:?}", answers[0]) };
+        assert_eq!(refused.status.as_ref().unwrap().code, 413);
+        assert!(picker.asked.lock().unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_stream_gone_before_its_response_cancels_the_booking() {
+        let picker = Arc::new(FakePicker::default());
+        let messages = vec![
+            request(post("/v1/completions", &[])),
+            request(Message::RequestBody(body(br#"{"prompt":"hi"}"#, true))),
+        ];
+        let answers = exchange(&picker, messages).await;
+        assert_eq!(set_headers(&answers[0])[0].1, "10.0.0.1:8000,10.0.0.2:8000");
+        let reports = picker.reports.lock().unwrap().clone();
+        assert_eq!(reports.len(), 1);
+        assert_eq!((reports[0].request_id.as_str(), reports[0].event), ("epp-0", LifecycleEvent::Cancelled));
+    }
+
+    #[tokio::test]
+    async fn other_requests_pass_with_the_clients_destination_stripped() {
+        let picker = Arc::new(FakePicker::default());
+        let get = headers(&[(":method", "GET"), (":path", "/v1/models"), (DESTINATION, "6.6.6.6:80")], true);
+        let answers = exchange(&picker, vec![request(Message::RequestHeaders(get))]).await;
+        let Some(Answer::RequestHeaders(h)) = &answers[0].response else { panic!("{:?}", answers[0]) };
+        let mutation = h.response.as_ref().unwrap().header_mutation.as_ref().unwrap();
+        assert_eq!(mutation.remove_headers, vec![DESTINATION.to_string()]);
+        assert!(picker.asked.lock().unwrap().is_empty());
     }
 }
