@@ -18,197 +18,32 @@
 //! replica silent for `replica_timeout_ms` has left: its bookings are dropped. While NATS is
 //! away, each replica routes on what it knows, and counts what it could not share.
 
+mod peers;
+mod wire;
+
+pub use wire::{Batch, SnapshotPart, Unusable, Update, decode_update, encode_update};
+
 use crate::config::SyncSection;
 use crate::scorer::{Pod, Scorer};
-use ahash::AHashMap;
 use anyhow::Context;
 use async_nats::connection::State;
 use bytes::Bytes;
 use futures::StreamExt;
-use kvgate_routing::adapters::AdapterId;
-use kvgate_routing::hash::SequenceHash;
-use kvgate_routing::load::{BookingUpdate, Leg, Lifecycle, Origin};
-use kvgate_routing::pod_set::PodId;
+use kvgate_routing::load::{BookingUpdate, Origin};
+use peers::{PeerTimings, Peers};
 use prost::Message;
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
+use wire::split;
 
-/// A NATS message carries at most this many bytes of updates (servers accept 1 MiB by
-/// default); more go in several numbered batches.
-const MAX_MESSAGE_BYTES: usize = 256 * 1024;
-/// A snapshot asked for and not received is asked for again after this long.
-const SNAPSHOT_RETRY: Duration = Duration::from_secs(1);
 /// Longest wait to hand a message to the NATS client (its buffer is full when the server
 /// is away): then the message is counted as dropped.
 const PUBLISH_TIMEOUT: Duration = Duration::from_millis(200);
 
-/// One message of the booking sync.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct Batch {
-    /// The sending replica's `replica_id`.
-    #[prost(string, tag = "1")]
-    pub replica: String,
-    /// Number of the sender's batch on `<prefix>.bookings` (1, 2, …); on snapshot parts,
-    /// the last number the snapshot accounts for.
-    #[prost(uint64, tag = "2")]
-    pub seq: u64,
-    /// When it was sent (Unix seconds), for the lag metric.
-    #[prost(double, tag = "3")]
-    pub sent_at: f64,
-    #[prost(message, repeated, tag = "4")]
-    pub updates: Vec<Update>,
-    /// Set on the parts of a snapshot: the first replaces every booking the sender had
-    /// shared before.
-    #[prost(message, optional, tag = "5")]
-    pub snapshot: Option<SnapshotPart>,
-}
-
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct SnapshotPart {
-    #[prost(uint32, tag = "1")]
-    pub part: u32,
-    #[prost(bool, tag = "2")]
-    pub last: bool,
-}
-
-/// One booking change ([`BookingUpdate`]), the pod named by the address the proxy routes to.
-#[derive(Clone, PartialEq, prost::Message)]
-pub struct Update {
-    #[prost(string, tag = "1")]
-    pub request: String,
-    #[prost(bool, tag = "2")]
-    pub prefill_leg: bool,
-    #[prost(enumeration = "Kind", tag = "3")]
-    pub kind: i32,
-    /// `ip:port` (booked and moved).
-    #[prost(string, tag = "4")]
-    pub pod: String,
-    #[prost(uint32, tag = "5")]
-    pub prompt_tokens: u32,
-    #[prost(uint32, tag = "6")]
-    pub cached_tokens: u32,
-    /// The prompt's block chain (booked).
-    #[prost(fixed64, repeated, tag = "7")]
-    pub chain: Vec<u64>,
-    #[prost(uint32, optional, tag = "8")]
-    pub max_output_tokens: Option<u32>,
-    /// The LoRA adapter's [`AdapterId`] (booked).
-    #[prost(fixed64, optional, tag = "9")]
-    pub adapter: Option<u64>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, prost::Enumeration)]
-#[repr(i32)]
-pub enum Kind {
-    Booked = 0,
-    FirstToken = 1,
-    Done = 2,
-    Cancelled = 3,
-    Moved = 4,
-}
-
 fn unix_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
-}
-
-/// The wire form of an update (`pods`: the scorer's pod table, by id).
-pub fn encode_update(update: &BookingUpdate, pods: &[Arc<Pod>]) -> Update {
-    let address = |pod: PodId| pods.get(pod.index()).map(|p| p.address.clone()).unwrap_or_default();
-    let leg = |leg: &Leg| *leg == Leg::Prefill;
-    match update {
-        BookingUpdate::Booked {
-            request,
-            leg: l,
-            pod,
-            prompt_tokens,
-            cached_tokens,
-            chain,
-            max_output_tokens,
-            adapter,
-        } => Update {
-            request: request.to_string(),
-            prefill_leg: leg(l),
-            kind: Kind::Booked as i32,
-            pod: address(*pod),
-            prompt_tokens: *prompt_tokens,
-            cached_tokens: *cached_tokens,
-            chain: chain.iter().map(|h| h.0).collect(),
-            max_output_tokens: *max_output_tokens,
-            adapter: adapter.map(|a| a.0),
-        },
-        BookingUpdate::Reported { request, leg: l, event } => Update {
-            request: request.to_string(),
-            prefill_leg: leg(l),
-            kind: match event {
-                Lifecycle::FirstToken => Kind::FirstToken,
-                Lifecycle::Done => Kind::Done,
-                Lifecycle::Cancelled => Kind::Cancelled,
-            } as i32,
-            ..Update::default()
-        },
-        BookingUpdate::Moved { request, leg: l, pod, cached_tokens } => Update {
-            request: request.to_string(),
-            prefill_leg: leg(l),
-            kind: Kind::Moved as i32,
-            pod: address(*pod),
-            cached_tokens: *cached_tokens,
-            ..Update::default()
-        },
-    }
-}
-
-/// Why an update from another replica cannot be applied here.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Unusable {
-    /// It names a pod this replica does not route to (not discovered yet, or gone).
-    UnknownPod,
-    /// An unknown kind (a newer replica's).
-    UnknownKind,
-}
-
-/// An update from the wire, its pod resolved by address (`pods`: this replica's).
-pub fn decode_update(update: Update, pods: &AHashMap<SocketAddr, PodId>) -> Result<BookingUpdate, Unusable> {
-    let pod = || update.pod.parse::<SocketAddr>().ok().and_then(|a| pods.get(&a).copied()).ok_or(Unusable::UnknownPod);
-    let leg = if update.prefill_leg { Leg::Prefill } else { Leg::Serve };
-    let request: Box<str> = update.request.as_str().into();
-    let reported = |event| BookingUpdate::Reported { request: request.clone(), leg, event };
-    Ok(match Kind::try_from(update.kind).map_err(|_| Unusable::UnknownKind)? {
-        Kind::Booked => BookingUpdate::Booked {
-            pod: pod()?,
-            request,
-            leg,
-            prompt_tokens: update.prompt_tokens,
-            cached_tokens: update.cached_tokens,
-            chain: update.chain.into_iter().map(SequenceHash).collect(),
-            max_output_tokens: update.max_output_tokens,
-            adapter: update.adapter.map(AdapterId),
-        },
-        Kind::FirstToken => reported(Lifecycle::FirstToken),
-        Kind::Done => reported(Lifecycle::Done),
-        Kind::Cancelled => reported(Lifecycle::Cancelled),
-        Kind::Moved => BookingUpdate::Moved { pod: pod()?, request, leg, cached_tokens: update.cached_tokens },
-    })
-}
-
-/// Splits updates into messages of at most [`MAX_MESSAGE_BYTES`] (at least one update each).
-fn split(updates: Vec<Update>) -> Vec<Vec<Update>> {
-    let mut out: Vec<Vec<Update>> = Vec::new();
-    let mut size = 0;
-    for u in updates {
-        let len = u.encoded_len() + 4;
-        match out.last_mut() {
-            Some(last) if size + len <= MAX_MESSAGE_BYTES => last.push(u),
-            _ => {
-                out.push(vec![u]);
-                size = 0;
-            }
-        }
-        size += len;
-    }
-    out
 }
 
 struct Subjects {
@@ -420,25 +255,6 @@ impl Publisher {
     }
 }
 
-/// Another replica, as heard.
-struct Peer {
-    origin: Origin,
-    last_heard: Instant,
-    /// The batch number expected next.
-    next_seq: u64,
-    /// Its snapshot has been applied since we last lost track of it.
-    synced: bool,
-    /// When we last asked for its snapshot (while not synced).
-    asked_at: Option<Instant>,
-}
-
-impl Peer {
-    /// Whether to ask for its snapshot now: we have lost track of it and not asked lately.
-    fn due(&self) -> bool {
-        !self.synced && self.asked_at.is_none_or(|t| t.elapsed() >= SNAPSHOT_RETRY)
-    }
-}
-
 /// The receiving side: other replicas' batches, snapshot requests, their snapshots, the
 /// connection's events, and the sweep for silent replicas.
 async fn receive(
@@ -468,14 +284,14 @@ async fn receive(
     let mut requests = subscribe(subjects.our_snapshot.clone()).await;
     let mut replies = subscribe(subjects.replies.clone()).await;
     let metrics = &scorer.metrics.sync;
-    let started = Instant::now();
-    let heartbeat = Duration::from_millis(config.heartbeat_ms);
-    let timeout = Duration::from_millis(config.replica_timeout_ms);
-    let join_wait = Duration::from_millis(config.join_wait_ms);
-    let mut peers: AHashMap<String, Peer> = AHashMap::new();
+    let timings = PeerTimings {
+        heartbeat: Duration::from_millis(config.heartbeat_ms),
+        replica_timeout: Duration::from_millis(config.replica_timeout_ms),
+        join_wait: Duration::from_millis(config.join_wait_ms),
+    };
+    let mut peers = Peers::new(&me, timings, Instant::now());
     let mut last_error: Option<String> = None;
-    let mut next_origin = 1u32;
-    let mut sweep = tokio::time::interval(heartbeat / 2);
+    let mut sweep = tokio::time::interval(timings.heartbeat / 2);
     let ask = |replica: &str| {
         let client = client.clone();
         let (subject, reply) = (subjects.snapshot_of(replica), subjects.replies.clone());
@@ -494,31 +310,21 @@ async fn receive(
                     metrics.updates.with_label_values(&["malformed"]).inc();
                     continue;
                 };
-                if batch.replica == me {
-                    continue;
-                }
-                let peer = peers.entry(batch.replica.clone()).or_insert_with(|| {
+                let heard = peers.batch(&batch, Instant::now());
+                let Some(origin) = heard.origin else { continue };
+                if heard.new_replica {
                     tracing::info!(replica = %batch.replica, "sync: another replica joined");
-                    let origin = Origin(next_origin);
-                    next_origin += 1;
-                    Peer { origin, last_heard: Instant::now(), next_seq: 0, synced: false, asked_at: None }
-                });
-                peer.last_heard = Instant::now();
-                if peer.synced && peer.next_seq != batch.seq {
-                    metrics.gaps.inc();
-                    tracing::info!(replica = %batch.replica, expected = peer.next_seq, got = batch.seq, "sync: messages lost; asking for a snapshot");
-                    peer.synced = false;
-                    peer.asked_at = None;
                 }
-                if peer.due() {
-                    peer.asked_at = Some(Instant::now());
+                if let Some((expected, got)) = heard.gap {
+                    metrics.gaps.inc();
+                    tracing::info!(replica = %batch.replica, expected, got, "sync: messages lost; asking for a snapshot");
+                }
+                if heard.ask {
                     ask(&batch.replica).await;
                 }
-                peer.next_seq = batch.seq + 1;
-                let origin = peer.origin;
                 metrics.lag_seconds.observe((unix_now() - batch.sent_at).max(0.0));
                 apply(&scorer, origin, batch.updates);
-                metrics.replicas.set(peers.len() as i64);
+                metrics.replicas.set(peers.count() as i64);
             }
             Some(message) = replies.next() => {
                 metrics.messages.with_label_values(&["received"]).inc();
@@ -526,18 +332,14 @@ async fn receive(
                     metrics.updates.with_label_values(&["malformed"]).inc();
                     continue;
                 };
-                let (Some(part), Some(peer)) = (batch.snapshot.clone(), peers.get_mut(&batch.replica)) else { continue };
-                if part.part == 0 {
-                    scorer.clear_origin(peer.origin);
+                let Some(step) = peers.snapshot_part(&batch, Instant::now()) else { continue };
+                if step.clear_first {
+                    scorer.clear_origin(step.origin);
                 }
-                peer.last_heard = Instant::now();
-                let origin = peer.origin;
-                if part.last {
-                    peer.synced = true;
-                    peer.next_seq = batch.seq + 1;
+                if step.complete {
                     metrics.snapshots.with_label_values(&["applied"]).inc();
                 }
-                apply(&scorer, origin, batch.updates);
+                apply(&scorer, step.origin, batch.updates);
             }
             Some(message) = requests.next() => {
                 metrics.messages.with_label_values(&["received"]).inc();
@@ -551,11 +353,8 @@ async fn receive(
                         metrics.connected.set(1);
                         last_error = None;
                         tracing::info!("sync: connected to NATS");
-                        // What we missed while away: every known replica's state again.
-                        for (name, peer) in &mut peers {
-                            peer.synced = false;
-                            peer.asked_at = Some(Instant::now());
-                            ask(name).await;
+                        for name in peers.reconnected(Instant::now()) {
+                            ask(&name).await;
                         }
                     }
                     async_nats::Event::Disconnected => {
@@ -568,27 +367,19 @@ async fn receive(
                 }
             }
             _ = sweep.tick() => {
-                let gone: Vec<String> = peers.iter().filter(|(_, p)| p.last_heard.elapsed() >= timeout).map(|(n, _)| n.clone()).collect();
-                for name in gone {
-                    let peer = peers.remove(&name).expect("listed");
-                    let dropped = scorer.clear_origin(peer.origin);
+                let tick = peers.tick(Instant::now());
+                for (name, origin) in tick.gone {
+                    let dropped = scorer.clear_origin(origin);
                     metrics.replicas_lost.inc();
                     tracing::warn!(replica = %name, bookings = dropped, "sync: replica silent; its bookings dropped");
                 }
-                for (name, peer) in peers.iter_mut().filter(|(_, p)| p.due()) {
-                    peer.asked_at = Some(Instant::now());
-                    ask(name).await;
+                for name in tick.ask {
+                    ask(&name).await;
                 }
-                metrics.replicas.set(peers.len() as i64);
-                let sync = scorer.sync_state();
-                if !sync.joined.load(Ordering::Relaxed) {
-                    // Ready once a heartbeat had time to name every replica and each one's
-                    // snapshot is in — or after `join_wait_ms` whatever happened.
-                    let heard_all = started.elapsed() >= heartbeat * 3 / 2 && peers.values().all(|p| p.synced);
-                    if heard_all || started.elapsed() >= join_wait {
-                        sync.joined.store(true, Ordering::Relaxed);
-                        tracing::info!(replicas = peers.len(), "sync: joined the fleet's bookings");
-                    }
+                metrics.replicas.set(peers.count() as i64);
+                if tick.joined {
+                    scorer.sync_state().joined.store(true, Ordering::Relaxed);
+                    tracing::info!(replicas = peers.count(), "sync: joined the fleet's bookings");
                 }
             }
         }
@@ -630,78 +421,4 @@ fn report_error(metrics: &crate::metrics::SyncMetrics, last: &mut Option<String>
         tracing::warn!("sync: NATS {source} error: {error}");
     }
     *last = Some(error);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::Role;
-
-    #[test]
-    fn updates_cross_the_wire_by_pod_address() {
-        let pod = |id: u32, address: &str| {
-            Arc::new(Pod {
-                id: PodId(id),
-                name: format!("pod-{id}"),
-                address: address.into(),
-                role: Role::Both,
-                precise: true,
-                scraped: true,
-            })
-        };
-        // The sender knows the pods in one order, the receiver in another.
-        let sender = vec![pod(0, "10.0.0.1:8000"), pod(1, "10.0.0.2:8000")];
-        let receiver: AHashMap<SocketAddr, PodId> =
-            [("10.0.0.2:8000".parse().unwrap(), PodId(0)), ("10.0.0.1:8000".parse().unwrap(), PodId(1))].into();
-        let booked = BookingUpdate::Booked {
-            request: "r1".into(),
-            leg: Leg::Prefill,
-            pod: PodId(1),
-            prompt_tokens: 40,
-            cached_tokens: 16,
-            chain: vec![SequenceHash(7), SequenceHash(u64::MAX)].into(),
-            max_output_tokens: Some(0),
-            adapter: Some(AdapterId::of("sql")),
-        };
-        let moved = BookingUpdate::Moved { request: "r2".into(), leg: Leg::Serve, pod: PodId(0), cached_tokens: 3 };
-        let done = BookingUpdate::Reported { request: "r1".into(), leg: Leg::Serve, event: Lifecycle::Cancelled };
-        let batch = Batch {
-            replica: "a".into(),
-            seq: 9,
-            sent_at: 1.5,
-            updates: [&booked, &moved, &done].iter().map(|u| encode_update(u, &sender)).collect(),
-            snapshot: None,
-        };
-        let back = Batch::decode(batch.encode_to_vec().as_slice()).unwrap();
-        assert_eq!(back, batch);
-        let decoded: Vec<BookingUpdate> =
-            back.updates.into_iter().map(|u| decode_update(u, &receiver).unwrap()).collect();
-        let on = |pod| match &decoded[0] {
-            BookingUpdate::Booked { pod: p, .. } => *p == pod,
-            _ => false,
-        };
-        assert!(on(PodId(0)), "10.0.0.2 is the receiver's pod 0");
-        assert!(matches!(&decoded[0], BookingUpdate::Booked { adapter: Some(a), .. } if *a == AdapterId::of("sql")));
-        assert_eq!(
-            decoded[1],
-            BookingUpdate::Moved { request: "r2".into(), leg: Leg::Serve, pod: PodId(1), cached_tokens: 3 }
-        );
-        assert_eq!(decoded[2], done);
-
-        let elsewhere = Update { pod: "10.9.9.9:1".into(), ..encode_update(&booked, &sender) };
-        assert_eq!(decode_update(elsewhere, &receiver), Err(Unusable::UnknownPod));
-        assert_eq!(decode_update(Update { kind: 99, ..Update::default() }, &receiver), Err(Unusable::UnknownKind));
-    }
-
-    #[test]
-    fn large_updates_are_split_under_the_message_limit() {
-        let big = Update { chain: vec![1; 10_000], ..Update::default() }; // ≈ 80 kB each
-        let parts = split(vec![big; 7]);
-        assert!(parts.len() >= 3, "{}", parts.len());
-        assert_eq!(parts.iter().map(Vec::len).sum::<usize>(), 7);
-        for p in &parts {
-            assert!(p.iter().map(|u| u.encoded_len()).sum::<usize>() <= MAX_MESSAGE_BYTES);
-        }
-        assert!(split(Vec::new()).is_empty());
-    }
 }
