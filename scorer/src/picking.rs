@@ -2,9 +2,9 @@
 //!
 //! A transport — the HTTP API, the route stream and the route socket, the Endpoint Picker's
 //! ext_proc exchange (`transport/`) — turns its wire format into a [`PickRequest`], asks
-//! [`Picker::pick`] and turns the [`Pick`] or the [`PickError`] back into its own format; it
-//! tells the service of the request's first token and end ([`Picker::report`]) and of the pod
-//! that really served it ([`Picker::served`]). What an error means for the client (status,
+//! [`PickingService::pick`] and turns the [`Pick`] or the [`PickError`] back into its own format; it
+//! tells the service of the request's first token and end ([`PickingService::report`]) and of the pod
+//! that really served it ([`PickingService::served`]). What an error means for the client (status,
 //! error type, `Retry-After`) is decided by its [`Refused`] reason, and errors are counted
 //! here, once for every transport.
 
@@ -39,7 +39,7 @@ pub struct PickRequest<'a> {
 /// of the test's in a transport's unit tests (the Endpoint Picker's exchange is driven so,
 /// without sockets).
 pub trait PickingService: Send + Sync + 'static {
-    /// Picks and books the pod for one request ([`Picker::pick`]).
+    /// Picks and books the pod for one request.
     fn pick(&self, request: PickRequest<'_>) -> impl std::future::Future<Output = Result<Pick, PickError>> + Send;
     /// One lifecycle event of a booking; false if it named no booking.
     fn report(&self, report: &LifecycleReport) -> bool;
@@ -51,53 +51,10 @@ pub trait PickingService: Send + Sync + 'static {
 }
 
 impl PickingService for Picker {
-    fn pick(&self, request: PickRequest<'_>) -> impl std::future::Future<Output = Result<Pick, PickError>> + Send {
-        Picker::pick(self, request)
-    }
-
-    fn report(&self, report: &LifecycleReport) -> bool {
-        Picker::report(self, report)
-    }
-
-    fn served(&self, booking: &str, address: SocketAddr) {
-        Picker::served(self, booking, address)
-    }
-
-    fn next_booking(&self) -> u64 {
-        Picker::next_booking(self)
-    }
-
-    fn metrics(&self) -> &Metrics {
-        Picker::metrics(self)
-    }
-}
-
-/// The picking service (cheap to clone: every connection holds one).
-#[derive(Clone)]
-pub struct Picker {
-    scorer: Arc<Scorer>,
-}
-
-static GENERATED_IDS: AtomicU64 = AtomicU64::new(0);
-
-impl Picker {
-    pub fn new(scorer: Arc<Scorer>) -> Self {
-        Self { scorer }
-    }
-
-    /// The API of a request path (`None`: the caller named none).
-    fn api(path: Option<&str>) -> Result<Api, PickError> {
-        match path.map(|path| (path, Api::from_path(path))) {
-            None => Err(PickError::BadRequest(format!("missing header {HEADER_API_PATH}"))),
-            Some((_, Some(api))) => Ok(api),
-            Some((path, None)) => Err(PickError::BadRequest(format!("kvgate routes {:?}, not {path:?}", Api::PATHS))),
-        }
-    }
-
     /// Picks the pod (or prefill and decode pods) for one request and books it: the body
     /// prepared (parsed and tokenized, off the connection's thread when long), then decided,
     /// waiting for room while every pod is saturated (with `admission`).
-    pub async fn pick(&self, request: PickRequest<'_>) -> Result<Pick, PickError> {
+    async fn pick(&self, request: PickRequest<'_>) -> Result<Pick, PickError> {
         let scorer = &self.scorer;
         let booking = match request.booking {
             Some(id) if !id.is_empty() => id.to_string(),
@@ -126,27 +83,54 @@ impl Picker {
         decided
     }
 
-    /// Applies a proxy's batch of lifecycle reports; returns how many named no booking.
-    pub fn report_batch(&self, reports: &[LifecycleReport]) -> usize {
-        self.scorer.lifecycle(reports)
-    }
-
     /// One lifecycle event of a booking (the picker's exchange reads them from the responses
     /// it relays); false if it named no booking.
-    pub fn report(&self, report: &LifecycleReport) -> bool {
+    fn report(&self, report: &LifecycleReport) -> bool {
         self.scorer.report(report)
     }
 
     /// The gateway reports that `address` served the booking's request (its retries may have
     /// moved it off the pick): the booking follows.
-    pub fn served(&self, booking: &str, address: SocketAddr) {
+    fn served(&self, booking: &str, address: SocketAddr) {
         self.scorer.served(booking, address)
     }
 
     /// A number for a booking id no other request of this process has (the Endpoint Picker
     /// books under its own ids: clients' `x-request-id`s may repeat).
-    pub fn next_booking(&self) -> u64 {
+    fn next_booking(&self) -> u64 {
         self.scorer.next_booking()
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.scorer.metrics
+    }
+}
+
+/// The picking service (cheap to clone: every connection holds one).
+#[derive(Clone)]
+pub struct Picker {
+    scorer: Arc<Scorer>,
+}
+
+static GENERATED_IDS: AtomicU64 = AtomicU64::new(0);
+
+impl Picker {
+    pub fn new(scorer: Arc<Scorer>) -> Self {
+        Self { scorer }
+    }
+
+    /// The API of a request path (`None`: the caller named none).
+    fn api(path: Option<&str>) -> Result<Api, PickError> {
+        match path.map(|path| (path, Api::from_path(path))) {
+            None => Err(PickError::BadRequest(format!("missing header {HEADER_API_PATH}"))),
+            Some((_, Some(api))) => Ok(api),
+            Some((path, None)) => Err(PickError::BadRequest(format!("kvgate routes {:?}, not {path:?}", Api::PATHS))),
+        }
+    }
+
+    /// Applies a proxy's batch of lifecycle reports; returns how many named no booking.
+    pub fn report_batch(&self, reports: &[LifecycleReport]) -> usize {
+        self.scorer.lifecycle(reports)
     }
 
     /// Requests waiting in the admission queue now (a proxy sends its reports at once while
@@ -169,10 +153,6 @@ impl Picker {
     /// Wakes when readiness changed for a reason other than the fleet (draining).
     pub async fn readiness_changed(&self) {
         self.scorer.readiness_changed.notified().await
-    }
-
-    pub fn metrics(&self) -> &Metrics {
-        &self.scorer.metrics
     }
 }
 

@@ -10,8 +10,8 @@
 #![allow(clippy::missing_safety_doc)] // the contract above, the same for every hook
 
 use crate::abi::{self, Filter, LogLevel, body_status, headers_status};
-use crate::link::{Link, LinkConfig};
 use crate::{Config, Counters, Request};
+use kvgate_native_link::{Link, LinkConfig};
 use kvgate_route_api::lifecycle::{self, NativeSettings};
 use std::ffi::{c_char, c_void};
 use std::sync::Arc;
@@ -58,6 +58,7 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_config_new(
         timeout: Duration::from_millis(proxy.scorer_timeout_ms),
         flush: Duration::from_millis(proxy.lifecycle_flush_ms),
         batch_max: proxy.lifecycle_batch_max,
+        log: crate::link_log,
     };
     let link = match Link::start(link_config, abi::concurrency()) {
         Ok(link) => link,

@@ -4,16 +4,15 @@
 //! hooks ([`hooks`]) run on Envoy's workers and drive each request's [`RequestFlow`] (the
 //! lifecycle every proxy shares): they read headers, collect the body, write the route call on
 //! their worker's route socket and act on the answer; the module's own thread reads the
-//! answers and wakes each request ([`link`]). Envoy's ABI is wrapped in [`abi`].
+//! answers and wakes each request (`kvgate-native-link`, a crate of its own: no Envoy ABI). Envoy's ABI is wrapped in [`abi`].
 
 mod abi;
 mod hooks;
-mod link;
 
 use abi::{Body, Filter, HeaderMap, LogLevel, body_status, headers_status};
+use kvgate_native_link::{Level, Link, Outcome, Slot, Wake};
 use kvgate_route_api::lifecycle::{self, BodyNext, Counter, Next, Proxy, ProxyConfig, RequestFlow};
 use kvgate_route_api::{HEADER_OBJECTIVE, HEADER_REQUEST_ID, LifecycleReport};
-use link::{Link, Outcome, Slot};
 use std::ffi::c_void;
 use std::fmt::Arguments;
 use std::sync::Arc;
@@ -24,10 +23,26 @@ pub(crate) fn warn(message: &str) {
     abi::log(LogLevel::Warn, message);
 }
 
+/// The link's log lines, in Envoy's log.
+pub(crate) fn link_log(level: Level, message: &str) {
+    let level = match level {
+        Level::Info => LogLevel::Info,
+        Level::Warn => LogLevel::Warn,
+    };
+    abi::log(level, message);
+}
+
+/// A request waiting on its call is woken on its worker by Envoy's scheduler of its filter.
+impl Wake for abi::Scheduler {
+    fn wake(&self) {
+        self.commit(0);
+    }
+}
+
 /// One filter configuration: its settings, its link to the scorer, its counters.
 struct Config {
     proxy: ProxyConfig,
-    link: Link,
+    link: Link<abi::Scheduler>,
     calls: AtomicU64,
     counters: Counters,
 }
@@ -52,7 +67,7 @@ impl Counters {
 struct Request {
     config: Arc<Config>,
     flow: RequestFlow,
-    slot: Option<Arc<Slot>>,
+    slot: Option<Arc<Slot<abi::Scheduler>>>,
     /// The Envoy worker running the request: its route socket carries the request's call
     /// and reports.
     worker: usize,

@@ -3,7 +3,7 @@
 //! `POST /v1/lifecycle`, a [`LifecycleBatch`] of reports. What people try by hand; the proxies
 //! use the route stream or the route socket.
 
-use crate::picking::{Pick, PickRequest, Picker};
+use crate::picking::{Pick, PickRequest, Picker, PickingService};
 use axum::extract::{Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};

@@ -3,7 +3,7 @@
 //! reports riding on a call are applied first; proxies are told when requests start and stop
 //! waiting for admission.
 
-use crate::picking::{PickRequest, Picker};
+use crate::picking::{PickRequest, Picker, PickingService};
 use kvgate_route_api::{LifecycleReport, Outcome, RouteAnswer, RouteCall, StreamReport};
 use tokio::sync::mpsc;
 

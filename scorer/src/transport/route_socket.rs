@@ -7,7 +7,7 @@
 //! in one write. A caller of another protocol version is refused (closed, and said in the log).
 
 use super::route_calls::{self, admission_notices, take_call};
-use crate::picking::Picker;
+use crate::picking::{Picker, PickingService};
 use kvgate_route_api::{Frames, ROUTE_SOCKET_PREFACE, ROUTE_SOCKET_PREFACE_START, RouteAnswer, RouteCall, frame};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;

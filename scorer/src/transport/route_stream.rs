@@ -8,7 +8,7 @@
 //! once with `FAILED_PRECONDITION` naming the versions, and the scorer says so in its log.
 
 use super::route_calls::{self, admission_notices, take_call};
-use crate::picking::Picker;
+use crate::picking::{Picker, PickingService};
 use futures::future::BoxFuture;
 use kvgate_route_api::{ROUTE_PROTOCOL, ROUTE_SOCKET_MAX_MESSAGE, RouteAnswer, RouteCall};
 use std::convert::Infallible;

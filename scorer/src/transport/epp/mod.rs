@@ -4,7 +4,7 @@
 //! per HTTP request) plus gRPC health.
 //!
 //! Per request the gateway streams the request headers and body here; the picker buffers the
-//! body (bounded), asks the picking service as every way in does ([`Picker::pick`]), and answers with the pick and its fallbacks in the header
+//! body (bounded), asks the picking service as every way in does ([`PickingService::pick`](crate::picking::PickingService::pick)), and answers with the pick and its fallbacks in the header
 //! `x-gateway-destination-endpoint` and the dynamic metadata `envoy.lb` (identical), then
 //! hands the body back unchanged. It then reads the response the gateway relays — the
 //! endpoint that served, the status, the first body bytes, the final usage — instead of the
@@ -18,7 +18,7 @@
 mod exchange;
 
 use crate::config::{EppSection, EppTls};
-use crate::picking::Picker;
+use crate::picking::{Picker, PickingService};
 use anyhow::Context;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,

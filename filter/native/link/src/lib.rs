@@ -1,4 +1,4 @@
-//! The module's link to the scorer: a route socket per Envoy worker (the route stream's
+//! The native module's link to the scorer: a route socket per Envoy worker (the route stream's
 //! messages, framed on a plain connection: see [`kvgate_route_api::ROUTE_SOCKET_PREFACE`]) to
 //! the scorer, and a thread of the module's own (a single-threaded tokio runtime) that opens
 //! them, reads the answers and hands each to its call's [`Slot`], waking the request on its
@@ -12,7 +12,6 @@
 //! timeout fails; a socket that answered nothing since such a call went out is replaced
 //! ([`CallsInFlight`]: the wasm filter's rule for its route stream).
 
-use crate::abi::{self, LogLevel, Scheduler};
 use kvgate_route_api::lifecycle::{CallsInFlight, ReportQueue};
 use kvgate_route_api::{Frames, LifecycleReport, ROUTE_SOCKET_PREFACE, RouteAnswer, RouteCall, frame};
 use socket2::{SockRef, Socket as WorkerSocket};
@@ -28,28 +27,34 @@ pub enum Outcome {
     Unavailable(String),
 }
 
-/// Where a call's outcome waits for its request, and how to wake it.
-pub struct Slot {
-    inner: Mutex<SlotState>,
+/// How a request waiting on its call is woken on its own worker (Envoy's scheduler of the
+/// filter, in the module).
+pub trait Wake: Send + 'static {
+    fn wake(&self);
 }
 
-struct SlotState {
+/// Where a call's outcome waits for its request, and how to wake it.
+pub struct Slot<W: Wake> {
+    inner: Mutex<SlotState<W>>,
+}
+
+struct SlotState<W> {
     outcome: Option<Outcome>,
     /// `None` once the request is gone (nothing to wake).
-    scheduler: Option<Scheduler>,
+    waker: Option<W>,
 }
 
-impl Slot {
-    pub fn new(scheduler: Scheduler) -> Arc<Slot> {
-        Arc::new(Slot { inner: Mutex::new(SlotState { outcome: None, scheduler: Some(scheduler) }) })
+impl<W: Wake> Slot<W> {
+    pub fn new(waker: W) -> Arc<Slot<W>> {
+        Arc::new(Slot { inner: Mutex::new(SlotState { outcome: None, waker: Some(waker) }) })
     }
 
     /// Stores the outcome and wakes the request (if it is still there).
     fn deliver(&self, outcome: Outcome) {
         let mut state = lock(&self.inner);
         state.outcome = Some(outcome);
-        if let Some(scheduler) = &state.scheduler {
-            scheduler.commit(0);
+        if let Some(waker) = &state.waker {
+            waker.wake();
         }
     }
 
@@ -58,11 +63,18 @@ impl Slot {
         lock(&self.inner).outcome.take()
     }
 
-    /// The request is gone: nobody is woken any more. Returns the scheduler so that it is
-    /// deleted on the worker that made it.
-    pub fn close(&self) -> Option<Scheduler> {
-        lock(&self.inner).scheduler.take()
+    /// The request is gone: nobody is woken any more. Returns the waker so that it is
+    /// dropped on the worker that made it.
+    pub fn close(&self) -> Option<W> {
+        lock(&self.inner).waker.take()
     }
+}
+
+/// How important a line of the link's log is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Level {
+    Info,
+    Warn,
 }
 
 /// Bytes read from the socket at a time.
@@ -82,23 +94,25 @@ pub struct LinkConfig {
     pub timeout: Duration,
     pub flush: Duration,
     pub batch_max: usize,
+    /// Where the link's log lines go (Envoy's log, in the module).
+    pub log: fn(Level, &str),
 }
 
 /// The workers' end of the link: a route socket per Envoy worker (as the wasm filter keeps a
 /// route stream per worker), so that no worker waits for another's write and the scorer
 /// serves each worker's calls on one of its threads.
-pub struct Link {
-    sockets: Arc<[Arc<Shared>]>,
+pub struct Link<W: Wake> {
+    sockets: Arc<[Arc<Shared<W>>]>,
     /// Dropped with the link (Envoy replaced or removed the filter's configuration): the
     /// link's thread then closes the sockets and ends.
     _running: watch::Sender<()>,
 }
 
 /// One route socket: what its worker and the link's thread share.
-struct Shared {
+struct Shared<W: Wake> {
     config: LinkConfig,
     /// Calls sent and not answered yet, by call id.
-    waiting: Mutex<CallsInFlight<u64, Arc<Slot>, Instant>>,
+    waiting: Mutex<CallsInFlight<u64, Arc<Slot<W>>, Instant>>,
     writer: Mutex<Writer>,
     reports: Mutex<ReportQueue>,
     /// Wakes the link's thread: `pending` has bytes to write, or reports are due.
@@ -116,10 +130,10 @@ struct Writer {
     scratch: Vec<u8>,
 }
 
-impl Link {
+impl<W: Wake> Link<W> {
     /// Starts the link's thread, which opens a socket for each of `workers`.
-    pub fn start(config: LinkConfig, workers: usize) -> std::io::Result<Link> {
-        let sockets: Arc<[Arc<Shared>]> = (0..workers.max(1))
+    pub fn start(config: LinkConfig, workers: usize) -> std::io::Result<Link<W>> {
+        let sockets: Arc<[Arc<Shared<W>>]> = (0..workers.max(1))
             .map(|_| {
                 Arc::new(Shared {
                     config: config.clone(),
@@ -146,12 +160,12 @@ impl Link {
     }
 
     /// The socket of Envoy worker `worker`.
-    fn socket(&self, worker: usize) -> &Shared {
+    fn socket(&self, worker: usize) -> &Shared<W> {
         &self.sockets[worker % self.sockets.len()]
     }
 
     /// Sends a route call from worker `worker`; its outcome comes to `slot`.
-    pub fn call(&self, worker: usize, mut call: RouteCall, slot: Arc<Slot>) {
+    pub fn call(&self, worker: usize, mut call: RouteCall, slot: Arc<Slot<W>>) {
         let shared = self.socket(worker);
         let mut writer = lock(&shared.writer);
         if writer.socket.is_none() {
@@ -203,7 +217,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 
 /// The link's thread: opens the socket (again after any failure), reads answers, writes what
 /// workers could not, flushes reports and fails calls unanswered in time.
-async fn run(shared: Arc<Shared>, mut stopped: watch::Receiver<()>) {
+async fn run<W: Wake>(shared: Arc<Shared<W>>, mut stopped: watch::Receiver<()>) {
     let config = &shared.config;
     let mut tick = tokio::time::interval(config.flush.min(config.timeout / 4).max(Duration::from_millis(1)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -214,8 +228,8 @@ async fn run(shared: Arc<Shared>, mut stopped: watch::Receiver<()>) {
         let socket = match open(&shared).await {
             Ok(socket) => {
                 if let Some((since, _)) = down.take() {
-                    abi::log(
-                        LogLevel::Info,
+                    (config.log)(
+                        Level::Info,
                         &format!(
                             "kvgate: route socket to {} open again after {:.1} s",
                             config.scorer,
@@ -238,10 +252,10 @@ async fn run(shared: Arc<Shared>, mut stopped: watch::Receiver<()>) {
                         continue;
                     }
                 }
-                crate::warn(&format!(
-                    "kvgate: cannot open the route socket to {}: {why}; retrying every 200 ms",
-                    config.scorer
-                ));
+                (config.log)(
+                    Level::Warn,
+                    &format!("kvgate: cannot open the route socket to {}: {why}; retrying every 200 ms", config.scorer),
+                );
                 if pause(&mut stopped, Duration::from_millis(200)).await.is_err() {
                     return;
                 }
@@ -288,7 +302,7 @@ async fn run(shared: Arc<Shared>, mut stopped: watch::Receiver<()>) {
                 }
             }
         };
-        crate::warn(&format!("kvgate: {why}; reopening"));
+        (config.log)(Level::Warn, &format!("kvgate: {why}; reopening"));
         fail_waiting(&shared, &why);
         // Something that accepts and then breaks every connection is not hammered (a stuck
         // socket has had a whole timeout already; its replacement is due at once).
@@ -302,7 +316,7 @@ async fn run(shared: Arc<Shared>, mut stopped: watch::Receiver<()>) {
 }
 
 /// The socket is down: calls fail at once until it is open again, and those waiting fail now.
-fn fail_waiting(shared: &Shared, why: &str) {
+fn fail_waiting<W: Wake>(shared: &Shared<W>, why: &str) {
     {
         let mut writer = lock(&shared.writer);
         writer.socket = None;
@@ -324,7 +338,7 @@ async fn pause(stopped: &mut watch::Receiver<()>, duration: Duration) -> Result<
 
 /// Reads what the socket has and hands every whole answer to its call; `false` when the
 /// scorer closed the socket.
-fn read_answers(socket: &Socket, frames: &mut Frames, shared: &Shared) -> Result<bool, String> {
+fn read_answers<W: Wake>(socket: &Socket, frames: &mut Frames, shared: &Shared<W>) -> Result<bool, String> {
     loop {
         match socket.try_read_buf(frames.spare(READ_BYTES)) {
             Ok(0) => return Ok(false),
@@ -345,7 +359,7 @@ fn read_answers(socket: &Socket, frames: &mut Frames, shared: &Shared) -> Result
 }
 
 /// Writes `pending` as the socket takes it.
-async fn write_pending(socket: &Socket, shared: &Shared) -> Result<(), String> {
+async fn write_pending<W: Wake>(socket: &Socket, shared: &Shared<W>) -> Result<(), String> {
     loop {
         {
             let mut writer = lock(&shared.writer);
@@ -366,7 +380,7 @@ async fn write_pending(socket: &Socket, shared: &Shared) -> Result<(), String> {
 }
 
 /// Queues the waiting reports as one message (none while the socket is down: they wait).
-fn queue_reports(shared: &Shared) {
+fn queue_reports<W: Wake>(shared: &Shared<W>) {
     let mut writer = lock(&shared.writer);
     if writer.socket.is_none() {
         return;
@@ -379,7 +393,7 @@ fn queue_reports(shared: &Shared) {
 
 /// Calls unanswered past the timeout fail; true if the socket answered nothing since one of
 /// them was sent (stuck: it is replaced, as the wasm filter replaces its route stream).
-fn expire(shared: &Shared) -> bool {
+fn expire<W: Wake>(shared: &Shared<W>) -> bool {
     let Some(sent_by) = Instant::now().checked_sub(shared.config.timeout) else { return false };
     let expired = lock(&shared.waiting).expire(sent_by);
     let why = format!("no answer within {} ms", shared.config.timeout.as_millis());
@@ -391,7 +405,7 @@ fn expire(shared: &Shared) -> bool {
 
 /// Opens a route socket to the scorer (`scorer` is `ip:port`, `host:port` or `unix:<path>`)
 /// and gives the workers their handle on it.
-async fn open(shared: &Shared) -> Result<Socket, String> {
+async fn open<W: Wake>(shared: &Shared<W>) -> Result<Socket, String> {
     let address = &shared.config.scorer;
     let connect = async {
         match address.strip_prefix("unix:") {
@@ -411,7 +425,7 @@ async fn open(shared: &Shared) -> Result<Socket, String> {
     // Room for a few long prompts' calls: a worker's write then takes a whole call at once
     // instead of leaving most of it to this thread (a Unix socket's default is ≈ 200 kB).
     if let Err(e) = socket.sock().set_send_buffer_size(SEND_BUFFER_BYTES) {
-        crate::warn(&format!("kvgate: the route socket's send buffer stays at its default: {e}"));
+        (shared.config.log)(Level::Warn, &format!("kvgate: the route socket's send buffer stays at its default: {e}"));
     }
     let mut preface = ROUTE_SOCKET_PREFACE;
     while !preface.is_empty() {
@@ -471,5 +485,236 @@ impl Socket {
             Socket::Tcp(s) => SockRef::from(s),
             Socket::Unix(s) => SockRef::from(s),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvgate_route_api::{LifecycleEvent, ROUTE_SOCKET_PREFACE};
+    use std::sync::atomic::{AtomicBool, AtomicUsize};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Counts the times its request was woken.
+    #[derive(Clone, Default)]
+    struct Woken(Arc<AtomicUsize>);
+
+    impl Wake for Woken {
+        fn wake(&self) {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn quiet(_: Level, _: &str) {}
+
+    /// How the scorer of the test's treats the calls it reads.
+    #[derive(Clone, Copy)]
+    enum Mode {
+        Answer,
+        /// Closes the connection after the first call it reads.
+        HangUp,
+        /// Never answers this call.
+        Ignore(u64),
+    }
+
+    /// A scorer of the test's on a Unix socket: it treats the calls on the connections it
+    /// accepts as its [`Mode`] says, except those accepted while `stuck` (read, never
+    /// answered, never closed).
+    struct FakeScorer {
+        path: std::path::PathBuf,
+        accepted: Arc<AtomicUsize>,
+        stuck: Arc<AtomicBool>,
+        calls: Arc<Mutex<Vec<RouteCall>>>,
+    }
+
+    impl FakeScorer {
+        fn start(name: &str, mode: Mode) -> FakeScorer {
+            let path = std::env::temp_dir().join(format!("kvgate-link-{}-{name}.sock", std::process::id()));
+            let _ = std::fs::remove_file(&path);
+            let listener = tokio::net::UnixListener::bind(&path).expect("bind the fake scorer");
+            let scorer = FakeScorer { path, accepted: Arc::default(), stuck: Arc::default(), calls: Arc::default() };
+            let (accepted, stuck, calls) = (scorer.accepted.clone(), scorer.stuck.clone(), scorer.calls.clone());
+            tokio::spawn(async move {
+                while let Ok((socket, _)) = listener.accept().await {
+                    accepted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let stuck = stuck.load(std::sync::atomic::Ordering::Relaxed);
+                    tokio::spawn(serve(socket, stuck, mode, calls.clone()));
+                }
+            });
+            scorer
+        }
+
+        /// Calls time out after 200 ms.
+        fn config(&self) -> LinkConfig {
+            LinkConfig { timeout: Duration::from_millis(200), ..self.patient() }
+        }
+
+        /// Calls time out after 3 s: what fails sooner did not wait for the timeout.
+        fn patient(&self) -> LinkConfig {
+            LinkConfig {
+                scorer: format!("unix:{}", self.path.display()),
+                timeout: Duration::from_secs(3),
+                flush: Duration::from_millis(20),
+                batch_max: 64,
+                log: quiet,
+            }
+        }
+
+        fn accepted(&self) -> usize {
+            self.accepted.load(std::sync::atomic::Ordering::Relaxed)
+        }
+    }
+
+    async fn serve(mut socket: tokio::net::UnixStream, stuck: bool, mode: Mode, calls: Arc<Mutex<Vec<RouteCall>>>) {
+        let mut preface = vec![0; ROUTE_SOCKET_PREFACE.len()];
+        if socket.read_exact(&mut preface).await.is_err() || preface != ROUTE_SOCKET_PREFACE {
+            return;
+        }
+        let mut frames = Frames::default();
+        loop {
+            match socket.read_buf(frames.spare(READ_BYTES)).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+            while let Ok(Some(call)) = frames.message::<RouteCall>() {
+                let id = call.call;
+                lock(&calls).push(call);
+                match mode {
+                    Mode::HangUp => return,
+                    Mode::Ignore(ignored) if ignored == id => continue,
+                    _ => {}
+                }
+                if stuck || id == 0 {
+                    continue; // a batch of reports alone is not answered
+                }
+                let mut answer = Vec::new();
+                frame(&RouteAnswer { call: id, ..Default::default() }, &mut answer);
+                if socket.write_all(&answer).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Waits (bounded) until `ready` holds.
+    async fn until(what: &str, ready: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !ready() {
+            assert!(Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// Sends call `id` on worker 0 and waits for its outcome; with how long it took.
+    async fn ask(link: &Link<Woken>, id: u64) -> (Outcome, Duration, usize) {
+        let woken = Woken::default();
+        let slot = Slot::new(woken.clone());
+        let sent = Instant::now();
+        link.call(0, RouteCall { call: id, ..Default::default() }, slot.clone());
+        let outcome = Arc::new(Mutex::new(None));
+        until("an outcome", || {
+            let taken = slot.take();
+            let got = taken.is_some();
+            if got {
+                *lock(&outcome) = taken;
+            }
+            got || lock(&outcome).is_some()
+        })
+        .await;
+        let outcome = lock(&outcome).take().expect("taken");
+        (outcome, sent.elapsed(), woken.0.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
+    #[tokio::test]
+    async fn a_call_is_answered_and_its_request_woken_once() {
+        let scorer = FakeScorer::start("answered", Mode::Answer);
+        let link = Link::start(scorer.config(), 1).unwrap();
+        until("the route socket open", || scorer.accepted() == 1).await;
+        let (outcome, _, woken) = ask(&link, 7).await;
+        assert!(matches!(outcome, Outcome::Answer(RouteAnswer { call: 7, .. })));
+        assert_eq!(woken, 1);
+    }
+
+    #[tokio::test]
+    async fn a_socket_that_answers_nothing_fails_its_call_in_time_and_is_replaced() {
+        let scorer = FakeScorer::start("stuck", Mode::Answer);
+        scorer.stuck.store(true, std::sync::atomic::Ordering::Relaxed);
+        let link = Link::start(scorer.config(), 1).unwrap();
+        until("the route socket open", || scorer.accepted() == 1).await;
+        scorer.stuck.store(false, std::sync::atomic::Ordering::Relaxed);
+        let (outcome, took, woken) = ask(&link, 1).await;
+        let Outcome::Unavailable(why) = outcome else { panic!("a stuck socket answered") };
+        assert!(why.contains("no answer within 200 ms"), "{why}");
+        assert!(took >= Duration::from_millis(200) && took < Duration::from_secs(2), "{took:?}");
+        assert_eq!(woken, 1);
+        // Replaced: the next call goes on a new connection, which answers.
+        until("another route socket", || scorer.accepted() == 2).await;
+        let (outcome, _, _) = ask(&link, 2).await;
+        assert!(matches!(outcome, Outcome::Answer(RouteAnswer { call: 2, .. })));
+    }
+
+    #[tokio::test]
+    async fn a_call_left_unanswered_fails_and_a_socket_answering_others_is_kept() {
+        // The scorer never answers call 1, and answers call 2 sent after it: call 1 times
+        // out, and the socket, which answered since call 1 went out, is kept.
+        let scorer = FakeScorer::start("kept", Mode::Ignore(1));
+        let link = Link::start(scorer.config(), 1).unwrap();
+        until("the route socket open", || scorer.accepted() == 1).await;
+        let first = Slot::new(Woken::default());
+        link.call(0, RouteCall { call: 1, ..Default::default() }, first.clone());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let (second, _, _) = ask(&link, 2).await;
+        assert!(matches!(second, Outcome::Answer(RouteAnswer { call: 2, .. })));
+        until("call 1 failed", || matches!(first.take(), Some(Outcome::Unavailable(_)))).await;
+        let (third, _, _) = ask(&link, 3).await;
+        assert!(matches!(third, Outcome::Answer(RouteAnswer { call: 3, .. })));
+        assert_eq!(scorer.accepted(), 1, "the socket was kept");
+    }
+
+    #[tokio::test]
+    async fn a_scorer_away_fails_calls_at_once() {
+        let path = std::env::temp_dir().join(format!("kvgate-link-{}-nobody.sock", std::process::id()));
+        let config = LinkConfig {
+            scorer: format!("unix:{}", path.display()),
+            timeout: Duration::from_secs(3),
+            flush: Duration::from_millis(20),
+            batch_max: 64,
+            log: quiet,
+        };
+        let link = Link::start(config, 1).unwrap();
+        let (outcome, took, _) = ask(&link, 1).await;
+        let Outcome::Unavailable(why) = outcome else { panic!("answered by nobody") };
+        assert!(why.contains("down"), "{why}");
+        assert!(took < Duration::from_secs(3), "at once, not after the timeout: {took:?}");
+    }
+
+    #[tokio::test]
+    async fn a_scorer_closing_the_socket_fails_the_waiting_call_and_is_dialled_again() {
+        let scorer = FakeScorer::start("hangs-up", Mode::HangUp);
+        let link = Link::start(scorer.patient(), 1).unwrap();
+        until("the route socket open", || scorer.accepted() == 1).await;
+        let (outcome, took, _) = ask(&link, 1).await;
+        let Outcome::Unavailable(why) = outcome else { panic!("answered") };
+        assert!(why.contains("closed"), "{why}");
+        assert!(took < Duration::from_secs(3), "at once, not after the timeout: {took:?}");
+        until("dialled again", || scorer.accepted() == 2).await;
+    }
+
+    #[tokio::test]
+    async fn reports_ride_on_the_next_call_or_go_at_the_flush() {
+        let scorer = FakeScorer::start("reports", Mode::Answer);
+        let link = Link::start(scorer.config(), 1).unwrap();
+        until("the route socket open", || scorer.accepted() == 1).await;
+        link.report(0, LifecycleReport::new("r-1", LifecycleEvent::FirstToken));
+        let (outcome, _, _) = ask(&link, 5).await;
+        assert!(matches!(outcome, Outcome::Answer(_)));
+        let calls = lock(&scorer.calls).clone();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].reports.len(), 1, "rode on call 5");
+        // Alone: at the next flush, in a message of no call.
+        link.report(0, LifecycleReport::new("r-1", LifecycleEvent::Done));
+        until("the flush", || lock(&scorer.calls).len() == 2).await;
+        let flushed = lock(&scorer.calls)[1].clone();
+        assert_eq!((flushed.call, flushed.reports.len()), (0, 1));
     }
 }
