@@ -124,13 +124,8 @@ pub enum BookingUpdate {
     Booked {
         request: Box<str>,
         leg: Leg,
-        pod: PodId,
-        prompt_tokens: u32,
-        cached_tokens: u32,
-        /// Shared with the booking it describes (no copy per decision).
-        chain: Arc<[SequenceHash]>,
-        max_output_tokens: Option<u32>,
-        adapter: Option<AdapterId>,
+        /// Its chain shared with the booking it describes (no copy per decision).
+        booking: Booking<Arc<[SequenceHash]>>,
     },
     Reported {
         request: Box<str>,
@@ -146,18 +141,33 @@ pub enum BookingUpdate {
     },
 }
 
-/// One decision to book.
-#[derive(Clone, Debug)]
-pub struct Booking<'a> {
+/// One decision to book, its prompt's blocks in `C`: borrowed while it is decided
+/// (`&[SequenceHash]`), shared once booked (`Arc<[SequenceHash]>`, as replicas exchange it).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Booking<C> {
     pub pod: PodId,
     pub prompt_tokens: u32,
     pub cached_tokens: u32,
     /// The request's full prompt blocks (shared ones count once per pod).
-    pub chain: &'a [SequenceHash],
+    pub chain: C,
     /// `max_tokens` of the request, if it gave one.
     pub max_output_tokens: Option<u32>,
     /// The LoRA adapter it asks for.
     pub adapter: Option<AdapterId>,
+}
+
+impl<C> Booking<C> {
+    /// The same booking, its blocks held in `chain`.
+    pub fn with_chain<D>(&self, chain: D) -> Booking<D> {
+        Booking {
+            pod: self.pod,
+            prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.cached_tokens,
+            chain,
+            max_output_tokens: self.max_output_tokens,
+            adapter: self.adapter,
+        }
+    }
 }
 
 /// Load of one pod as the policies see it.
@@ -334,7 +344,12 @@ impl LoadTracker {
 
     /// Books a decision under `key` at time `now`; returns the chain it keeps. A key already
     /// in flight is released first (a retried request replaces its earlier booking).
-    pub fn book(&mut self, key: &BookingKey, booking: &Booking<'_>, now: f64) -> Arc<[SequenceHash]> {
+    pub fn book<C: AsRef<[SequenceHash]>>(
+        &mut self,
+        key: &BookingKey,
+        booking: &Booking<C>,
+        now: f64,
+    ) -> Arc<[SequenceHash]> {
         self.release(key);
         self.ended_with_pod.remove(key);
         let output = booking.max_output_tokens.unwrap_or(self.config.default_output_tokens);
@@ -344,7 +359,7 @@ impl LoadTracker {
             prompt_tokens: booking.prompt_tokens,
             prefill_tokens: 0,
             prefill_work: 0.0,
-            prompt_blocks: booking.chain.into(),
+            prompt_blocks: booking.chain.as_ref().into(),
             partial_block,
             output_tokens: output,
             asked: booking.max_output_tokens.is_some(),
@@ -594,13 +609,13 @@ impl LoadTracker {
 
     /// This replica's bookings as another replica would book them — `(key, booking, first
     /// token seen)` — for a replica that joins or lost track of ours.
-    pub fn local_bookings(&self) -> impl Iterator<Item = (&BookingKey, Booking<'_>, bool)> {
+    pub fn local_bookings(&self) -> impl Iterator<Item = (&BookingKey, Booking<Arc<[SequenceHash]>>, bool)> {
         self.requests.iter().filter(|(k, _)| k.origin == Origin::LOCAL).map(|(k, r)| {
             let booking = Booking {
                 pod: r.pod,
                 prompt_tokens: r.prompt_tokens,
                 cached_tokens: r.prompt_tokens - r.prefill_tokens as u32,
-                chain: &r.prompt_blocks,
+                chain: r.prompt_blocks.clone(),
                 max_output_tokens: r.asked.then_some(r.output_tokens),
                 adapter: r.adapter,
             };
@@ -719,7 +734,7 @@ mod tests {
     }
 
     /// An 8-token request with nothing cached and no `max_tokens`.
-    fn eight_tokens(pod: PodId, chain: &[SequenceHash]) -> Booking<'_> {
+    fn eight_tokens(pod: PodId, chain: &[SequenceHash]) -> Booking<&[SequenceHash]> {
         Booking { pod, prompt_tokens: 8, cached_tokens: 0, chain, max_output_tokens: None, adapter: None }
     }
 

@@ -5,7 +5,7 @@ use crate::scorer::Pod;
 use ahash::AHashMap;
 use kvgate_routing::adapters::AdapterId;
 use kvgate_routing::hash::SequenceHash;
-use kvgate_routing::load::{BookingUpdate, Leg, Lifecycle};
+use kvgate_routing::load::{Booking, BookingUpdate, Leg, Lifecycle};
 use kvgate_routing::pod_set::PodId;
 use prost::Message;
 use std::net::SocketAddr;
@@ -85,25 +85,16 @@ pub fn encode_update(update: &BookingUpdate, pods: &[Arc<Pod>]) -> Update {
     let address = |pod: PodId| pods.get(pod.index()).map(|p| p.address.clone()).unwrap_or_default();
     let leg = |leg: &Leg| *leg == Leg::Prefill;
     match update {
-        BookingUpdate::Booked {
-            request,
-            leg: l,
-            pod,
-            prompt_tokens,
-            cached_tokens,
-            chain,
-            max_output_tokens,
-            adapter,
-        } => Update {
+        BookingUpdate::Booked { request, leg: l, booking } => Update {
             request: request.to_string(),
             prefill_leg: leg(l),
             kind: Kind::Booked as i32,
-            pod: address(*pod),
-            prompt_tokens: *prompt_tokens,
-            cached_tokens: *cached_tokens,
-            chain: chain.iter().map(|h| h.0).collect(),
-            max_output_tokens: *max_output_tokens,
-            adapter: adapter.map(|a| a.0),
+            pod: address(booking.pod),
+            prompt_tokens: booking.prompt_tokens,
+            cached_tokens: booking.cached_tokens,
+            chain: booking.chain.iter().map(|h| h.0).collect(),
+            max_output_tokens: booking.max_output_tokens,
+            adapter: booking.adapter.map(|a| a.0),
         },
         BookingUpdate::Reported { request, leg: l, event } => Update {
             request: request.to_string(),
@@ -143,14 +134,16 @@ pub fn decode_update(update: Update, pods: &AHashMap<SocketAddr, PodId>) -> Resu
     let reported = |event| BookingUpdate::Reported { request: request.clone(), leg, event };
     Ok(match Kind::try_from(update.kind).map_err(|_| Unusable::UnknownKind)? {
         Kind::Booked => BookingUpdate::Booked {
-            pod: pod()?,
+            booking: Booking {
+                pod: pod()?,
+                prompt_tokens: update.prompt_tokens,
+                cached_tokens: update.cached_tokens,
+                chain: update.chain.into_iter().map(SequenceHash).collect(),
+                max_output_tokens: update.max_output_tokens,
+                adapter: update.adapter.map(AdapterId),
+            },
             request,
             leg,
-            prompt_tokens: update.prompt_tokens,
-            cached_tokens: update.cached_tokens,
-            chain: update.chain.into_iter().map(SequenceHash).collect(),
-            max_output_tokens: update.max_output_tokens,
-            adapter: update.adapter.map(AdapterId),
         },
         Kind::FirstToken => reported(Lifecycle::FirstToken),
         Kind::Done => reported(Lifecycle::Done),
@@ -202,12 +195,14 @@ mod tests {
         let booked = BookingUpdate::Booked {
             request: "r1".into(),
             leg: Leg::Prefill,
-            pod: PodId(1),
-            prompt_tokens: 40,
-            cached_tokens: 16,
-            chain: vec![SequenceHash(7), SequenceHash(u64::MAX)].into(),
-            max_output_tokens: Some(0),
-            adapter: Some(AdapterId::of("sql")),
+            booking: Booking {
+                pod: PodId(1),
+                prompt_tokens: 40,
+                cached_tokens: 16,
+                chain: vec![SequenceHash(7), SequenceHash(u64::MAX)].into(),
+                max_output_tokens: Some(0),
+                adapter: Some(AdapterId::of("sql")),
+            },
         };
         let moved = BookingUpdate::Moved { request: "r2".into(), leg: Leg::Serve, pod: PodId(0), cached_tokens: 3 };
         let done = BookingUpdate::Reported { request: "r1".into(), leg: Leg::Serve, event: Lifecycle::Cancelled };
@@ -223,11 +218,13 @@ mod tests {
         let decoded: Vec<BookingUpdate> =
             back.updates.into_iter().map(|u| decode_update(u, &receiver).unwrap()).collect();
         let on = |pod| match &decoded[0] {
-            BookingUpdate::Booked { pod: p, .. } => *p == pod,
+            BookingUpdate::Booked { booking, .. } => booking.pod == pod,
             _ => false,
         };
         assert!(on(PodId(0)), "10.0.0.2 is the receiver's pod 0");
-        assert!(matches!(&decoded[0], BookingUpdate::Booked { adapter: Some(a), .. } if *a == AdapterId::of("sql")));
+        assert!(
+            matches!(&decoded[0], BookingUpdate::Booked { booking, .. } if booking.adapter == Some(AdapterId::of("sql")))
+        );
         assert_eq!(
             decoded[1],
             BookingUpdate::Moved { request: "r2".into(), leg: Leg::Serve, pod: PodId(1), cached_tokens: 3 }

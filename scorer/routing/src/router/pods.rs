@@ -1,0 +1,165 @@
+//! The pod registry: the one place pod ids are made, each pod's role, presence, health, the
+//! load and adapters it reported, and what was routed where.
+
+use super::{Role, Router};
+use crate::adapters::{AdapterId, PodAdapters, ReportedAdapters};
+use crate::hash::SequenceHash;
+use crate::pod_set::{PodId, PodSet};
+use crate::policy::ReportedLoad;
+use xxhash_rust::xxh3::xxh3_64;
+pub(super) struct PodState {
+    pub(super) role: Role,
+    pub(super) precise: bool,
+    /// False once discovery removed the pod (its id is kept for when it comes back).
+    pub(super) present: bool,
+    pub(super) healthy: bool,
+    pub(super) reported: Option<ReportedLoad>,
+    pub(super) adapters: PodAdapters,
+    /// The pod's identity in [`Candidate::tie_rank`]s: the same on every gateway replica.
+    pub(super) key: u64,
+}
+
+impl Router {
+    /// A request was routed to `pod`: pods without KV events are indexed by what is routed
+    /// there, and its adapter is run there next.
+    pub(super) fn record_routed(&mut self, pod: PodId, chain: &[SequenceHash], adapter: Option<AdapterId>, now: f64) {
+        let Some(state) = self.pods.get_mut(pod.index()) else { return };
+        if let Some(adapter) = adapter {
+            state.adapters.routed(adapter);
+        }
+        if !state.precise {
+            self.approx.record(pod, chain, now);
+        }
+    }
+
+    /// Adds a pod, healthy, and gives it its id: the one place pod ids are made (the index,
+    /// the bookings and the speeds keep their state of it by that id). `precise`: its KV
+    /// events will be applied; otherwise it is indexed approximately by what is routed there.
+    pub fn add_pod(&mut self, role: Role, precise: bool) -> PodId {
+        let id = PodId(self.pods.len() as u32);
+        let key = xxh3_64(&(id.index() as u64).to_le_bytes());
+        self.pods.push(PodState {
+            role,
+            precise,
+            present: true,
+            healthy: true,
+            reported: None,
+            adapters: PodAdapters::default(),
+            key,
+        });
+        id
+    }
+
+    /// Names the pod for tie-breaking by something every gateway replica knows it by (its
+    /// address), whatever order discovery found the pods in; until then it goes by its id,
+    /// the same on every replica only while all add the same pods in the same order.
+    pub fn set_pod_key(&mut self, pod: PodId, name: &str) {
+        self.pods[pod.index()].key = xxh3_64(name.as_bytes());
+    }
+
+    /// Discovery lost the pod: never chosen, and everything known about it forgotten
+    /// (index entries, bookings, reported load), until [`Router::restore_pod`].
+    pub fn remove_pod(&mut self, pod: PodId) {
+        let state = &mut self.pods[pod.index()];
+        state.present = false;
+        state.healthy = false;
+        state.reported = None;
+        state.adapters = PodAdapters::default();
+        self.index.clear_pod(pod);
+        self.approx.clear_pod(pod);
+        self.load.clear_pod(pod);
+    }
+
+    /// A removed pod is back (same address): healthy, with an empty index.
+    pub fn restore_pod(&mut self, pod: PodId) {
+        let state = &mut self.pods[pod.index()];
+        state.present = true;
+        state.healthy = true;
+    }
+
+    pub fn is_present(&self, pod: PodId) -> bool {
+        self.pods[pod.index()].present
+    }
+
+    pub fn num_pods(&self) -> usize {
+        self.pods.len()
+    }
+
+    pub fn is_healthy(&self, pod: PodId) -> bool {
+        let state = &self.pods[pod.index()];
+        state.present && state.healthy
+    }
+
+    /// The load the pod last reported, while healthy.
+    pub fn reported_load(&self, pod: PodId) -> Option<ReportedLoad> {
+        self.pods[pod.index()].reported
+    }
+
+    /// Blocks the router believes `pod` holds (precise or approximate).
+    pub fn pod_blocks(&self, pod: PodId) -> usize {
+        if self.pods[pod.index()].precise { self.index.pod_blocks(pod) } else { self.approx.pod_blocks(pod) }
+    }
+
+    /// True when some healthy pod can take requests.
+    pub fn ready(&self) -> bool {
+        self.pods.iter().any(|p| p.present && p.healthy && p.role.decodes())
+    }
+
+    pub(super) fn eligible(&self, role: impl Fn(Role) -> bool, subset: Option<&PodSet>) -> Vec<PodId> {
+        (0..self.pods.len() as u32)
+            .map(PodId)
+            .filter(|p| {
+                let s = &self.pods[p.index()];
+                s.present && s.healthy && role(s.role) && subset.is_none_or(|set| set.contains(*p))
+            })
+            .collect()
+    }
+
+    /// A pod nobody scrapes is given another chance (healthy, load unknown).
+    pub fn retry(&mut self, pod: PodId) {
+        let state = &mut self.pods[pod.index()];
+        if state.present {
+            state.healthy = true;
+        }
+    }
+
+    /// The pod answered a scrape with its load.
+    pub fn reported(&mut self, pod: PodId, reported: ReportedLoad) {
+        let state = &mut self.pods[pod.index()];
+        if !state.present {
+            return;
+        }
+        state.healthy = true;
+        state.reported = Some(reported);
+    }
+
+    /// The pod's scrape named the LoRA adapters it runs and has waiting, and its slots.
+    pub fn reported_adapters(&mut self, pod: PodId, adapters: ReportedAdapters) {
+        let state = &mut self.pods[pod.index()];
+        if state.present {
+            state.adapters.reported(adapters);
+        }
+    }
+
+    /// Drops bookings older than `load.reconcile_after_seconds` that the pod's last report
+    /// does not account for ([`LoadTracker::reconcile`]); returns how many.
+    pub fn reconcile(&mut self, pod: PodId, now: f64) -> usize {
+        match self.pods[pod.index()].reported {
+            Some(r) if self.reconcile_after_seconds > 0.0 => {
+                let booked_before = now - self.reconcile_after_seconds;
+                self.load.reconcile(pod, (r.running + r.waiting).max(0.0) as u32, booked_before)
+            }
+            _ => 0,
+        }
+    }
+
+    /// The pod is unhealthy: not chosen until it reports again; its in-flight bookings are
+    /// released (their proxies' reports of how they ended are still recognised).
+    pub fn unhealthy(&mut self, pod: PodId) {
+        let state = &mut self.pods[pod.index()];
+        state.healthy = false;
+        state.reported = None;
+        state.adapters = PodAdapters::default();
+        self.load.clear_pod(pod);
+    }
+}
