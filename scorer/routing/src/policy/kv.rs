@@ -270,10 +270,6 @@ impl KvPolicy {
 }
 
 impl Policy for KvPolicy {
-    fn name(&self) -> &'static str {
-        "kv"
-    }
-
     fn select(&mut self, input: &RouteInput, candidates: &[Candidate]) -> Decision {
         let all_busy = candidates.iter().all(|c| self.busy(c));
         let home = home(candidates);

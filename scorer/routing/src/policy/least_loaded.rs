@@ -16,10 +16,6 @@ pub(crate) fn load_score(c: &Candidate) -> f64 {
 }
 
 impl Policy for LeastLoaded {
-    fn name(&self) -> &'static str {
-        "least-loaded"
-    }
-
     fn select(&mut self, _input: &RouteInput, candidates: &[Candidate]) -> Decision {
         let costs: Vec<Option<f64>> = candidates.iter().map(|c| Some(load_score(c))).collect();
         let best = costs.iter().flatten().copied().fold(f64::INFINITY, f64::min);

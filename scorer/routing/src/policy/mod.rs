@@ -86,25 +86,33 @@ pub struct Decision {
     pub costs: Vec<Option<f64>>,
 }
 
-/// A way to choose a pod.
+/// A way to choose a pod (named by its configuration: [`PolicyConfig::name`]).
 pub trait Policy: Send {
-    /// The name used in configuration and metrics.
-    fn name(&self) -> &'static str;
     /// Chooses among `candidates` (never empty).
     fn select(&mut self, input: &RouteInput, candidates: &[Candidate]) -> Decision;
 }
 
 /// Policy configuration, as written in the scorer's YAML (`policy: {name: kv, ...}`).
-#[derive(Clone, Debug, Deserialize, serde::Serialize, PartialEq, schemars::JsonSchema)]
+#[derive(
+    Clone,
+    Debug,
+    Deserialize,
+    serde::Serialize,
+    PartialEq,
+    schemars::JsonSchema,
+    strum::IntoStaticStr,
+    strum::VariantNames,
+)]
 #[serde(tag = "name", rename_all = "kebab-case", deny_unknown_fields)]
+#[strum(serialize_all = "kebab-case")]
 pub enum PolicyConfig {
     Kv(KvPolicyConfig),
     Prefix,
     Ttft,
     LeastLoaded,
+    PowerOfTwo,
     RoundRobin,
     Random,
-    PowerOfTwo,
 }
 
 impl Default for PolicyConfig {
@@ -114,6 +122,14 @@ impl Default for PolicyConfig {
 }
 
 impl PolicyConfig {
+    /// Every policy's name, as configured (`policy: {name: …}`) and in metrics.
+    pub const NAMES: &[&str] = <Self as strum::VariantNames>::VARIANTS;
+
+    /// The policy's name, as configured and in metrics.
+    pub fn name(&self) -> &'static str {
+        self.into()
+    }
+
     /// Checks the policy's parameters.
     pub fn validate(&self) -> Result<(), crate::validate::Invalid> {
         match self {
@@ -220,9 +236,10 @@ mod tests {
         );
         assert!(parse(r#"{"name": "kv", "decode_wieght": 0.5}"#).unwrap_err().to_string().contains("decode_wieght"));
         assert!(parse(r#"{"name": "fastest"}"#).is_err());
-        for name in ["kv", "prefix", "ttft", "least-loaded", "round-robin", "random", "power-of-two"] {
+        assert_eq!(PolicyConfig::NAMES.len(), 7);
+        for &name in PolicyConfig::NAMES {
             let config = parse(&format!(r#"{{"name": "{name}"}}"#)).unwrap();
-            assert_eq!(config.build(0).name(), name);
+            assert_eq!(config.name(), name, "the name it is configured by is the one it goes by");
         }
     }
 

@@ -17,10 +17,6 @@ impl PowerOfTwo {
 }
 
 impl Policy for PowerOfTwo {
-    fn name(&self) -> &'static str {
-        "power-of-two"
-    }
-
     fn select(&mut self, _input: &RouteInput, candidates: &[Candidate]) -> Decision {
         let n = candidates.len();
         let mut costs = vec![None; n];

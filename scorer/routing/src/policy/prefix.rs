@@ -17,10 +17,6 @@ impl LongestPrefix {
 }
 
 impl Policy for LongestPrefix {
-    fn name(&self) -> &'static str {
-        "prefix"
-    }
-
     fn select(&mut self, _input: &RouteInput, candidates: &[Candidate]) -> Decision {
         // Lexicographic (−cached, inflight, decode blocks) folded into one number.
         let costs: Vec<Option<f64>> = candidates

@@ -15,10 +15,6 @@ impl Random {
 }
 
 impl Policy for Random {
-    fn name(&self) -> &'static str {
-        "random"
-    }
-
     fn select(&mut self, _input: &RouteInput, candidates: &[Candidate]) -> Decision {
         Decision { chosen: self.rng.random_range(0..candidates.len()), costs: vec![None; candidates.len()] }
     }

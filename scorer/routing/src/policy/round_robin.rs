@@ -8,10 +8,6 @@ pub struct RoundRobin {
 }
 
 impl Policy for RoundRobin {
-    fn name(&self) -> &'static str {
-        "round-robin"
-    }
-
     fn select(&mut self, _input: &RouteInput, candidates: &[Candidate]) -> Decision {
         let chosen = self.next % candidates.len();
         self.next = self.next.wrapping_add(1);

@@ -19,10 +19,6 @@ impl TtftPolicy {
 }
 
 impl Policy for TtftPolicy {
-    fn name(&self) -> &'static str {
-        "ttft"
-    }
-
     fn select(&mut self, input: &RouteInput, candidates: &[Candidate]) -> Decision {
         let costs: Vec<Option<f64>> = candidates
             .iter()

@@ -129,6 +129,8 @@ pub struct Router {
     policy: Box<dyn Policy>,
     prefill_policy: Box<dyn Policy>,
     decode_policy: Box<dyn Policy>,
+    /// The names of `policy` and `decode_policy` (a decision names the one that decided).
+    policy_names: (&'static str, &'static str),
     overlap: Vec<u32>,
     approx_overlap: Vec<u32>,
     adapters_in_flight: Vec<AdapterLoad>,
@@ -150,6 +152,7 @@ impl Router {
             policy: config.policy.build(config.seed),
             prefill_policy: config.pd.prefill_policy.build(config.seed.wrapping_add(1)),
             decode_policy: config.pd.decode_policy.build(config.seed.wrapping_add(2)),
+            policy_names: (config.policy.name(), config.pd.decode_policy.name()),
             overlap: Vec::new(),
             approx_overlap: Vec::new(),
             adapters_in_flight: Vec::new(),
@@ -198,7 +201,7 @@ impl Router {
             Some(prefill) => self.disaggregate(prefill, &decoders, request, &input, now),
             None => {
                 let decision = self.policy.select(&input, &direct);
-                (direct, decision, self.policy.name())
+                (direct, decision, self.policy_names.0)
             }
         };
         let decode = candidates[decision.chosen];

@@ -58,6 +58,6 @@ impl Router {
             },
             now,
         );
-        (candidates, decision, self.decode_policy.name())
+        (candidates, decision, self.policy_names.1)
     }
 }

@@ -10,22 +10,15 @@ use kvgate_bench::goodput::{Goodput, Point, bracket, goodput, over, ratio, svg_c
 use kvgate_bench::report::{Summary, ms, pod_table, svg, table};
 use kvgate_bench::routers;
 use kvgate_bench::workload::{self, NAMES, Params, Workload};
+use kvgate_routing::policy::PolicyConfig;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Instant;
 
-/// Routers compared on every workload, kvgate's default first.
-const ROUTERS: [&str; 9] = [
-    "kv",
-    "prefix",
-    "ttft",
-    "least-loaded",
-    "power-of-two",
-    "round-robin",
-    "random",
-    "sglang-cache-aware",
-    "vllm-kv-aware",
-];
+/// Routers compared on every workload: kvgate's policies (its default first), then the peers'.
+fn routers() -> impl Iterator<Item = &'static str> {
+    PolicyConfig::NAMES.iter().copied().chain(PEERS)
+}
 /// The peers' rules among them.
 const PEERS: [&str; 2] = ["sglang-cache-aware", "vllm-kv-aware"];
 /// Extra variants on the P/D workload.
@@ -181,8 +174,7 @@ fn main() -> anyhow::Result<()> {
             .with_context(|| format!("unknown workload {name:?} (known: {NAMES:?} and burst-100ms)"))?;
         println!("{:<12} {:>6} requests  {}", w.name, w.requests(), w.description);
         let all = args.routers == ["all"];
-        let mut names: Vec<String> =
-            if all { ROUTERS.iter().map(|s| s.to_string()).collect() } else { args.routers.clone() };
+        let mut names: Vec<String> = if all { routers().map(String::from).collect() } else { args.routers.clone() };
         if w.prefill_pods > 0 && all {
             names.extend(PD_VARIANTS.iter().map(|s| s.to_string()));
         }
