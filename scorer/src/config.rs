@@ -37,7 +37,8 @@ pub struct PodConfig {
     /// Unique name, used in logs, metrics and `/v1/pods`.
     pub name: String,
     /// `ip:port` of the pod's HTTP server: what Envoy routes to.
-    pub address: String,
+    #[serde(deserialize_with = "ip_port")]
+    pub address: SocketAddr,
     #[serde(default = "default_role")]
     pub role: Role,
     /// ZMQ endpoint of the pod's KV-event publisher (`tcp://host:port` or `ipc://path`).
@@ -58,6 +59,12 @@ pub struct PodConfig {
 
 fn default_role() -> Role {
     Role::Both
+}
+
+/// An `ip:port`, read once at load (an error quotes the value; the parser's points at it).
+fn ip_port<'de, D: serde::Deserializer<'de>>(deserializer: D) -> Result<SocketAddr, D::Error> {
+    let text = String::deserialize(deserializer)?;
+    text.parse().map_err(|_| serde::de::Error::custom(format!("{text:?} is not ip:port")))
 }
 
 /// Scraping of pods' `/metrics`.
@@ -537,7 +544,7 @@ impl Config {
             let field = |f: &str| format!("pods[{i}].{f}");
             pod.check().map_err(|e| e.under(&format!("pods[{i}]")))?;
             check(names.insert(pod.name.as_str()), &field("name"), &format!("duplicate pod name {:?}", pod.name))?;
-            let unique = addresses.insert(pod.address.as_str());
+            let unique = addresses.insert(pod.address);
             check(unique, &field("address"), &format!("duplicate address {}", pod.address))?;
             if let Some(slowness) = pod.slowness {
                 let max = self.load.pod_speed.max_slowness;
@@ -570,8 +577,6 @@ impl PodConfig {
     fn check(&self) -> Result<(), Invalid> {
         let name = !self.name.is_empty() && self.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
         check(name, "name", &format!("{:?} must be non-empty [A-Za-z0-9._-]", self.name))?;
-        let address = self.address.parse::<SocketAddr>().is_ok();
-        check(address, "address", &format!("{:?} is not ip:port", self.address))?;
         for (field, endpoint) in [("kv_events", &self.kv_events), ("kv_events_replay", &self.kv_events_replay)] {
             if let Some(e) = endpoint {
                 let zmq = e.starts_with("tcp://") || e.starts_with("ipc://");
@@ -750,7 +755,8 @@ pods:
             ("blok_size: 4\npods: []\n", "blok_size"),
             ("block_size: 0\npods:\n  - {name: a, address: '1.2.3.4:5'}\n", "block_size"),
             ("pods: []\n", "or configure discovery"),
-            ("pods:\n  - {name: a, address: 'localhost'}\n", "pods[0].address"),
+            ("pods:\n  - {name: a, address: 'localhost'}\n", "address: 'localhost'"),
+            ("pods:\n  - {name: a, address: 'localhost'}\n", "\"localhost\" is not ip:port"),
             ("pods:\n  - {name: a, address: '1.2.3.4:5'}\n  - {name: a, address: '1.2.3.4:6'}\n", "pods[1].name"),
             ("pods:\n  - {name: a, address: '1.2.3.4:5', kv_events: 'http://x'}\n", "pods[0].kv_events"),
             ("pods:\n  - {name: a, address: '1.2.3.4:5', kv_events_replay: 'tcp://x:1'}\n", "kv_events_replay"),

@@ -140,7 +140,7 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
         .pods
         .iter()
         .map(|pod| {
-            let addr: SocketAddr = pod.address.parse().expect("validated by the config parser");
+            let addr = pod.address;
             format!(
                 "        - endpoint:\n            address:\n              socket_address: {{ address: {}, port_value: {} }}\n          metadata:\n            filter_metadata:\n              kvgate: {{ pod: {}, role: {} }}\n",
                 addr.ip(),

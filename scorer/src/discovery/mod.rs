@@ -124,10 +124,9 @@ impl Registry {
                         old.tasks.into_iter().flatten().for_each(|t| t.abort());
                         scorer.remove_pod(old.id);
                     }
-                    let name = address.to_string();
                     let id = scorer.add_pod(
-                        &name,
-                        &name,
+                        &address.to_string(),
+                        *address,
                         pod.role,
                         pod.endpoints.kv_events.is_some(),
                         pod.endpoints.metrics.is_some(),

@@ -202,7 +202,7 @@ impl Scorer {
         };
         scorer.static_pods = (scorer.config.pods.iter())
             .map(|p| {
-                let id = scorer.add_pod(&p.name, &p.address, p.role, p.kv_events.is_some(), p.metrics.is_some());
+                let id = scorer.add_pod(&p.name, p.address, p.role, p.kv_events.is_some(), p.metrics.is_some());
                 if let Some(slowness) = p.slowness {
                     scorer.declare_slowness(id, slowness);
                 }
@@ -220,18 +220,17 @@ impl Scorer {
     /// Adds a pod (healthy: scraping demotes it after consecutive failures) and returns the
     /// id the router gave it. `has_events`: it publishes KV events, so it is indexed precisely
     /// when the tokenizer is exact (the fallback's token ids could never match an engine's).
-    pub fn add_pod(&self, name: &str, address: &str, role: Role, has_events: bool, scraped: bool) -> PodId {
+    pub fn add_pod(&self, name: &str, address: SocketAddr, role: Role, has_events: bool, scraped: bool) -> PodId {
         let precise = has_events && self.tokenizer.is_exact();
         let mut core = self.lock();
         let id = core.router.add_pod(role, precise);
-        core.router.set_pod_key(id, address);
-        let info = Pod { id, name: name.to_string(), address: address.to_string(), role, precise, scraped };
+        let address_text = address.to_string();
+        core.router.set_pod_key(id, &address_text);
+        let info = Pod { id, name: name.to_string(), address: address_text, role, precise, scraped };
         *core.pods.get_mut(id) = PodEntry { info: Arc::new(info), ..PodEntry::default() };
-        // Configured and discovered addresses are `ip:port` (validated); a later pod at the
-        // same address (discovery re-adding it with another role) takes it over.
-        if let Ok(socket) = address.parse() {
-            core.by_address.insert(socket, id);
-        }
+        // A later pod at the same address (discovery re-adding it with another role) takes
+        // it over.
+        core.by_address.insert(address, id);
         drop(core);
         self.metrics.pod_healthy.with_label_values(&[name]).set(1.0);
         id
