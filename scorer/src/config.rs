@@ -43,9 +43,9 @@ pub struct PodConfig {
     pub role: Role,
     /// ZMQ endpoint of the pod's KV-event publisher (`tcp://host:port` or `ipc://path`).
     /// Without it the pod is indexed approximately (what kvgate routed there, with a TTL).
-    pub kv_events: Option<String>,
+    pub kv_events: Option<ZmqEndpoint>,
     /// ZMQ ROUTER endpoint of the pod's replay socket, to fetch batches lost in a gap.
-    pub kv_events_replay: Option<String>,
+    pub kv_events_replay: Option<ZmqEndpoint>,
     /// URL of the pod's Prometheus `/metrics`, scraped for load and health.
     pub metrics: Option<String>,
     /// How much longer than the fleet's average pod this one takes (2: an older GPU at half
@@ -59,6 +59,87 @@ pub struct PodConfig {
 
 fn default_role() -> Role {
     Role::Both
+}
+
+/// A ZMQ endpoint kvgate connects to: `tcp://host:port` or `ipc://path`, checked when read.
+#[derive(Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
+#[serde(try_from = "String")]
+pub struct ZmqEndpoint(String);
+
+/// Shown as the endpoint it is (`"tcp://10.0.0.1:5557"`).
+impl std::fmt::Debug for ZmqEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+impl ZmqEndpoint {
+    /// `tcp://host:port`.
+    pub fn tcp(host: impl std::fmt::Display, port: u16) -> Self {
+        ZmqEndpoint(format!("tcp://{host}:{port}"))
+    }
+}
+
+impl TryFrom<String> for ZmqEndpoint {
+    type Error = String;
+
+    fn try_from(text: String) -> Result<Self, String> {
+        match text.split_once("://") {
+            Some(("tcp" | "ipc", rest)) if !rest.is_empty() => Ok(ZmqEndpoint(text)),
+            _ => Err(format!("{text:?} is not a ZMQ endpoint (tcp://host:port or ipc://path)")),
+        }
+    }
+}
+
+impl std::ops::Deref for ZmqEndpoint {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for ZmqEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// NATS server URLs (`nats://` or `tls://`): one, several comma-separated, or a list.
+#[derive(Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[schemars(with = "String")]
+pub struct NatsUrls(Vec<String>);
+
+impl<'de> Deserialize<'de> for NatsUrls {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Written {
+            Joined(String),
+            Listed(Vec<String>),
+        }
+        let urls: Vec<String> = match Written::deserialize(deserializer)? {
+            Written::Joined(text) => text.split(',').map(|u| u.trim().to_string()).collect(),
+            Written::Listed(urls) => urls.into_iter().map(|u| u.trim().to_string()).collect(),
+        };
+        match urls.iter().find(|u| !(u.starts_with("nats://") || u.starts_with("tls://"))) {
+            Some(bad) => Err(serde::de::Error::custom(format!("{bad:?} is not a nats:// or tls:// URL"))),
+            None if urls.is_empty() => Err(serde::de::Error::custom("no NATS URL")),
+            None => Ok(NatsUrls(urls)),
+        }
+    }
+}
+
+impl NatsUrls {
+    pub fn urls(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(String::as_str)
+    }
+}
+
+impl std::fmt::Display for NatsUrls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.join(","))
+    }
 }
 
 /// An `ip:port`, read once at load (an error quotes the value; the parser's points at it).
@@ -378,9 +459,9 @@ pub struct Config {
 #[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SyncSection {
-    /// NATS server URL, e.g. `nats://nats.kvgate:4222` (several, comma-separated, for a
-    /// NATS cluster).
-    pub nats: String,
+    /// NATS server URL, e.g. `nats://nats.kvgate:4222` (several, comma-separated or as a
+    /// list, for a NATS cluster).
+    pub nats: NatsUrls,
     /// Subject prefix shared by the replicas of one fleet (`<prefix>.bookings`,
     /// `<prefix>.snapshot.<replica>`): two fleets on one NATS use two prefixes.
     #[serde(default = "default_subject_prefix")]
@@ -577,12 +658,6 @@ impl PodConfig {
     fn check(&self) -> Result<(), Invalid> {
         let name = !self.name.is_empty() && self.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c));
         check(name, "name", &format!("{:?} must be non-empty [A-Za-z0-9._-]", self.name))?;
-        for (field, endpoint) in [("kv_events", &self.kv_events), ("kv_events_replay", &self.kv_events_replay)] {
-            if let Some(e) = endpoint {
-                let zmq = e.starts_with("tcp://") || e.starts_with("ipc://");
-                check(zmq, field, &format!("{e:?} must start with tcp:// or ipc://"))?;
-            }
-        }
         check(self.kv_events_replay.is_none() || self.kv_events.is_some(), "kv_events_replay", "needs kv_events")?;
         match &self.metrics {
             Some(url) => check(url.starts_with("http://"), "metrics", &format!("{url:?} must be an http:// URL")),
@@ -601,8 +676,6 @@ impl HealthSection {
 
 impl SyncSection {
     fn check(&self) -> Result<(), Invalid> {
-        let urls = self.nats.split(',').all(|u| u.trim().starts_with("nats://") || u.trim().starts_with("tls://"));
-        check(urls, "nats", &format!("{:?} must be nats:// or tls:// URLs", self.nats))?;
         let prefix = self.subject_prefix.split('.').all(subject_token);
         check(prefix, "subject_prefix", "must be NATS subject tokens joined by '.', without wildcards")?;
         let replica = subject_token(&self.replica());
@@ -704,6 +777,20 @@ mod tests {
     }
 
     #[test]
+    fn nats_urls_are_one_a_joined_few_or_a_list() {
+        let urls = |nats: &str| {
+            Config::parse(&format!("sync: {{nats: {nats}}}\n{MINIMAL}"))
+                .map(|c| c.sync.unwrap().nats.urls().map(String::from).collect::<Vec<_>>())
+                .map_err(|e| e.to_string())
+        };
+        assert_eq!(urls("'nats://a:4222'").unwrap(), ["nats://a:4222"]);
+        assert_eq!(urls("'nats://a:4222, tls://b:4222'").unwrap(), ["nats://a:4222", "tls://b:4222"]);
+        assert_eq!(urls("[nats://a:4222, tls://b:4222]").unwrap(), ["nats://a:4222", "tls://b:4222"]);
+        assert!(urls("'nats://a:4222,http://b'").unwrap_err().contains("\"http://b\" is not a nats:// or tls:// URL"));
+        assert!(urls("[]").unwrap_err().contains("no NATS URL"));
+    }
+
+    #[test]
     fn defaults_are_sane() {
         let c = Config::parse(MINIMAL).unwrap();
         assert_eq!(c.listen.to_string(), "127.0.0.1:7070");
@@ -758,7 +845,8 @@ pods:
             ("pods:\n  - {name: a, address: 'localhost'}\n", "address: 'localhost'"),
             ("pods:\n  - {name: a, address: 'localhost'}\n", "\"localhost\" is not ip:port"),
             ("pods:\n  - {name: a, address: '1.2.3.4:5'}\n  - {name: a, address: '1.2.3.4:6'}\n", "pods[1].name"),
-            ("pods:\n  - {name: a, address: '1.2.3.4:5', kv_events: 'http://x'}\n", "pods[0].kv_events"),
+            ("pods:\n  - {name: a, address: '1.2.3.4:5', kv_events: 'http://x'}\n", "kv_events: 'http://x'"),
+            ("pods:\n  - {name: a, address: '1.2.3.4:5', kv_events: 'http://x'}\n", "is not a ZMQ endpoint"),
             ("pods:\n  - {name: a, address: '1.2.3.4:5', kv_events_replay: 'tcp://x:1'}\n", "kv_events_replay"),
             ("pods:\n  - {name: a, address: '1.2.3.4:5', role: router}\n", "router"),
             (

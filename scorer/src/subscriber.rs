@@ -20,6 +20,7 @@
 //! batches are applied, so a flood backs up into the publisher's bounded queue, which drops
 //! the excess; the drops come back here as gaps and are counted (`event_batches_missed`).
 
+use crate::config::ZmqEndpoint;
 use crate::scorer::Scorer;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -43,7 +44,8 @@ const CONNECT_ATTEMPT: Duration = Duration::from_millis(300);
 /// finds may be another engine's — a restart whose first batches were missed looks like a
 /// continuation — so the pod's index is cleared and rebuilt from it, and its sequence
 /// numbers are judged afresh.
-pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Option<String>) {
+pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: ZmqEndpoint, replay: Option<ZmqEndpoint>) {
+    let replay = replay.as_deref();
     let name = scorer.pod(pod).name.clone();
     let mut backoff = Duration::from_millis(100);
     let mut tracker = SequenceTracker::default();
@@ -95,7 +97,7 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
         // while no one listened: a restarted engine's first batches) is in its replay buffer:
         // rebuild from it now, not when the next batch arrives — an engine left idle may
         // publish none for long, and at start the scorer is not ready until it has.
-        if let Some(replay) = replay.as_deref() {
+        if let Some(replay) = replay {
             rebuild(&scorer, pod, replay, &mut tracker).await;
         }
         scorer.caught_up(pod);
@@ -113,7 +115,7 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
                     if changes != engine_changes {
                         engine_changes = changes;
                         tracker = SequenceTracker::default();
-                        if let Some(replay) = replay.as_deref() {
+                        if let Some(replay) = replay {
                             rebuild(&scorer, pod, replay, &mut tracker).await;
                         }
                     }
@@ -127,7 +129,7 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: String, replay: Opti
                             engine_changes = changes;
                             tracker = SequenceTracker::default();
                         }
-                        handle(&scorer, pod, &mut tracker, replay.as_deref(), message).await
+                        handle(&scorer, pod, &mut tracker, replay, message).await
                     }
                     Err(e) => {
                         tracing::warn!(pod = %name, "kv events: receive failed ({e}); reconnecting");

@@ -14,7 +14,7 @@ pub mod dns;
 pub mod inference_pool;
 pub mod kubernetes;
 
-use crate::config::Role;
+use crate::config::{Role, ZmqEndpoint};
 use crate::scorer::Scorer;
 use crate::{scrape, subscriber};
 use kvgate_routing::pod_set::PodId;
@@ -26,8 +26,8 @@ use tokio::task::JoinHandle;
 /// Where a pod's tasks connect.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PodEndpoints {
-    pub kv_events: Option<String>,
-    pub kv_events_replay: Option<String>,
+    pub kv_events: Option<ZmqEndpoint>,
+    pub kv_events_replay: Option<ZmqEndpoint>,
     pub metrics: Option<String>,
 }
 
@@ -45,8 +45,8 @@ impl PodEndpoints {
             IpAddr::V6(v6) => format!("[{v6}]"),
         };
         PodEndpoints {
-            kv_events: kv_events_port.map(|p| format!("tcp://{host}:{p}")),
-            kv_events_replay: replay_port.map(|p| format!("tcp://{host}:{p}")),
+            kv_events: kv_events_port.map(|p| ZmqEndpoint::tcp(&host, p)),
+            kv_events_replay: replay_port.map(|p| ZmqEndpoint::tcp(&host, p)),
             metrics: metrics_path.map(|path| format!("http://{host}:{http_port}{path}")),
         }
     }

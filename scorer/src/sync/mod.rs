@@ -133,7 +133,7 @@ pub async fn run(scorer: Arc<Scorer>, config: SyncSection, credentials: NatsCred
             }
         });
     let options = credentials.apply(options, &config);
-    let urls: Vec<&str> = config.nats.split(',').map(str::trim).collect();
+    let urls: Vec<&str> = config.nats.urls().collect();
     let client = match options.connect(urls.as_slice()).await {
         Ok(client) => client,
         Err(e) => {

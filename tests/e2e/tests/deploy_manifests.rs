@@ -149,7 +149,7 @@ fn the_scorer_configmap_parses_and_the_envoy_bootstrap_matches_it_and_validates(
     let sync = config.sync.as_ref().expect("sync is configured");
     let nats = documents("nats/nats.yaml");
     let nats_port = find(&nats, "Service", "nats")["spec"]["ports"][0]["port"].as_u64().unwrap();
-    assert_eq!(sync.nats, format!("nats://nats.inference.svc.cluster.local:{nats_port}"));
+    assert_eq!(sync.nats.to_string(), format!("nats://nats.inference.svc.cluster.local:{nats_port}"));
     assert_eq!(sync.replica_id, None, "each replica is named by its pod ($HOSTNAME)");
     // The headless Service it resolves exists with those ports.
     let vllm = documents("base/vllm.yaml");
