@@ -1,6 +1,7 @@
 //! The documentation holds together: every relative link in the repository's Markdown
 //! resolves (file and `#anchor`, with GitHub's heading anchors), every `make` target a page
-//! names exists in the Makefile, every repository path a page names in code exists, and the
+//! names exists in the Makefile, every repository path a page names in code exists, every
+//! Rust name a contributor guide cites is defined, and the
 //! README stays a front door (short, no dates, no commit hashes). Each check is also shown to
 //! reject a broken page.
 
@@ -85,23 +86,88 @@ fn parse(text: &str) -> Page {
 
 /// Every Markdown file of the repository, but build output and what setup fetched.
 fn markdown_files() -> Vec<PathBuf> {
-    fn walk(dir: &Path, out: &mut Vec<PathBuf>) {
+    repository_files(".md")
+}
+
+/// Every file of the repository whose name ends with `suffix`, but build output and what
+/// setup fetched.
+fn repository_files(suffix: &str) -> Vec<PathBuf> {
+    fn walk(dir: &Path, suffix: &str, out: &mut Vec<PathBuf>) {
         for entry in std::fs::read_dir(dir).unwrap().flatten() {
             let path = entry.path();
             let name = entry.file_name().to_string_lossy().into_owned();
             if path.is_dir() {
                 if !matches!(name.as_str(), "target" | ".git" | ".kvgate" | "node_modules") {
-                    walk(&path, out);
+                    walk(&path, suffix, out);
                 }
-            } else if name.ends_with(".md") {
+            } else if name.ends_with(suffix) {
                 out.push(path);
             }
         }
     }
     let mut out = Vec::new();
-    walk(&root(), &mut out);
+    walk(&root(), suffix, &mut out);
     out.sort();
     out
+}
+
+/// Names the guides cite that are other projects' (vLLM's), not kvgate's.
+const OTHER_PROJECTS_NAMES: [&str; 1] = ["OffloadingConnector"];
+
+/// The contributor guides: the Rust names they cite must stay true to the code.
+const GUIDES: [&str; 2] = ["docs/adding-a-way-in.md", "scorer/README.md"];
+
+/// The Rust names a page cites in code spans (`Type`, `Type::member`, `Type::member()`) that
+/// `sources` does not define: no `struct`, `enum`, `trait`, `type` or variant of that name, or
+/// no `fn`, constant or variant of the member's anywhere (a cheap check: not per type).
+fn undefined_names(page: &Page, sources: &str) -> Vec<String> {
+    // CamelCase (not an all-capitals word such as a vLLM medium, `CPU`).
+    let name = Regex::new(r"^([A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)(?:::([A-Za-z_][A-Za-z0-9_]*)(?:\(\))?)?$").unwrap();
+    let defined = |pattern: String| Regex::new(&pattern).unwrap().is_match(sources);
+    let mut out = Vec::new();
+    for span in &page.spans {
+        let Some(m) = name.captures(span) else { continue };
+        if OTHER_PROJECTS_NAMES.contains(&span.as_str()) {
+            continue;
+        }
+        // A type, or a variant (an enum's line `Name,`, `Name(…)` or `Name {…}`).
+        let item = |name: &str| format!(r"(?m)\b(struct|enum|trait|type|fn|const)\s+{name}\b|^\s*{name}\b\s*[,({{]");
+        let ty = defined(item(&m[1]));
+        let member = m.get(2).is_none_or(|member| defined(item(member.as_str())));
+        if !(ty && member) {
+            out.push(format!("names what the code does not define: {span}"));
+        }
+    }
+    out
+}
+
+fn rust_sources() -> String {
+    repository_files(".rs")
+        .iter()
+        .map(|f| std::fs::read_to_string(f).unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn the_contributor_guides_name_what_the_code_defines() {
+    let sources = rust_sources();
+    let mut problems = Vec::new();
+    let mut cited = 0;
+    for guide in GUIDES {
+        let page = parse(&std::fs::read_to_string(root().join(guide)).unwrap());
+        cited += page.spans.len();
+        problems.extend(undefined_names(&page, &sources).into_iter().map(|p| format!("{guide}: {p}")));
+    }
+    assert!(cited > 50, "the guides were read");
+    assert!(problems.is_empty(), "{}", problems.join("\n"));
+    // And a guide naming what is gone is caught.
+    let stale = parse("`Router::route_all()`, `Saturation`, `RouterConfig`, `Picker::pick`, `PickingService`, `CPU`\n");
+    let caught = undefined_names(&stale, &sources);
+    assert_eq!(
+        caught,
+        ["names what the code does not define: Router::route_all()", "names what the code does not define: Saturation"]
+    );
 }
 
 fn makefile_targets() -> BTreeSet<String> {
