@@ -75,11 +75,13 @@ impl<K: Eq + Hash, W, T: Ord + Copy> CallsInFlight<K, W, T> {
         self.waiting.drain().map(|(id, (waiter, _))| (id, waiter)).collect()
     }
 
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.waiting.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.waiting.is_empty()
     }
 }
