@@ -179,7 +179,8 @@ impl<W: Wake> Link<W> {
             return slot.deliver(Outcome::Unavailable("the scorer is not reading its route socket".into()));
         }
         call.reports = lock(&shared.reports).take_for_call(SystemTime::now);
-        lock(&shared.waiting).sent(call.call, slot, Instant::now());
+        let sent = Instant::now();
+        lock(&shared.waiting).sent(call.call, slot, sent);
         let Writer { socket, pending, scratch } = &mut *writer;
         scratch.clear();
         frame(&call, scratch);
@@ -347,10 +348,12 @@ fn read_answers<W: Wake>(socket: &Socket, frames: &mut Frames, shared: &Shared<W
             Err(e) => return Err(format!("route socket failed: {e}")),
         }
     }
+    // One clock read for the answers of this read, outside the lock.
+    let now = Instant::now();
     while let Some(answer) = frames.message::<RouteAnswer>()? {
         lock(&shared.reports).heard(&answer);
         // Not waiting: timed out already (a notice answers no call).
-        let call = lock(&shared.waiting).answered(&answer.call, Instant::now());
+        let call = lock(&shared.waiting).answered(&answer.call, now);
         if let Some((slot, _)) = call {
             slot.deliver(Outcome::Answer(answer));
         }
@@ -551,17 +554,22 @@ mod tests {
 
         /// Calls time out after 3 s: what fails sooner did not wait for the timeout.
         fn patient(&self) -> LinkConfig {
-            LinkConfig {
-                scorer: format!("unix:{}", self.path.display()),
-                timeout: Duration::from_secs(3),
-                flush: Duration::from_millis(20),
-                batch_max: 64,
-                log: quiet,
-            }
+            patient(&self.path)
         }
 
         fn accepted(&self) -> usize {
             self.accepted.load(std::sync::atomic::Ordering::Relaxed)
+        }
+    }
+
+    /// A link to the Unix socket at `path` whose calls time out after 3 s.
+    fn patient(path: &std::path::Path) -> LinkConfig {
+        LinkConfig {
+            scorer: format!("unix:{}", path.display()),
+            timeout: Duration::from_secs(3),
+            flush: Duration::from_millis(20),
+            batch_max: 64,
+            log: quiet,
         }
     }
 
@@ -611,17 +619,14 @@ mod tests {
         let slot = Slot::new(woken.clone());
         let sent = Instant::now();
         link.call(0, RouteCall { call: id, ..Default::default() }, slot.clone());
-        let outcome = Arc::new(Mutex::new(None));
-        until("an outcome", || {
-            let taken = slot.take();
-            let got = taken.is_some();
-            if got {
-                *lock(&outcome) = taken;
+        let deadline = sent + Duration::from_secs(5);
+        let outcome = loop {
+            if let Some(outcome) = slot.take() {
+                break outcome;
             }
-            got || lock(&outcome).is_some()
-        })
-        .await;
-        let outcome = lock(&outcome).take().expect("taken");
+            assert!(Instant::now() < deadline, "call {id} never came back");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        };
         (outcome, sent.elapsed(), woken.0.load(std::sync::atomic::Ordering::Relaxed))
     }
 
@@ -674,14 +679,7 @@ mod tests {
     #[tokio::test]
     async fn a_scorer_away_fails_calls_at_once() {
         let path = std::env::temp_dir().join(format!("kvgate-link-{}-nobody.sock", std::process::id()));
-        let config = LinkConfig {
-            scorer: format!("unix:{}", path.display()),
-            timeout: Duration::from_secs(3),
-            flush: Duration::from_millis(20),
-            batch_max: 64,
-            log: quiet,
-        };
-        let link = Link::start(config, 1).unwrap();
+        let link = Link::start(patient(&path), 1).unwrap();
         let (outcome, took, _) = ask(&link, 1).await;
         let Outcome::Unavailable(why) = outcome else { panic!("answered by nobody") };
         assert!(why.contains("down"), "{why}");
