@@ -4,6 +4,7 @@
 //! engine's `/v1/models` (on the same server) names the LoRA adapters it serves — loaded at
 //! start or since — before any of them has run.
 
+use crate::config::MetricsUrl;
 use crate::engine_pages::{adapters, adapters_served, block_size, parse, process_start_time};
 use crate::scorer::{Scorer, Scrape};
 use kvgate_routing::pod_set::PodId;
@@ -11,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// Scrapes `url` every interval until the process stops.
-pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: String) {
+pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: MetricsUrl) {
     let health = scorer.config.health.clone();
     let client = match reqwest::Client::builder().timeout(Duration::from_millis(health.scrape_timeout_ms)).build() {
         Ok(c) => c,
@@ -22,11 +23,11 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: String) {
     };
     let mut interval = tokio::time::interval(Duration::from_millis(health.scrape_interval_ms));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let models_url = models_url(&url);
+    let models_url = url.models();
     let mut models_read: Option<tokio::time::Instant> = None;
     loop {
         interval.tick().await;
-        let scrape = match client.get(&url).send().await {
+        let scrape = match client.get(&*url).send().await {
             Ok(r) if r.status().is_success() => match r.text().await {
                 Ok(text) => parse(&text).map_or(Scrape::Failed, |load| Scrape::Answered {
                     load,
@@ -45,9 +46,8 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: String) {
         scorer.scraped(pod, scrape);
         // The models it serves: at its first answer, then every `MODELS_INTERVAL`.
         if answered
-            && let Some(models_url) = &models_url
             && models_read.is_none_or(|at| at.elapsed() >= MODELS_INTERVAL)
-            && let Ok(r) = client.get(models_url).send().await
+            && let Ok(r) = client.get(models_url.clone()).send().await
             && r.status().is_success()
             && let Ok(text) = r.text().await
         {
@@ -59,23 +59,3 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: String) {
 
 /// How often a pod's `/v1/models` is read again (adapters loaded at run time).
 const MODELS_INTERVAL: Duration = Duration::from_secs(10);
-
-/// `/v1/models` on the server of a metrics URL (`http://host:port/metrics` →
-/// `http://host:port/v1/models`).
-fn models_url(metrics_url: &str) -> Option<String> {
-    let after_scheme = metrics_url.find("://")? + 3;
-    let origin_end = metrics_url[after_scheme..].find('/').map_or(metrics_url.len(), |i| after_scheme + i);
-    Some(format!("{}/v1/models", &metrics_url[..origin_end]))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn finds_the_models_page_beside_the_metrics() {
-        assert_eq!(models_url("http://10.0.0.1:8000/metrics").as_deref(), Some("http://10.0.0.1:8000/v1/models"));
-        assert_eq!(models_url("http://[::1]:8000").as_deref(), Some("http://[::1]:8000/v1/models"));
-        assert_eq!(models_url("10.0.0.1:8000/metrics"), None);
-    }
-}

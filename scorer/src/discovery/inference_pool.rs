@@ -103,7 +103,7 @@ async fn next_pod_event(events: &mut Option<PodEvents>) -> Option<Result<Event<P
 /// Follows the pool and its pods until the process stops.
 pub async fn run(scorer: Arc<Scorer>, config: InferencePoolDiscovery) {
     let source = format!("inference_pool:{}/{}", config.namespace, config.name);
-    let client = kubernetes::client(&scorer, config.api_server.as_deref(), &source).await;
+    let client = kubernetes::client(&scorer, config.api_server.as_ref(), &source).await;
     let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), &config.namespace, &pool_resource());
     let by_name = watcher::Config::default().fields(&format!("metadata.name={}", config.name));
     let mut pool_events = watcher::watcher(pools, by_name).default_backoff().boxed();

@@ -5,7 +5,7 @@
 //! [`PodWatch`] follows one such watch; the InferencePool discovery uses it too.
 
 use super::{DiscoveredPod, PodEndpoints, Registry};
-use crate::config::{KubernetesDiscovery, Role};
+use crate::config::{ApiServer, KubernetesDiscovery, Role};
 use crate::scorer::Scorer;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
@@ -92,13 +92,10 @@ pub fn discovered(pod: &Pod, config: &KubernetesDiscovery) -> Option<(SocketAddr
 
 /// The client: the configured API server, else in-cluster / `KUBECONFIG`; retried every 5 s
 /// (counted) until it can be built.
-pub async fn client(scorer: &Scorer, api_server: Option<&str>, source: &str) -> Client {
+pub async fn client(scorer: &Scorer, api_server: Option<&ApiServer>, source: &str) -> Client {
     loop {
         let built = match api_server {
-            Some(url) => url
-                .parse()
-                .map_err(|e| format!("api_server {url:?}: {e}"))
-                .and_then(|uri| Client::try_from(kube::Config::new(uri)).map_err(|e| e.to_string())),
+            Some(ApiServer(uri)) => Client::try_from(kube::Config::new(uri.clone())).map_err(|e| e.to_string()),
             None => Client::try_default().await.map_err(|e| e.to_string()),
         };
         match built {
@@ -161,7 +158,7 @@ impl PodWatch {
 /// Watches the pods until the process stops.
 pub async fn run(scorer: Arc<Scorer>, config: KubernetesDiscovery) {
     let source = format!("kubernetes:{}/{}", config.namespace, config.label_selector);
-    let client = client(&scorer, config.api_server.as_deref(), &source).await;
+    let client = client(&scorer, config.api_server.as_ref(), &source).await;
     let api: Api<Pod> = Api::namespaced(client, &config.namespace);
     let watch = watcher::Config::default().labels(&config.label_selector);
     let mut events = watcher::watcher(api, watch).default_backoff().boxed();

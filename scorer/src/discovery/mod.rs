@@ -14,7 +14,7 @@ pub mod dns;
 pub mod inference_pool;
 pub mod kubernetes;
 
-use crate::config::{Role, ZmqEndpoint};
+use crate::config::{MetricsUrl, Role, ZmqEndpoint};
 use crate::scorer::Scorer;
 use crate::{scrape, subscriber};
 use kvgate_routing::pod_set::PodId;
@@ -28,7 +28,7 @@ use tokio::task::JoinHandle;
 pub struct PodEndpoints {
     pub kv_events: Option<ZmqEndpoint>,
     pub kv_events_replay: Option<ZmqEndpoint>,
-    pub metrics: Option<String>,
+    pub metrics: Option<MetricsUrl>,
 }
 
 impl PodEndpoints {
@@ -40,14 +40,10 @@ impl PodEndpoints {
         replay_port: Option<u16>,
         metrics_path: Option<&str>,
     ) -> Self {
-        let host = match ip {
-            IpAddr::V4(v4) => v4.to_string(),
-            IpAddr::V6(v6) => format!("[{v6}]"),
-        };
         PodEndpoints {
-            kv_events: kv_events_port.map(|p| ZmqEndpoint::tcp(&host, p)),
-            kv_events_replay: replay_port.map(|p| ZmqEndpoint::tcp(&host, p)),
-            metrics: metrics_path.map(|path| format!("http://{host}:{http_port}{path}")),
+            kv_events: kv_events_port.map(|p| ZmqEndpoint::tcp(SocketAddr::new(ip, p))),
+            kv_events_replay: replay_port.map(|p| ZmqEndpoint::tcp(SocketAddr::new(ip, p))),
+            metrics: metrics_path.map(|path| MetricsUrl::at(SocketAddr::new(ip, http_port), path)),
         }
     }
 }

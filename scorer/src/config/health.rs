@@ -1,0 +1,46 @@
+//! `health:`, the scraping of pods' `/metrics` and what makes a pod unhealthy (see
+//! `crate::scrape`).
+
+use kvgate_routing::validate::{Invalid, check, positive};
+use serde::Deserialize;
+
+/// Scraping of pods' `/metrics`.
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
+#[serde(default, deny_unknown_fields)]
+pub struct HealthSection {
+    /// How often each pod's `/metrics` is scraped.
+    pub scrape_interval_ms: u64,
+    /// A scrape not answered within this long has failed.
+    pub scrape_timeout_ms: u64,
+    /// Consecutive failed scrapes (timeouts, error statuses) after which a pod stops being
+    /// chosen; a refused connection takes it out at once.
+    pub unhealthy_after: u32,
+    /// A pod without `/metrics` that was taken out (its pick refused the connection) is
+    /// tried again after this long.
+    pub retry_seconds: f64,
+    /// At start, how long `/readyz` (and the picker's gRPC health) waits at most for every
+    /// healthy pod's index to be rebuilt from its replay buffer (`kv_events_replay`), so a
+    /// new replica does not route on an empty index; pods still not caught up then are
+    /// logged.
+    pub catch_up_wait_ms: u64,
+}
+
+impl Default for HealthSection {
+    fn default() -> Self {
+        Self {
+            scrape_interval_ms: 1000,
+            scrape_timeout_ms: 500,
+            unhealthy_after: 3,
+            retry_seconds: 2.0,
+            catch_up_wait_ms: 10_000,
+        }
+    }
+}
+
+impl HealthSection {
+    pub(super) fn check(&self) -> Result<(), Invalid> {
+        check(positive(self.retry_seconds), "retry_seconds", "must be positive")?;
+        let positives = self.scrape_interval_ms > 0 && self.scrape_timeout_ms > 0 && self.unhealthy_after > 0;
+        check(positives, "", "scrape_interval_ms, scrape_timeout_ms and unhealthy_after must be positive")
+    }
+}
