@@ -7,6 +7,7 @@ use kvgate_scorer::config::Config;
 use kvgate_scorer::discovery::{self, PodEndpoints};
 use kvgate_scorer::picking::Picker;
 use kvgate_scorer::scorer::Scorer;
+use kvgate_scorer::transport::announce;
 use kvgate_tokenize::Tokenizer;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -162,7 +163,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(admin) = admin_listen {
         let listener =
             tokio::net::TcpListener::bind(admin).await.with_context(|| format!("cannot listen on {admin}"))?;
+        let admin = listener.local_addr().unwrap_or(admin);
         tracing::info!(%admin, "admin endpoints on their own address");
+        announce("admin", admin);
         let router = kvgate_scorer::serve::admin_router(scorer.clone());
         tokio::spawn(async move {
             if let Err(e) = axum::serve(listener, router).await {
@@ -173,7 +176,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("cannot listen on {listen}"))?;
     let threads =
         scorer.config.listen_threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let listen = listener.local_addr().unwrap_or(listen);
     tracing::info!(%listen, threads, pods = scorer.num_pods(), policy = ?scorer.config.policy, "kvgate-scorer ready");
+    announce("api", listen);
     let unix = match &scorer.config.route_socket_path {
         Some(path) => Some(bind_route_socket_path(path)?),
         None => None,

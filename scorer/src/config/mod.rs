@@ -53,6 +53,8 @@ fn invalid<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T,
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// HTTP address of the scorer's API (loopback by default: only the local Envoy calls it).
+    /// On port 0 (here, `admin.listen` or `epp.listen`) the OS picks a port; every listener
+    /// says where it is bound on stdout as it binds (`listening api|admin|epp <ip:port>`).
     #[serde(default = "default_listen")]
     pub listen: SocketAddr,
     /// Threads serving the connections to `listen` (default: one per CPU). Each connection
@@ -218,10 +220,12 @@ impl Config {
         }
         check(self.fallback_endpoints <= 16, "fallback_endpoints", "at most 16 (a retry per endpoint)")?;
         check(self.listen_threads != Some(0), "listen_threads", "must be at least 1")?;
-        check(self.admin.listen != Some(self.listen), "admin.listen", "must differ from listen")?;
+        // Two listeners on port 0 get two ports.
+        let same = |a: SocketAddr, b: Option<SocketAddr>| a.port() != 0 && Some(a) == b;
+        check(!same(self.listen, self.admin.listen), "admin.listen", "must differ from listen")?;
         if let Some(epp) = &self.epp {
             epp.check().map_err(|e| e.under("epp"))?;
-            let apart = epp.listen != self.listen && Some(epp.listen) != self.admin.listen;
+            let apart = !same(epp.listen, Some(self.listen)) && !same(epp.listen, self.admin.listen);
             check(apart, "epp.listen", "must differ from listen and admin.listen")?;
         }
         self.shutdown.check().map_err(|e| e.under("shutdown"))?;

@@ -11,3 +11,12 @@ pub mod http;
 pub mod route_calls;
 pub mod route_socket;
 pub mod route_stream;
+
+/// Says on stdout where a listener is bound (`listening <name> <ip:port>`), once it is: a
+/// listener configured on port 0 gets a port from the OS, and whoever started the scorer
+/// (a test harness, a script) reads it here.
+pub fn announce(name: &str, address: std::net::SocketAddr) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "listening {name} {address}").and_then(|()| out.flush());
+}

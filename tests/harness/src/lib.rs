@@ -1,5 +1,6 @@
 //! The harness kvgate's integration tests share: start `kvgate-sim` pods, real vLLM engines
-//! ([`Engine`]) and other binaries of the workspace on free loopback ports, find the
+//! ([`Engine`]) and other binaries of the workspace on loopback — kvgate's own processes and
+//! Envoy on port 0, asked which port they got; the rest on [`free_port`]s — find the
 //! project's Python venv, the Qwen3 tokenizer and vLLM's own event code (all installed by
 //! `make setup`), drive helpers.
 
@@ -8,6 +9,7 @@ mod engine;
 pub use engine::{ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_MODEL, ENGINE_VERSION, Engine, EngineOptions, engine_dir};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::mpsc;
@@ -135,6 +137,51 @@ pub async fn wait_child_ready(child: &mut Child, url: &str, limit: Duration) -> 
 /// child's bind).
 const START_ATTEMPTS: usize = 3;
 
+/// Where a child says on stdout it is bound (`listening <name> <address>`, as kvgate's
+/// scorer and simulator say of every listener). kvgate's own processes are started on port 0
+/// and asked, so no port is handed out for something else to take first.
+struct Announcements(mpsc::Receiver<(String, String)>);
+
+impl Announcements {
+    fn of(child: &mut Child) -> Announcements {
+        let stdout = child.stdout.take().expect("the child's stdout is piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if let Some((name, address)) = line.strip_prefix("listening ").and_then(|l| l.split_once(' ')) {
+                    let _ = tx.send((name.to_string(), address.to_string()));
+                }
+            }
+        });
+        Announcements(rx)
+    }
+
+    /// The addresses of `names`, in that order, once each is announced (Err if the child
+    /// exits first or `limit` passes).
+    async fn wait(&self, child: &mut Child, names: &[&str], limit: Duration) -> Result<Vec<String>, String> {
+        let deadline = Instant::now() + limit;
+        let mut heard = std::collections::HashMap::new();
+        loop {
+            heard.extend(self.0.try_iter());
+            if let Some(addresses) = names.iter().map(|n| heard.get(*n).cloned()).collect() {
+                return Ok(addresses);
+            }
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                return Err(format!("exited ({status})"));
+            }
+            if Instant::now() >= deadline {
+                return Err(format!("never said where {names:?} listen ({limit:?})"));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+/// The port of an announced `ip:port` or `tcp://ip:port`.
+fn port_of(address: &str) -> u16 {
+    address.rsplit(':').next().and_then(|p| p.parse().ok()).unwrap_or_else(|| panic!("no port in {address:?}"))
+}
+
 /// A free TCP port on 127.0.0.1 (bound, then released for the child to take). Never the
 /// same port twice in one test process, so parallel tests do not hand each other's ports out.
 ///
@@ -217,34 +264,43 @@ pub struct Sim {
 }
 
 impl Sim {
-    /// Starts a pod with KV events and replay on fresh ports, plus `extra` flags, and waits
-    /// until `/health` answers.
+    /// Starts a pod with KV events and replay on ports of the OS's choosing, plus `extra`
+    /// flags, and waits until `/health` answers.
     pub async fn start(pod_id: &str, extra: &[&str]) -> Sim {
-        let mut why = String::new();
-        for _ in 0..START_ATTEMPTS {
-            let port = free_port();
-            let mut events = format!("tcp://127.0.0.1:{}", free_port());
-            let replay = format!("tcp://127.0.0.1:{}", free_port());
-            let mut args: Vec<String> =
-                vec!["--listen".into(), format!("127.0.0.1:{port}"), "--pod-id".into(), pod_id.into()];
-            match extra.iter().position(|a| *a == "--kv-events-endpoint") {
-                Some(i) => events = extra[i + 1].to_string(),
-                None => args.extend(["--kv-events-endpoint".into(), events.clone()]),
-            }
-            args.extend(["--kv-events-replay-endpoint".into(), replay.clone()]);
-            args.extend(extra.iter().map(|s| s.to_string()));
-            let mut child = spawn_sim(&args);
-            let url = format!("http://127.0.0.1:{port}");
-            match wait_child_ready(&mut child, &format!("{url}/health"), SIM_START_LIMIT).await {
-                Ok(()) => return Sim { child, args, pod_id: pod_id.into(), url, port, events, replay },
-                Err(e) => {
-                    let _ = child.kill();
-                    let _ = child.wait();
-                    why = e;
-                }
-            }
+        let mut args: Vec<String> = vec!["--listen".into(), "127.0.0.1:0".into(), "--pod-id".into(), pod_id.into()];
+        let given_events = extra.iter().position(|a| *a == "--kv-events-endpoint").map(|i| extra[i + 1]);
+        if given_events.is_none() {
+            args.extend(["--kv-events-endpoint".into(), "tcp://127.0.0.1:0".into()]);
         }
-        panic!("kvgate-sim {pod_id} did not become healthy: {why}");
+        args.extend(["--kv-events-replay-endpoint".into(), "tcp://127.0.0.1:0".into()]);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut child = spawn_sim(&args, Stdio::piped());
+        // A PUB socket that connects (`--kv-events-connect`) binds nothing.
+        let names: &[&str] = if extra.contains(&"--kv-events-connect") {
+            &["http", "kv-events-replay"]
+        } else {
+            &["http", "kv-events-replay", "kv-events"]
+        };
+        let bound = match Announcements::of(&mut child).wait(&mut child, names, SIM_START_LIMIT).await {
+            Ok(bound) => bound,
+            Err(e) => panic!("kvgate-sim {pod_id} did not start: {e}"),
+        };
+        let (port, replay) = (port_of(&bound[0]), bound[1].clone());
+        let events = bound.get(2).cloned().unwrap_or_else(|| given_events.expect("the endpoint connected to").into());
+        // Restarts bind the same ports.
+        for (flag, value) in
+            [("--listen", format!("127.0.0.1:{port}")), ("--kv-events-replay-endpoint", replay.clone())]
+                .into_iter()
+                .chain(bound.get(2).map(|e| ("--kv-events-endpoint", e.clone())))
+        {
+            let i = args.iter().position(|a| a == flag).expect("flag given");
+            args[i + 1] = value;
+        }
+        let url = format!("http://127.0.0.1:{port}");
+        if let Err(e) = wait_child_ready(&mut child, &format!("{url}/health"), SIM_START_LIMIT).await {
+            panic!("kvgate-sim {pod_id} did not become healthy: {e}");
+        }
+        Sim { child, args, pod_id: pod_id.into(), url, port, events, replay }
     }
 
     /// Kills the pod (SIGKILL: no goodbye on any socket).
@@ -257,7 +313,7 @@ impl Sim {
     /// event sequence from 0).
     pub async fn restart(&mut self) {
         self.kill();
-        self.child = spawn_sim(&self.args);
+        self.child = spawn_sim(&self.args, Stdio::null());
         let health = format!("{}/health", self.url);
         if let Err(e) = wait_child_ready(&mut self.child, &health, SIM_START_LIMIT).await {
             panic!("kvgate-sim {} did not come back: {e}", self.pod_id);
@@ -314,10 +370,10 @@ impl Sim {
     }
 }
 
-fn spawn_sim(args: &[String]) -> Child {
+fn spawn_sim(args: &[String], stdout: Stdio) -> Child {
     Command::new(binary("kvgate-sim"))
         .args(args)
-        .stdout(Stdio::null())
+        .stdout(stdout)
         .stderr(child_stderr())
         .spawn()
         .expect("spawn kvgate-sim")
@@ -440,6 +496,9 @@ pub struct Build {
     pub scorer: PathBuf,
     pub wasm: PathBuf,
     pub native: PathBuf,
+    /// Whether its scorer says where it listens (an earlier build may predate it: it is
+    /// handed free ports instead).
+    announces: bool,
 }
 
 impl Build {
@@ -447,7 +506,7 @@ impl Build {
     pub fn current() -> Build {
         // The native module is looked for when a test asks for it: `make demo` builds the
         // wasm filter only.
-        Build { scorer: binary("kvgate-scorer"), wasm: filter_wasm(), native: native_module_path() }
+        Build { scorer: binary("kvgate-scorer"), wasm: filter_wasm(), native: native_module_path(), announces: true }
     }
 
     /// A build whose `kvgate-scorer`, `kvgate_filter.wasm` and `libkvgate_filter_native.so`
@@ -458,43 +517,67 @@ impl Build {
             scorer: file("kvgate-scorer"),
             wasm: file("kvgate_filter.wasm"),
             native: file("libkvgate_filter_native.so"),
+            announces: false,
         }
     }
 }
 
-/// Stands for a free port for the Endpoint Picker in a configuration given to
-/// [`ScorerProcess::start`] (e.g. `epp: {listen: '127.0.0.1:${EPP_PORT}'}`).
+/// Stands for the Endpoint Picker's port in a configuration given to [`ScorerProcess::start`]
+/// (e.g. `epp: {listen: '127.0.0.1:${EPP_PORT}'}`): one the OS picks.
 pub const EPP_PORT: &str = "${EPP_PORT}";
 
 impl ScorerProcess {
     /// Starts the scorer with `config` (YAML without `listen`, which is added, and with the
-    /// debug endpoints on unless it has an `admin` section; [`EPP_PORT`] replaced by a free
-    /// port) and waits for `/healthz` (and the picker's port).
+    /// debug endpoints on unless it has an `admin` section; [`EPP_PORT`] stands for the
+    /// picker's port) on ports the OS picks, and waits for `/healthz` (and the picker's port).
+    /// Its configuration file then names the ports it got (what Envoy's bootstrap is made
+    /// from, and what a restart binds).
     pub async fn start(config: &str) -> ScorerProcess {
         Self::start_built(config, &Build::current()).await
     }
 
     /// Like [`ScorerProcess::start`], running `build`'s scorer.
     pub async fn start_built(config: &str, build: &Build) -> ScorerProcess {
+        static STARTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let with_epp = config.contains(EPP_PORT);
+        // The tests read `/v1/pods` and `?explain=1`: on unless the config sets `admin`.
+        let debug = if config.contains("admin:") { "" } else { "admin: {debug_endpoints: true}\n" };
+        let render = |port: u16, epp_port: u16| {
+            format!("listen: 127.0.0.1:{port}\n{debug}{}", config.replace(EPP_PORT, &epp_port.to_string()))
+        };
+        let n = STARTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let config_path = std::env::temp_dir().join(format!("kvgate-scorer-{}-{n}.yaml", std::process::id()));
         let mut why = String::new();
         for _ in 0..START_ATTEMPTS {
-            let port = free_port();
-            let epp_port = config.contains(EPP_PORT).then(free_port);
-            let config = config.replace(EPP_PORT, &epp_port.unwrap_or_default().to_string());
-            let config_path = std::env::temp_dir().join(format!("kvgate-scorer-{port}.yaml"));
-            // The tests read `/v1/pods` and `?explain=1`: on unless the config sets `admin`.
-            let debug = if config.contains("admin:") { "" } else { "admin: {debug_endpoints: true}\n" };
-            std::fs::write(&config_path, format!("listen: 127.0.0.1:{port}\n{debug}{config}"))
-                .expect("write scorer config");
+            let (port, epp_port) = if build.announces { (0, 0) } else { (free_port(), free_port()) };
+            std::fs::write(&config_path, render(port, epp_port)).expect("write scorer config");
+            let mut child = spawn_scorer(&build.scorer, &config_path, Stdio::piped());
+            let names: &[&str] = if with_epp { &["api", "epp"] } else { &["api"] };
+            let ports = match build.announces {
+                true => Announcements::of(&mut child)
+                    .wait(&mut child, names, Duration::from_secs(30))
+                    .await
+                    .map(|bound| (port_of(&bound[0]), bound.get(1).map(|epp| port_of(epp)))),
+                false => Ok((port, with_epp.then_some(epp_port))),
+            };
             let mut scorer = ScorerProcess {
-                child: spawn_scorer(&build.scorer, &config_path),
-                url: format!("http://127.0.0.1:{port}"),
+                child,
+                url: String::new(),
                 port,
-                epp_port,
-                config_path,
+                epp_port: None,
+                config_path: config_path.clone(),
                 binary: build.scorer.clone(),
             };
-            match scorer.wait_up().await {
+            let up = match ports {
+                Ok((port, epp_port)) => {
+                    (scorer.port, scorer.epp_port, scorer.url) = (port, epp_port, format!("http://127.0.0.1:{port}"));
+                    std::fs::write(&config_path, render(port, epp_port.unwrap_or_default()))
+                        .expect("write scorer config");
+                    scorer.wait_up().await
+                }
+                Err(e) => Err(e),
+            };
+            match up {
                 Ok(()) => return scorer,
                 Err(e) => why = e, // dropped: killed, config removed
             }
@@ -570,7 +653,7 @@ impl ScorerProcess {
     /// Starts the scorer again with the same configuration and port.
     pub async fn restart(&mut self) {
         self.kill();
-        self.child = spawn_scorer(&self.binary, &self.config_path);
+        self.child = spawn_scorer(&self.binary, &self.config_path, Stdio::null());
         if let Err(e) = self.wait_up().await {
             panic!("kvgate-scorer did not come back: {e}");
         }
@@ -688,11 +771,11 @@ fn signal(pid: u32, which: &str) {
     assert!(status.success(), "kill {which} {pid} failed");
 }
 
-fn spawn_scorer(binary: &std::path::Path, config_path: &std::path::Path) -> Child {
+fn spawn_scorer(binary: &std::path::Path, config_path: &std::path::Path, stdout: Stdio) -> Child {
     Command::new(binary)
         .arg("--config")
         .arg(config_path)
-        .stdout(Stdio::null())
+        .stdout(stdout)
         .stderr(child_stderr())
         .spawn()
         .expect("spawn kvgate-scorer")
@@ -725,6 +808,13 @@ pub fn filter_native() -> PathBuf {
 
 fn native_module_path() -> PathBuf {
     profile_dir().parent().expect("target directory").join("release/libkvgate_filter_native.so")
+}
+
+/// A fresh path for a bootstrap.
+fn envoy_bootstrap_path() -> PathBuf {
+    static RENDERED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = RENDERED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::env::temp_dir().join(format!("kvgate-envoy-{}-{n}.yaml", std::process::id()))
 }
 
 /// A running Envoy with the kvgate filter in front of a scorer's pods; killed on drop.
@@ -769,19 +859,11 @@ impl EnvoyProcess {
     }
 
     /// Starts Envoy on a bootstrap of the caller's (e.g. another gateway's shape), made for
-    /// its (listener, admin) ports.
+    /// its (listener, admin) ports: 0 and 0, the OS picks them.
     pub async fn start_bootstrap(bootstrap: impl Fn(u16, u16) -> String) -> EnvoyProcess {
-        let mut why = String::new();
-        for _ in 0..START_ATTEMPTS {
-            let (port, admin) = (free_port(), free_port());
-            let config_path = std::env::temp_dir().join(format!("kvgate-envoy-{port}.yaml"));
-            std::fs::write(&config_path, bootstrap(port, admin)).expect("write the bootstrap");
-            match Self::run(config_path, port, admin, 1).await {
-                Ok(envoy) => return envoy,
-                Err(e) => why = e,
-            }
-        }
-        panic!("envoy did not become ready: {why}");
+        let config_path = envoy_bootstrap_path();
+        std::fs::write(&config_path, bootstrap(0, 0)).expect("write the bootstrap");
+        Self::run(config_path, 1).await.unwrap_or_else(|e| panic!("envoy did not become ready: {e}"))
     }
 
     async fn launch(
@@ -791,61 +873,81 @@ impl EnvoyProcess {
         workers: usize,
         build: &Build,
     ) -> EnvoyProcess {
-        let mut why = String::new();
-        for _ in 0..START_ATTEMPTS {
-            let (port, admin) = (free_port(), free_port());
-            let config_path = std::env::temp_dir().join(format!("kvgate-envoy-{port}.yaml"));
-            let status = Command::new(binary("kvgate-envoy-config"))
-                .arg("--scorer-config")
-                .arg(scorer_config)
-                .arg("--wasm")
-                .arg(&build.wasm)
-                .args(
-                    extra
-                        .contains(&"native")
-                        .then(|| {
-                            let module = required(build.native.clone(), "the kvgate filter's native module");
-                            ["--native-module".into(), module.into_os_string()]
-                        })
-                        .into_iter()
-                        .flatten(),
-                )
-                .args(["--listen", &format!("127.0.0.1:{port}"), "--admin", &format!("127.0.0.1:{admin}")])
-                .arg("--out")
-                .arg(&config_path)
-                .args(extra)
-                .status()
-                .expect("run kvgate-envoy-config");
-            assert!(status.success(), "kvgate-envoy-config failed");
-            let bootstrap = std::fs::read_to_string(&config_path).expect("rendered bootstrap");
-            std::fs::write(&config_path, patch(bootstrap)).expect("patched bootstrap");
-            match Self::run(config_path, port, admin, workers).await {
-                Ok(envoy) => return envoy,
-                Err(e) => why = e,
-            }
-        }
-        panic!("envoy did not become ready: {why}");
+        let config_path = envoy_bootstrap_path();
+        let status = Command::new(binary("kvgate-envoy-config"))
+            .arg("--scorer-config")
+            .arg(scorer_config)
+            .arg("--wasm")
+            .arg(&build.wasm)
+            .args(
+                extra
+                    .contains(&"native")
+                    .then(|| {
+                        let module = required(build.native.clone(), "the kvgate filter's native module");
+                        ["--native-module".into(), module.into_os_string()]
+                    })
+                    .into_iter()
+                    .flatten(),
+            )
+            .args(["--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+            .arg("--out")
+            .arg(&config_path)
+            .args(extra)
+            .status()
+            .expect("run kvgate-envoy-config");
+        assert!(status.success(), "kvgate-envoy-config failed");
+        let bootstrap = std::fs::read_to_string(&config_path).expect("rendered bootstrap");
+        std::fs::write(&config_path, patch(bootstrap)).expect("patched bootstrap");
+        Self::run(config_path, workers).await.unwrap_or_else(|e| panic!("envoy did not become ready: {e}"))
     }
 
-    /// Runs Envoy on the bootstrap at `config_path` until it is ready (else the reason,
-    /// having killed it and removed the bootstrap).
-    async fn run(config_path: PathBuf, port: u16, admin: u16, workers: usize) -> Result<EnvoyProcess, String> {
+    /// Runs Envoy on the bootstrap at `config_path`, its listener and admin on ports the OS
+    /// picks, until it is ready (else the reason, having killed it and removed the
+    /// bootstrap). Envoy writes its admin address to a file; the admin names the listener's.
+    async fn run(config_path: PathBuf, workers: usize) -> Result<EnvoyProcess, String> {
+        let admin_path = config_path.with_extension("admin");
         let child = Command::new(envoy_binary())
             .arg("-c")
             .arg(&config_path)
             .args(["--concurrency", &workers.to_string(), "--use-dynamic-base-id", "-l", "warning"])
+            .arg("--admin-address-path")
+            .arg(&admin_path)
             .stdout(Stdio::null())
             .stderr(child_stderr())
             .spawn()
             .expect("spawn envoy");
-        let mut envoy = EnvoyProcess {
-            child,
-            url: format!("http://127.0.0.1:{port}"),
-            admin: format!("http://127.0.0.1:{admin}"),
-            config_path,
+        let mut envoy = EnvoyProcess { child, url: String::new(), admin: String::new(), config_path };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        // The address read the same twice running: written whole.
+        let mut last = None;
+        let admin = loop {
+            let read = std::fs::read_to_string(&admin_path).ok().and_then(|a| a.trim().parse::<SocketAddr>().ok());
+            match read {
+                Some(address) if last == Some(address) => break address,
+                _ if Instant::now() >= deadline => return Err("no admin address after 30 s".into()),
+                _ => last = read,
+            }
+            if let Some(status) = envoy.child.try_wait().expect("try_wait") {
+                return Err(format!("exited ({status})"));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         };
+        let _ = std::fs::remove_file(&admin_path);
+        envoy.admin = format!("http://{admin}");
         let ready = format!("{}/ready", envoy.admin);
-        wait_child_ready(&mut envoy.child, &ready, Duration::from_secs(30)).await.map(|()| envoy)
+        wait_child_ready(&mut envoy.child, &ready, deadline.saturating_duration_since(Instant::now())).await?;
+        let listeners: Value = reqwest::get(format!("{}/listeners?format=json", envoy.admin))
+            .await
+            .and_then(|r| r.error_for_status())
+            .map_err(|e| format!("admin /listeners: {e}"))?
+            .json()
+            .await
+            .map_err(|e| format!("admin /listeners: {e}"))?;
+        let port = listeners["listener_statuses"][0]["local_address"]["socket_address"]["port_value"]
+            .as_u64()
+            .ok_or_else(|| format!("no listener in {listeners}"))?;
+        envoy.url = format!("http://127.0.0.1:{port}");
+        Ok(envoy)
     }
 
     pub fn pid(&self) -> u32 {

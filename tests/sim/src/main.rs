@@ -7,7 +7,7 @@ mod publisher;
 mod server;
 
 use anyhow::Context;
-use axum::serve::ListenerExt;
+use axum::serve::{Listener as _, ListenerExt};
 use clap::Parser;
 use kvgate_sim::engine::{Engine, EngineConfig};
 use kvgate_sim::events::{EventEncoder, EventFormat, HashFormat};
@@ -25,7 +25,9 @@ use std::time::Duration;
 #[derive(Parser, Debug)]
 #[command(name = "kvgate-sim", version)]
 struct Args {
-    /// HTTP address to serve the OpenAI API on.
+    /// HTTP address to serve the OpenAI API on. A port 0 (here or in an endpoint) is one the
+    /// OS picks: every socket bound is said on stdout (`listening http|kv-events|kv-events-replay
+    /// <address>`).
     #[arg(long, default_value = "127.0.0.1:8001")]
     listen: SocketAddr,
     /// Name of this pod, returned in the `x-kvgate-pod` header of every response.
@@ -163,7 +165,18 @@ async fn main() -> anyhow::Result<()> {
     if args.block_size == 0 || args.num_blocks == 0 || args.max_num_seqs == 0 || args.max_num_batched_tokens == 0 {
         anyhow::bail!("--block-size, --num-blocks, --max-num-seqs and --max-num-batched-tokens must be positive");
     }
-    let pod_id = args.pod_id.clone().unwrap_or_else(|| args.listen.to_string());
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?
+        // Without TCP_NODELAY, Nagle + delayed ACK stall small exchanges by ≈ 40 ms.
+        .tap_io(|tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::warn!("TCP_NODELAY: {e}");
+            }
+        });
+    let listen = listener.local_addr().unwrap_or(args.listen);
+    announce("http", &listen);
+    let pod_id = args.pod_id.clone().unwrap_or_else(|| listen.to_string());
 
     let tokenizer = match &args.tokenizer {
         Some(path) => Tokenizer::from_file(path).with_context(|| format!("loading --tokenizer {}", path.display()))?,
@@ -215,6 +228,12 @@ async fn main() -> anyhow::Result<()> {
                 },
             };
             let publisher = publisher::start(config).await?;
+            if let Some(bound) = &publisher.bound {
+                announce("kv-events", bound);
+            }
+            if let Some(bound) = &publisher.replay_bound {
+                announce("kv-events-replay", bound);
+            }
             (Some(publisher.batches), Some((publisher.stats, publisher.garbage)))
         }
         None => {
@@ -236,7 +255,7 @@ async fn main() -> anyhow::Result<()> {
             lora_modules: args.lora_modules.clone(),
             max_loras: args.max_loras,
             role: args.role,
-            listen: args.listen,
+            listen,
             engine_id: format!("{pod_id}-engine"),
             block_size: args.block_size,
             num_blocks: args.num_blocks,
@@ -255,17 +274,8 @@ async fn main() -> anyhow::Result<()> {
         next_id: Default::default(),
     });
 
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?
-        // Without TCP_NODELAY, Nagle + delayed ACK stall small exchanges by ≈ 40 ms.
-        .tap_io(|tcp| {
-            if let Err(e) = tcp.set_nodelay(true) {
-                tracing::warn!("TCP_NODELAY: {e}");
-            }
-        });
     tracing::info!(
-        pod = %pod_id, listen = %args.listen, role = ?args.role, events = ?args.kv_events_endpoint,
+        pod = %pod_id, %listen, role = ?args.role, events = ?args.kv_events_endpoint,
         block_size = args.block_size, num_blocks = args.num_blocks, time_scale = args.time_scale,
         "kvgate-sim ready"
     );
@@ -322,4 +332,12 @@ async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = ctrl_c.await;
+}
+
+/// Says on stdout where a socket is bound (`listening <name> <address>`): one asked for on
+/// port 0 gets its port from the OS, and whoever started the simulator reads it here.
+fn announce(name: &str, address: &dyn std::fmt::Display) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "listening {name} {address}").and_then(|()| out.flush());
 }

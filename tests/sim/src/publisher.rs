@@ -44,6 +44,10 @@ pub struct Publisher {
     /// a subscriber must count and drop them, its index unchanged).
     pub garbage: mpsc::UnboundedSender<usize>,
     pub stats: Arc<PublisherStats>,
+    /// Where the PUB socket is bound (its port resolved; `None` when it connects).
+    pub bound: Option<String>,
+    /// Where the replay socket is bound.
+    pub replay_bound: Option<String>,
 }
 
 const END_SEQ: [u8; 8] = [0xff; 8];
@@ -53,28 +57,30 @@ const END_SEQ: [u8; 8] = [0xff; 8];
 /// the simulator at start-up.
 pub async fn start(config: PublisherConfig) -> anyhow::Result<Publisher> {
     let mut publisher = PubSocket::new();
+    let mut bound = None;
     if !config.connect {
-        publisher
+        let endpoint = publisher
             .bind(&config.endpoint)
             .await
             .map_err(|e| anyhow::anyhow!("kv events: cannot bind PUB socket on {}: {e}", config.endpoint))?;
+        bound = Some(endpoint.to_string());
     }
-    let replay = match &config.replay_endpoint {
+    let (replay, replay_bound) = match &config.replay_endpoint {
         Some(endpoint) => {
             let mut router = RouterSocket::new();
-            router
+            let bound = router
                 .bind(endpoint)
                 .await
                 .map_err(|e| anyhow::anyhow!("kv events: cannot bind replay on {endpoint}: {e}"))?;
-            Some(router)
+            (Some(router), Some(bound.to_string()))
         }
-        None => None,
+        None => (None, None),
     };
     let (batches, rx) = mpsc::unbounded_channel();
     let (garbage, garbage_rx) = mpsc::unbounded_channel();
     let stats = Arc::new(PublisherStats::default());
     tokio::spawn(run(config, publisher, replay, rx, garbage_rx, stats.clone()));
-    Ok(Publisher { batches, garbage, stats })
+    Ok(Publisher { batches, garbage, stats, bound, replay_bound })
 }
 
 async fn run(

@@ -137,7 +137,9 @@ pub async fn serve(
     }
     let incoming =
         TcpIncoming::bind(listen).with_context(|| format!("cannot listen on {listen}"))?.with_nodelay(Some(true));
+    let listen = incoming.local_addr().unwrap_or(listen);
     tracing::info!(%listen, tls = secured, "endpoint picker (ext_proc) ready");
+    super::announce("epp", listen);
     let (closing, closed) = tokio::sync::oneshot::channel();
     let shutdown = async move {
         shutdown.await;
