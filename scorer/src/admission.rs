@@ -45,7 +45,8 @@ pub struct Queue {
 /// by the gauge it was given.
 pub struct Held<'a> {
     queue: &'a Queue,
-    gauge: &'a prometheus::Gauge,
+    /// The count of its priority's waiters.
+    gauge: prometheus::Gauge,
 }
 
 impl Drop for Held<'_> {
@@ -55,7 +56,7 @@ impl Drop for Held<'_> {
         if held == 0 {
             self.queue.queuing.send_replace(false);
         }
-        self.gauge.set(held as f64);
+        self.gauge.dec();
     }
 }
 
@@ -99,13 +100,13 @@ impl Queue {
 
     /// Counts a request that has started waiting, until the guard drops; `gauge` shows the
     /// count.
-    pub fn hold<'a>(&'a self, gauge: &'a prometheus::Gauge) -> Held<'a> {
+    pub fn hold(&self, gauge: prometheus::Gauge) -> Held<'_> {
         let _order = self.lock(); // `queuing` follows `held` in order
         let held = self.held.fetch_add(1, Ordering::Relaxed) + 1;
         if held == 1 {
             self.queuing.send_replace(true);
         }
-        gauge.set(held as f64);
+        gauge.inc();
         Held { queue: self, gauge }
     }
 
@@ -183,9 +184,9 @@ mod tests {
         let q = Queue::new(NonZeroUsize::new(8).unwrap());
         let gauge = prometheus::Gauge::new("waiting", "waiting").unwrap();
         let mut queuing = q.queuing();
-        let first = q.hold(&gauge);
+        let first = q.hold(gauge.clone());
         assert!(queuing.has_changed().unwrap() && *queuing.borrow_and_update());
-        let second = q.hold(&gauge);
+        let second = q.hold(gauge.clone());
         assert_eq!((q.held(), gauge.get()), (2, 2.0));
         assert!(!queuing.has_changed().unwrap(), "told once, when the first one waits");
         drop(first);

@@ -40,8 +40,8 @@ pub struct Metrics {
     pub epp_errors: IntCounterVec,
     pub epp_exchanges_open: IntGauge,
     pub pods_down: IntCounterVec,
-    pub admission_waiting: prometheus::Gauge,
-    pub admission_wait_seconds: Histogram,
+    pub admission_waiting: GaugeVec,
+    pub admission_wait_seconds: HistogramVec,
     pub admission_refused: IntCounterVec,
     pub engine_restarts: IntCounterVec,
     pub output_tokens: IntCounter,
@@ -55,6 +55,15 @@ pub struct Metrics {
     pub pod_healthy: GaugeVec,
     pub prefix_hit_ratio: CounterVec,
     pub sync: SyncMetrics,
+    pub pool: PoolMetrics,
+}
+
+/// The pool's signals an autoscaler scales the engines on (docs/autoscaling.md).
+pub struct PoolMetrics {
+    pub healthy_pods: IntGauge,
+    pub inflight_per_pod: prometheus::Gauge,
+    pub predicted_wait: GaugeVec,
+    pub kv_cache_usage: GaugeVec,
 }
 
 /// What sharing bookings with the other replicas (`sync`) did.
@@ -259,19 +268,23 @@ impl Metrics {
                 "Pods taken out of the choice, by why (back at their next good scrape).",
                 &["pod", "reason"],
             ),
-            admission_waiting: r.add(
-                "gauge",
-                prometheus::Gauge::new("admission_waiting", "Requests waiting for a pod with room (admission queue)."),
+            admission_waiting: r.gauges(
+                "admission_waiting",
+                "Requests waiting for a pod with room (admission queue), by priority (their objective's).",
+                &["priority"],
             ),
-            admission_wait_seconds: r.histogram(
-                "admission_wait_seconds",
-                "Time requests waited in the admission queue before a pod.",
-                vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0],
-            ),
+            admission_wait_seconds: r.add("histogram", HistogramVec::new(
+                HistogramOpts::new(
+                    "admission_wait_seconds",
+                    "Time requests waited in the admission queue before a pod, by priority.",
+                )
+                .buckets(vec![0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
+                &["priority"],
+            )),
             admission_refused: r.counters(
                 "admission_refused_total",
-                "Requests refused for overload (429), by why: sheddable, queue_full, deadline.",
-                &["reason"],
+                "Requests refused for overload (429), by why (sheddable, queue_full, deadline) and priority.",
+                &["reason", "priority"],
             ),
             engine_restarts: r.counters(
                 "engine_restarts_total",
@@ -342,6 +355,28 @@ impl Metrics {
                     "sync_errors_total",
                     "Errors NATS reported: authorization (credentials refused), server, client (TLS among them).",
                     &["kind"],
+                ),
+            },
+            pool: PoolMetrics {
+                healthy_pods: r.int_gauge("pool_healthy_pods", "Pods that can be chosen now."),
+                inflight_per_pod: r.add(
+                    "gauge",
+                    prometheus::Gauge::new(
+                        "pool_inflight_requests_per_pod",
+                        "Requests in flight (every replica's) per pod that can be chosen.",
+                    ),
+                ),
+                predicted_wait: r.gauges(
+                    "pool_predicted_wait_seconds",
+                    "Predicted seconds of prefill queued ahead of a request on the pods that can be chosen: at the \
+                     soonest pod (what the next request waits at least) and their mean. Absent until the fleet's \
+                     prefill speed is learned from first tokens.",
+                    &["at"],
+                ),
+                kv_cache_usage: r.gauges(
+                    "pool_kv_cache_usage",
+                    "KV-cache usage the pods that can be chosen report (vllm:kv_cache_usage_perc, 0–1): mean and max.",
+                    &["stat"],
                 ),
             },
             docs: r.1.into_inner(),

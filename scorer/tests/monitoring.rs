@@ -1,5 +1,5 @@
-//! The Grafana dashboard and the Prometheus alerts shipped in `deploy/monitoring` ask only for
-//! what the scorer exports: every PromQL expression parses, every metric it selects is
+//! The Grafana dashboard and the Prometheus alerts shipped in `deploy/monitoring`, and the
+//! autoscaling examples of `deploy/autoscaling`, ask only for what the scorer exports: every PromQL expression parses, every metric it selects is
 //! registered by the scorer (a histogram through its `_bucket`, `_sum` or `_count` series),
 //! and every label it matches, groups by or prints is a label of those metrics (or `le`, or a
 //! label Prometheus adds to every target). Renaming a metric or a label without updating
@@ -16,7 +16,11 @@ use std::path::PathBuf;
 const TARGET_LABELS: [&str; 2] = ["instance", "job"];
 
 fn monitoring(file: &str) -> String {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy/monitoring").join(file);
+    deployed(&format!("monitoring/{file}"))
+}
+
+fn deployed(file: &str) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../deploy").join(file);
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
@@ -229,6 +233,34 @@ fn the_alerts_use_only_exported_metrics_and_labels() {
     assert!(rules.len() >= 8, "the alert rules were found: {}", rules.len());
     let wrong = all_problems(&rules);
     assert!(wrong.is_empty(), "the alerts ask for what the scorer does not export:\n{}", wrong.join("\n"));
+}
+
+/// The KEDA triggers' queries, and the HPA's external metric as the selector it stands for.
+fn autoscaling_queries() -> Vec<(String, String, Vec<String>)> {
+    let keda: Value = serde_saphyr::from_str(&deployed("autoscaling/keda-scaledobject.yaml")).expect("YAML");
+    let mut out: Vec<(String, String, Vec<String>)> = (keda["spec"]["triggers"].as_array().unwrap().iter())
+        .map(|t| (format!("KEDA {}", t["name"]), t["metadata"]["query"].as_str().unwrap().to_string(), vec![]))
+        .collect();
+    let hpa: Value = serde_saphyr::from_str(&deployed("autoscaling/hpa.yaml")).expect("YAML");
+    for metric in hpa["spec"]["metrics"].as_array().unwrap() {
+        let external = &metric["external"]["metric"];
+        let labels = external["selector"]["matchLabels"].as_object().into_iter().flatten();
+        let matchers: Vec<String> = labels.map(|(k, v)| format!("{k}={v}")).collect();
+        out.push(("HPA".into(), format!("{}{{{}}}", external["name"].as_str().unwrap(), matchers.join(",")), vec![]));
+    }
+    out
+}
+
+#[test]
+fn the_autoscaling_examples_scale_on_exported_metrics() {
+    let queries = autoscaling_queries();
+    assert_eq!(queries.len(), 4, "{queries:?}");
+    let wrong = all_problems(&queries);
+    assert!(
+        wrong.is_empty(),
+        "the autoscaling examples ask for what the scorer does not export:\n{}",
+        wrong.join("\n")
+    );
 }
 
 #[test]

@@ -702,6 +702,13 @@ impl LoadTracker {
         self.speeds.declare(pod, slowness);
     }
 
+    /// Predicted seconds for `pod` to work through the prefill booked on it and not yet at
+    /// first token (what a request sent there now waits before its own); `None` until the
+    /// fleet's prefill speed is learned ([`PodSpeeds::prefill_seconds`]).
+    pub fn queued_prefill_seconds(&self, pod: PodId, now: f64) -> Option<f64> {
+        self.speeds.prefill_seconds(pod, self.load(pod, now).queued_prefill_tokens)
+    }
+
     /// The pod's learned speed, applied or not.
     pub fn speed(&self, pod: PodId) -> SpeedView {
         self.speeds.view(pod)

@@ -265,6 +265,14 @@ impl PodSpeeds {
         }
     }
 
+    /// Predicted seconds for `pod` to prefill `tokens` uncached tokens: the fleet's fit times
+    /// the pod's slowness as applied; `None` until the fleet has taught the fit
+    /// (`prior_samples` first tokens).
+    pub fn prefill_seconds(&self, pod: PodId, tokens: u64) -> Option<f64> {
+        let learned = self.fleet.n >= self.config.prior_samples.max(2.0);
+        learned.then(|| if tokens == 0 { 0.0 } else { self.fleet.predict(tokens as f64) * self.slowness(pod) })
+    }
+
     /// Seconds taken ÷ seconds the fleet fit predicted, with `prior_samples` samples that
     /// took the declared slowness (1 by default) times what the fleet predicts (its mean)
     /// added to both, clamped.

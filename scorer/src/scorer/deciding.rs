@@ -241,8 +241,9 @@ impl Scorer {
         let arrived = Instant::now();
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(admission.max_wait_ms);
         let retry_after_seconds = admission.max_wait_ms.div_ceil(1000).max(1);
+        let priority_label = priority.to_string();
         let shed = |reason: &'static str| {
-            self.metrics.admission_refused.with_label_values(&[reason]).inc();
+            self.metrics.admission_refused.with_label_values(&[reason, &priority_label]).inc();
             Err(PickError::Shed { retry_after_seconds, reason: shed_message(reason) })
         };
         let limits = &Limits { leave_headroom: priority <= admission.default_priority, ..*limits };
@@ -257,7 +258,8 @@ impl Scorer {
                     Err(PickError::Saturated) => {}
                     decided => {
                         if held.is_some() {
-                            self.metrics.admission_wait_seconds.observe(arrived.elapsed().as_secs_f64());
+                            let wait = self.metrics.admission_wait_seconds.with_label_values(&[&priority_label]);
+                            wait.observe(arrived.elapsed().as_secs_f64());
                         }
                         if decided.is_ok() && !queue.is_empty() {
                             queue.wake_first(); // there may be room for the next one too
@@ -274,7 +276,9 @@ impl Scorer {
                 Ok(woken) => woken,
                 Err(Refused::QueueFull) => return shed("queue_full"),
             };
-            held.get_or_insert_with(|| queue.hold(&self.metrics.admission_waiting));
+            held.get_or_insert_with(|| {
+                queue.hold(self.metrics.admission_waiting.with_label_values(&[&priority_label]))
+            });
             match tokio::time::timeout_at(deadline, woken).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => return shed("queue_full"), // a more important request took the place

@@ -486,6 +486,45 @@ mod tests {
     }
 
     #[test]
+    fn the_pool_signals_follow_the_fleet_and_predict_no_wait_before_speeds_are_learned() {
+        let s = scorer("policy: {name: round-robin}\nload: {pod_speed: {prior_samples: 2}}\n");
+        let rendered = |s: &Scorer| {
+            s.pods_view();
+            s.metrics.render()
+        };
+        let text = rendered(&s);
+        assert!(text.contains("kvgate_pool_healthy_pods 2"), "{text}");
+        assert!(!text.contains("kvgate_pool_predicted_wait_seconds"), "nothing learned, nothing predicted: {text}");
+        // First tokens teach the fleet's prefill speed (past `prior_samples` decayed samples).
+        for id in ["r0", "r1", "r2", "r3"] {
+            decide(&s, id);
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            s.lifecycle(&[report(id, LifecycleEvent::FirstToken, None), report(id, LifecycleEvent::Done, None)]);
+        }
+        let idle = rendered(&s);
+        assert!(idle.contains("kvgate_pool_predicted_wait_seconds{at=\"soonest\"} 0"), "{idle}");
+        assert!(idle.contains("kvgate_pool_inflight_requests_per_pod 0"), "{idle}");
+        // Two requests booked on `a` and `b`, one more on `a`: every pod has prefill queued.
+        for id in ["q0", "q1", "q2"] {
+            decide(&s, id);
+        }
+        let views = s.pods_view();
+        let waits: Vec<f64> = views.iter().map(|v| v.queued_prefill_seconds.unwrap()).collect();
+        assert!(waits.iter().all(|w| *w > 0.0), "{waits:?}");
+        let busy = s.metrics.render();
+        let gauge = |at: &str| -> f64 {
+            let line = format!("kvgate_pool_predicted_wait_seconds{{at=\"{at}\"}} ");
+            busy.lines().find_map(|l| l.strip_prefix(&line)).unwrap().parse().unwrap()
+        };
+        assert_eq!(gauge("soonest"), waits.iter().copied().fold(f64::INFINITY, f64::min));
+        assert!(gauge("mean") >= gauge("soonest"));
+        assert!(busy.contains("kvgate_pool_inflight_requests_per_pod 1.5"), "{busy}");
+        // A pod taken out leaves the pool.
+        s.scraped(s.static_pods()[0], Scrape::Refused);
+        assert!(rendered(&s).contains("kvgate_pool_healthy_pods 1"));
+    }
+
+    #[test]
     fn a_configured_slowness_applies_from_the_first_request() {
         let pods = |a: &str, b: &str| {
             scorer_of(&format!(

@@ -20,6 +20,9 @@ pub struct PodView {
     pub offloaded_blocks: usize,
     pub inflight_requests: u32,
     pub queued_prefill_tokens: u64,
+    /// Predicted seconds to work through that prefill (the wait before a request sent there
+    /// now starts its own), once the fleet's prefill speed is learned from first tokens.
+    pub queued_prefill_seconds: Option<f64>,
     pub decode_blocks: f64,
     /// Its prefill time relative to the fleet's average (1 = average), learned from the
     /// first tokens it reported; applied to its costs unless `load.pod_speed.learn` is off.
@@ -76,6 +79,7 @@ impl Scorer {
                     offloaded_blocks: core.router.index().pod_offloaded_blocks(p.id),
                     inflight_requests: load.inflight_requests,
                     queued_prefill_tokens: load.queued_prefill_tokens,
+                    queued_prefill_seconds: core.router.load().queued_prefill_seconds(p.id, now),
                     decode_blocks: load.decode_blocks,
                     slowness: speed.slowness,
                     slowness_samples: speed.samples,
@@ -107,6 +111,7 @@ impl Scorer {
             self.metrics.queued_prefill_tokens.with_label_values(&[&v.name]).set(v.queued_prefill_tokens as f64);
             self.metrics.pod_slowness.with_label_values(&[&v.name]).set(v.slowness);
         }
+        self.set_pool_gauges(&views);
         self.metrics.index_entries.with_label_values(&["block_pod_entries"]).set(entries as f64);
         self.metrics.index_entries.with_label_values(&["distinct_blocks"]).set(distinct as f64);
         if let Some(stats) = self.tokenizer.segment_cache_stats() {
@@ -117,5 +122,31 @@ impl Scorer {
             self.metrics.tokenizer_cache_tokens.set(i64::try_from(stats.tokens).unwrap_or(i64::MAX));
         }
         views
+    }
+}
+
+impl Scorer {
+    /// The pool's signals for autoscaling, over the pods that can be chosen (see
+    /// docs/autoscaling.md): each replica shares its bookings, so every replica shows the
+    /// whole fleet's.
+    fn set_pool_gauges(&self, views: &[PodView]) {
+        let pool = &self.metrics.pool;
+        let healthy: Vec<&PodView> = views.iter().filter(|v| v.healthy).collect();
+        pool.healthy_pods.set(healthy.len() as i64);
+        let mean = |values: &[f64]| (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64);
+        let inflight: Vec<f64> = healthy.iter().map(|v| f64::from(v.inflight_requests)).collect();
+        pool.inflight_per_pod.set(mean(&inflight).unwrap_or(0.0));
+        // A wait is predicted once the fleet's prefill speed is learned: absent before.
+        let waits: Option<Vec<f64>> = healthy.iter().map(|v| v.queued_prefill_seconds).collect();
+        if let Some(waits) = waits.filter(|w| !w.is_empty()) {
+            let soonest = waits.iter().copied().fold(f64::INFINITY, f64::min);
+            pool.predicted_wait.with_label_values(&["soonest"]).set(soonest);
+            pool.predicted_wait.with_label_values(&["mean"]).set(mean(&waits).unwrap_or(0.0));
+        }
+        let usage: Vec<f64> = healthy.iter().filter_map(|v| Some(v.reported.as_ref()?.kv_cache_usage)).collect();
+        if let Some(mean_usage) = mean(&usage) {
+            pool.kv_cache_usage.with_label_values(&["mean"]).set(mean_usage);
+            pool.kv_cache_usage.with_label_values(&["max"]).set(usage.iter().copied().fold(0.0, f64::max));
+        }
     }
 }

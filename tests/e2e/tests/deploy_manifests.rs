@@ -277,11 +277,49 @@ fn the_istio_envoyfilter_patches_assemble_into_a_bootstrap_envoy_accepts() {
 /// The InferencePool CRD kept in tests/fixtures/gie (GIE's, unmodified): its schema
 /// validates manifests by `tests/tools/crd_validate.py`.
 fn crd_validate(files: &[PathBuf]) -> Result<String, String> {
+    validate_by_crd("gie/inference.networking.k8s.io_inferencepools.yaml", files)
+}
+
+/// Validates `files` by the schema of a CRD kept in tests/fixtures (`tests/tools/crd_validate.py`).
+fn validate_by_crd(crd: &str, files: &[PathBuf]) -> Result<String, String> {
     let mut cmd = Command::new(kvgate_test_harness::python());
-    cmd.arg(root().join("tests/tools/crd_validate.py"))
-        .arg(root().join("tests/fixtures/gie/inference.networking.k8s.io_inferencepools.yaml"))
-        .args(files);
+    cmd.arg(root().join("tests/tools/crd_validate.py")).arg(root().join("tests/fixtures").join(crd)).args(files);
     run(cmd)
+}
+
+#[test]
+fn the_autoscaling_examples_pass_their_schemas_and_scale_the_pool() {
+    // The HPA against Kubernetes' schema, the ScaledObject against KEDA's CRD (KEDA's own file);
+    // a broken one of each is refused.
+    let hpa = deploy("autoscaling/hpa.yaml");
+    let report = kubernetes_validate(std::slice::from_ref(&hpa)).unwrap_or_else(|e| panic!("{e}"));
+    assert!(report.contains("passed for resource horizontalpodautoscaler/vllm"), "{report}");
+    const KEDA: &str = "keda/keda.sh_scaledobjects.yaml";
+    let report =
+        validate_by_crd(KEDA, &[deploy("autoscaling/keda-scaledobject.yaml")]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(report.contains("valid: ScaledObject/vllm"), "{report}");
+    let broken = std::env::temp_dir().join(format!("kvgate-broken-autoscaling-{}.yaml", std::process::id()));
+    for (file, from, to, why) in [
+        ("autoscaling/keda-scaledobject.yaml", "threshold: \"0.25\"", "threshold: 0.25", "is not of type 'string'"),
+        ("autoscaling/hpa.yaml", "value: 250m", "valeu: 250m", "valeu"),
+    ] {
+        std::fs::write(&broken, read(file).replacen(from, to, 1)).unwrap();
+        let result = match file.ends_with("hpa.yaml") {
+            true => kubernetes_validate(std::slice::from_ref(&broken)),
+            false => validate_by_crd(KEDA, std::slice::from_ref(&broken)),
+        };
+        assert!(result.as_ref().is_err_and(|e| e.contains(why)), "{file} with {to}: {result:?}");
+    }
+    std::fs::remove_file(&broken).unwrap();
+    // Both scale the pool's Deployment, in its namespace.
+    let vllm = find(&documents("base/vllm.yaml"), "Deployment", "vllm").clone();
+    for (file, target) in
+        [("autoscaling/hpa.yaml", "scaleTargetRef"), ("autoscaling/keda-scaledobject.yaml", "scaleTargetRef")]
+    {
+        let doc = documents(file).remove(0);
+        assert_eq!(doc["spec"][target]["name"], vllm["metadata"]["name"], "{file}");
+        assert_eq!(doc["metadata"]["namespace"], vllm["metadata"]["namespace"], "{file}");
+    }
 }
 
 #[test]

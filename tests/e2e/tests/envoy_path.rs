@@ -1026,6 +1026,8 @@ async fn a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable(path:
     }
     let waiting = scorer_metric(&s.scorer, "kvgate_admission_waiting").await;
     assert!(waiting > 0, "the burst still queued when the last premium request arrived");
+    let ordinary_waiting = scorer_metric(&s.scorer, "kvgate_admission_waiting{priority=\"0\"}").await;
+    assert!(ordinary_waiting > 0, "counted by priority: the ordinary ones wait");
 
     for t in sheddable {
         let (status, took, retry_after) = t.await.unwrap();
@@ -1060,9 +1062,19 @@ async fn a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable(path:
     );
     assert!(ordinary_p90 > premium_p90, "the queue ran by priority");
     s.scorer.wait_idle(Duration::from_secs(10)).await;
-    let metrics = reqwest::get(format!("{}/metrics", s.scorer.url)).await.unwrap().text().await.unwrap();
-    assert!(metrics.contains("kvgate_admission_waiting 0"), "the queue drained");
-    assert!(metrics.contains("kvgate_admission_refused_total{reason=\"sheddable\"} 10"), "{metrics}");
+    assert_eq!(scorer_metric(&s.scorer, "kvgate_admission_waiting").await, 0, "the queue drained");
+    let sheddable = "kvgate_admission_refused_total{priority=\"-1\",reason=\"sheddable\"}";
+    assert_eq!(scorer_metric(&s.scorer, sheddable).await, 10, "{}", s.scorer.metrics_text().await);
+    // The admission wait by priority: most ordinary requests waited, and longer than premium.
+    let waited = |priority: &str| {
+        let metric = |part: &str| format!("kvgate_admission_wait_seconds_{part}{{priority=\"{priority}\"}}");
+        let (sum, count) = (metric("sum"), metric("count"));
+        let scorer = &s.scorer;
+        async move { (scorer.metric(&count).await, scorer.metric(&sum).await) }
+    };
+    let ((ordinary_n, ordinary_s), (premium_n, premium_s)) = (waited("0").await, waited("10").await);
+    assert!(ordinary_n >= 30.0, "{ordinary_n} of 40 ordinary requests waited");
+    assert!(ordinary_s / ordinary_n > premium_s / premium_n.max(1.0), "ordinary {ordinary_s} s, premium {premium_s} s");
     let grown = rss_kib(s.scorer.pid()).saturating_sub(rss_before);
     assert!(grown < 32 * 1024, "the scorer's memory stays bounded: grew {grown} KiB");
 }

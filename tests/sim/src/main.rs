@@ -212,6 +212,8 @@ async fn main() -> anyhow::Result<()> {
         filler_tokens,
     });
 
+    // Where the events are published: the bound endpoint, or the one connected to.
+    let mut events_at = args.kv_events_endpoint.clone();
     let (events, publisher_stats) = match &args.kv_events_endpoint {
         Some(endpoint) => {
             let config = publisher::PublisherConfig {
@@ -230,6 +232,7 @@ async fn main() -> anyhow::Result<()> {
             let publisher = publisher::start(config).await?;
             if let Some(bound) = &publisher.bound {
                 announce("kv-events", bound);
+                events_at = Some(bound.clone());
             }
             if let Some(bound) = &publisher.replay_bound {
                 announce("kv-events-replay", bound);
@@ -275,7 +278,7 @@ async fn main() -> anyhow::Result<()> {
     });
 
     tracing::info!(
-        pod = %pod_id, %listen, role = ?args.role, events = ?args.kv_events_endpoint,
+        pod = %pod_id, %listen, role = ?args.role, events = ?events_at,
         block_size = args.block_size, num_blocks = args.num_blocks, time_scale = args.time_scale,
         "kvgate-sim ready"
     );

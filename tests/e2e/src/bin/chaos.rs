@@ -384,11 +384,7 @@ async fn run(args: &Args, picker: &str) -> anyhow::Result<(String, bool)> {
         }
     }
     let reasons = reqwest::get(format!("{}/metrics", scorer.url)).await?.text().await?;
-    let reasons: Vec<&str> = reasons
-        .lines()
-        .filter_map(|l| l.strip_prefix("kvgate_admission_refused_total{reason=\""))
-        .map(|l| l.trim_start_matches('"'))
-        .collect();
+    let reasons: Vec<&str> = reasons.lines().filter_map(|l| l.strip_prefix("kvgate_admission_refused_total")).collect();
     phases.last_mut().unwrap().recovery = format!(
         "{} ordinary (429: {}; served, p90 TTFT {:.0} ms) and {} sheddable (429: {}) at once; refusals by reason: {}; \
          queue empty {} after the last",
@@ -397,7 +393,7 @@ async fn run(args: &Args, picker: &str) -> anyhow::Result<(String, bool)> {
         percentile(&mut standard, 0.9).as_secs_f64() * 1e3,
         capacity / 2,
         refused[1],
-        reasons.join(", ").replace("\"} ", " "),
+        reasons.join(", "),
         secs(drained)
     );
     rest(t).await;
