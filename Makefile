@@ -12,7 +12,7 @@ export KVGATE_CACHE ?= $(HOME)/.cache/kvgate
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),$(CURDIR)/target)
 BIN := $(TARGET_DIR)/release
 
-.PHONY: docs profile setup build test lint audit licenses native bench bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos picker-failover demo-replicas measure-fresh sim-check demo-engines
+.PHONY: docs profile setup build test lint audit licenses native bench bench-signals bench-goodput bench-cluster bench-replicas bench-live fmt sim bench-scorer wasm demo demo-pd up down bench-overhead fuzz soak chaos picker-failover demo-replicas measure-fresh sim-check demo-engines
 
 setup:
 	@bash tests/tools/setup.sh
@@ -143,6 +143,11 @@ bench-cluster:
 # its rate for every router on 8 pods (seeds 1-2); the highest load whose p90 TTFT stays
 # within 3x the unloaded p90, and the p90-vs-load plots. Results in target/bench/goodput/.
 SWEEP ?= 0.25,0.35,0.5,0.7,1,1.4,2,2.8,4,5.6,8,11,16
+# kvgate's autoscaling signals beside the p90 TTFT along a load sweep (docs/autoscaling.md).
+bench-signals:
+	$(CARGO) run --release -p kvgate-bench --bin kvgate-cluster-sim -- --workloads chat,capacity,documents \
+	  --routers kv --sweep $(SWEEP) --seeds 2 --out target/bench/signals
+
 bench-goodput:
 	$(CARGO) run --release -p kvgate-bench --bin kvgate-cluster-sim -- --sweep $(SWEEP) --seeds 2 \
 	  --out target/bench/goodput $(GOODPUT_ARGS)

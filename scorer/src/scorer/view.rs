@@ -4,6 +4,7 @@ use super::Scorer;
 use crate::config::Role;
 use crate::engine_pages::PodAdapters;
 use kvgate_routing::index::PodIndexStats;
+use kvgate_routing::router::PrefillWaits;
 use serde::Serialize;
 
 /// One entry of `GET /v1/pods`.
@@ -100,6 +101,7 @@ impl Scorer {
                 }
             })
             .collect();
+        let waits = core.router.prefill_waits(now);
         let (entries, distinct) = (core.router.index().entries(), core.router.index().distinct_blocks());
         drop(core);
         for v in &views {
@@ -111,7 +113,7 @@ impl Scorer {
             self.metrics.queued_prefill_tokens.with_label_values(&[&v.name]).set(v.queued_prefill_tokens as f64);
             self.metrics.pod_slowness.with_label_values(&[&v.name]).set(v.slowness);
         }
-        self.set_pool_gauges(&views);
+        self.set_pool_gauges(&views, waits);
         self.metrics.index_entries.with_label_values(&["block_pod_entries"]).set(entries as f64);
         self.metrics.index_entries.with_label_values(&["distinct_blocks"]).set(distinct as f64);
         if let Some(stats) = self.tokenizer.segment_cache_stats() {
@@ -129,7 +131,7 @@ impl Scorer {
     /// The pool's signals for autoscaling, over the pods that can be chosen (see
     /// docs/autoscaling.md): each replica shares its bookings, so every replica shows the
     /// whole fleet's.
-    fn set_pool_gauges(&self, views: &[PodView]) {
+    fn set_pool_gauges(&self, views: &[PodView], waits: Option<PrefillWaits>) {
         let pool = &self.metrics.pool;
         let healthy: Vec<&PodView> = views.iter().filter(|v| v.healthy).collect();
         pool.healthy_pods.set(healthy.len() as i64);
@@ -137,11 +139,9 @@ impl Scorer {
         let inflight: Vec<f64> = healthy.iter().map(|v| f64::from(v.inflight_requests)).collect();
         pool.inflight_per_pod.set(mean(&inflight).unwrap_or(0.0));
         // A wait is predicted once the fleet's prefill speed is learned: absent before.
-        let waits: Option<Vec<f64>> = healthy.iter().map(|v| v.queued_prefill_seconds).collect();
-        if let Some(waits) = waits.filter(|w| !w.is_empty()) {
-            let soonest = waits.iter().copied().fold(f64::INFINITY, f64::min);
-            pool.predicted_wait.with_label_values(&["soonest"]).set(soonest);
-            pool.predicted_wait.with_label_values(&["mean"]).set(mean(&waits).unwrap_or(0.0));
+        if let Some(waits) = waits {
+            pool.predicted_wait.with_label_values(&["soonest"]).set(waits.soonest);
+            pool.predicted_wait.with_label_values(&["mean"]).set(waits.mean);
         }
         let usage: Vec<f64> = healthy.iter().filter_map(|v| Some(v.reported.as_ref()?.kv_cache_usage)).collect();
         if let Some(mean_usage) = mean(&usage) {

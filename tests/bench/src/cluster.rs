@@ -15,6 +15,7 @@
 
 use crate::workload::{Session, Workload};
 use kvgate_routing::policy::ReportedLoad;
+use kvgate_routing::router::PrefillWaits;
 use kvgate_sim::cache::{CacheChange, HashKeys};
 use kvgate_sim::engine::{Engine, EngineConfig, KvTransfer, NewRequest, RequestId, StepResult};
 use std::cmp::Ordering;
@@ -104,6 +105,11 @@ pub trait ClusterRouter {
     fn kv_events(&mut self, _pod: usize, _changes: &[CacheChange], _now: f64) {}
     /// A pod's `/metrics`, scraped.
     fn scraped(&mut self, _pod: usize, _load: ReportedLoad, _now: f64) {}
+    /// The predicted waits before a new request's prefill, for routers that predict them
+    /// (kvgate's autoscaling signal).
+    fn prefill_waits(&self, _now: f64) -> Option<PrefillWaits> {
+        None
+    }
     /// The same scrape's `vllm:lora_requests_info`, from pods with adapter slots.
     fn scraped_adapters(&mut self, _pod: usize, _adapters: &EngineAdapters) {}
 }
@@ -220,6 +226,19 @@ pub struct RunResult {
     pub makespan: f64,
     /// The most requests one pod had in flight at once (arrival to finish): a pile-up.
     pub peak_inflight: usize,
+    /// The autoscaling signals at every scrape while requests came.
+    pub signals: Vec<SignalSample>,
+}
+
+/// What an autoscaler would read at one moment.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SignalSample {
+    /// The router's predicted waits (seconds), where it predicts them.
+    pub prefill_waits: Option<PrefillWaits>,
+    /// The pods' mean KV-cache usage (0–1), as they report it.
+    pub kv_cache_usage: f64,
+    /// The pods' mean waiting requests (`vllm:num_requests_waiting`): the engines' own queue.
+    pub engine_waiting: f64,
 }
 
 /// The most requests any one pod served at once (a request counts from arrival to finish;
@@ -341,6 +360,7 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
     // The router has scraped every pod once before traffic starts (as the scorer does on
     // start-up), so a burst at t = 0 meets known cache sizes.
     sim.schedule(0.0, Event::Scrape);
+    let mut signals = Vec::new();
     for (i, s) in workload.sessions.iter().enumerate() {
         if !s.turns.is_empty() {
             sim.schedule(s.start, Event::Arrive { session: i, turn: 0 });
@@ -360,12 +380,18 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
                 if sim.open_sessions == 0 {
                     continue; // everything finished: let the queue drain
                 }
+                let (mut sample, share) = (SignalSample::default(), 1.0 / sim.pods.len() as f64);
                 for (i, p) in sim.pods.iter().enumerate() {
-                    sim.router.scraped(i, reported_load(&p.engine), at);
+                    let load = reported_load(&p.engine);
+                    sample.kv_cache_usage += load.kv_cache_usage * share;
+                    sample.engine_waiting += load.waiting * share;
+                    sim.router.scraped(i, load, at);
                     if let Some(adapters) = EngineAdapters::of(&p.engine) {
                         sim.router.scraped_adapters(i, &adapters);
                     }
                 }
+                sample.prefill_waits = sim.router.prefill_waits(at);
+                signals.push(sample);
                 sim.schedule(at + sim.scrape_interval, Event::Scrape);
             }
         }
@@ -378,6 +404,7 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
         peak_inflight: peak_inflight(&sim.records, config.roles.len()),
         requests: sim.records,
         makespan: (last - first).max(0.0),
+        signals,
     }
 }
 

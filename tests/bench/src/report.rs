@@ -30,6 +30,14 @@ pub struct Summary {
     pub peak_inflight: usize,
     pub preemptions: u64,
     pub makespan_s: f64,
+    /// The autoscaling signals over the run, as an autoscaler polling them would see them on
+    /// average: the router's predicted wait at the soonest pod and over the pods (routers
+    /// that predict one; samples before its speeds were learned left out), the pods' mean
+    /// KV-cache usage and waiting requests.
+    pub wait_soonest_ms: Option<f64>,
+    pub wait_mean_ms: Option<f64>,
+    pub kv_cache_usage_mean: f64,
+    pub engine_waiting_mean: f64,
     /// The same per decoding pod, in pod order: where a router sent its requests and what
     /// they waited there (left out of the results where not asked for: `--per-pod`).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -57,6 +65,12 @@ pub fn quantile(sorted: &[f64], q: f64) -> f64 {
     }
     let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
     sorted[rank - 1]
+}
+
+/// The mean of `values`; `None` when there are none.
+fn average(values: impl Iterator<Item = f64>) -> Option<f64> {
+    let (n, sum) = values.fold((0usize, 0.0), |(n, sum), v| (n + 1, sum + v));
+    (n > 0).then(|| sum / n as f64)
 }
 
 impl Summary {
@@ -111,6 +125,10 @@ impl Summary {
             peak_inflight: run.peak_inflight,
             preemptions: run.preemptions,
             makespan_s: run.makespan,
+            wait_soonest_ms: average(run.signals.iter().filter_map(|s| Some(s.prefill_waits?.soonest * 1e3))),
+            wait_mean_ms: average(run.signals.iter().filter_map(|s| Some(s.prefill_waits?.mean * 1e3))),
+            kv_cache_usage_mean: average(run.signals.iter().map(|s| s.kv_cache_usage)).unwrap_or(0.0),
+            engine_waiting_mean: average(run.signals.iter().map(|s| s.engine_waiting)).unwrap_or(0.0),
             per_pod,
         }
     }
@@ -267,7 +285,8 @@ pub fn svg_bars(title: &str, rows: &[(String, f64, f64)]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cluster::RequestRecord;
+    use crate::cluster::{RequestRecord, SignalSample};
+    use kvgate_routing::router::PrefillWaits;
 
     #[test]
     fn figures_come_from_the_records() {
@@ -290,9 +309,20 @@ mod tests {
             prefill_tokens_per_pod: vec![700, 50],
             preemptions: 0,
             makespan: 3.0,
+            signals: vec![
+                SignalSample { kv_cache_usage: 0.2, engine_waiting: 1.0, ..Default::default() },
+                SignalSample {
+                    prefill_waits: Some(PrefillWaits { soonest: 0.5, mean: 0.75 }),
+                    kv_cache_usage: 0.4,
+                    engine_waiting: 2.0,
+                },
+            ],
         };
         let s = Summary::of("w", "r", &run, &[0, 1]);
         assert_eq!(s.peak_inflight, 2, "pod 0's first two overlap from 1.0 to 1.1");
+        let waits = (s.wait_soonest_ms, s.wait_mean_ms);
+        assert_eq!(waits, (Some(500.0), Some(750.0)), "the sample before speeds were learned left out");
+        assert!((s.kv_cache_usage_mean - 0.3).abs() < 1e-9 && (s.engine_waiting_mean - 1.5).abs() < 1e-9);
         assert_eq!((s.requests, s.failed), (4, 1));
         assert!((s.ttft_p50_ms - 200.0).abs() < 1e-9 && (s.ttft_p99_ms - 300.0).abs() < 1e-9);
         assert!((s.itl_mean_ms - 100.0).abs() < 1e-9, "{}", s.itl_mean_ms);

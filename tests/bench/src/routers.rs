@@ -13,7 +13,7 @@ use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::load::{BookingUpdate, Lifecycle, Origin};
 use kvgate_routing::pod_set::PodId;
 use kvgate_routing::policy::ReportedLoad;
-use kvgate_routing::router::{RouteRequest, Router};
+use kvgate_routing::router::{PrefillWaits, RouteRequest, Router};
 use kvgate_scorer::config::Config;
 use kvgate_sim::cache::CacheChange;
 use kvgate_sim::engine::Engine;
@@ -150,6 +150,10 @@ impl ClusterRouter for Kvgate {
         if pod == 0 {
             self.router.expire(now);
         }
+    }
+
+    fn prefill_waits(&self, now: f64) -> Option<PrefillWaits> {
+        self.router.prefill_waits(now)
     }
 
     fn scraped_adapters(&mut self, pod: usize, adapters: &EngineAdapters) {

@@ -300,8 +300,8 @@ fn the_autoscaling_examples_pass_their_schemas_and_scale_the_pool() {
     assert!(report.contains("valid: ScaledObject/vllm"), "{report}");
     let broken = std::env::temp_dir().join(format!("kvgate-broken-autoscaling-{}.yaml", std::process::id()));
     for (file, from, to, why) in [
-        ("autoscaling/keda-scaledobject.yaml", "threshold: \"0.25\"", "threshold: 0.25", "is not of type 'string'"),
-        ("autoscaling/hpa.yaml", "value: 250m", "valeu: 250m", "valeu"),
+        ("autoscaling/keda-scaledobject.yaml", "threshold: \"0.2\"", "threshold: 0.2", "is not of type 'string'"),
+        ("autoscaling/hpa.yaml", "value: 200m", "valeu: 200m", "valeu"),
     ] {
         std::fs::write(&broken, read(file).replacen(from, to, 1)).unwrap();
         let result = match file.ends_with("hpa.yaml") {

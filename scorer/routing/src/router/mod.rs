@@ -24,6 +24,7 @@ mod sharing;
 mod tests;
 
 pub use config::{Admission, PdConfig, Role, RouterConfig};
+pub use pods::PrefillWaits;
 
 use crate::adapters::{AdapterId, AdapterLoad};
 use crate::approx::ApproxIndex;

@@ -19,6 +19,15 @@ pub(super) struct PodState {
     pub(super) key: u64,
 }
 
+/// The predicted seconds of prefill queued ahead of a new request ([`Router::prefill_waits`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillWaits {
+    /// At the pod where it is shortest: what the next request waits at least.
+    pub soonest: f64,
+    /// Over the healthy pods.
+    pub mean: f64,
+}
+
 impl Router {
     /// A request was routed to `pod`: pods without KV events are indexed by what is routed
     /// there, and its adapter is run there next.
@@ -88,6 +97,16 @@ impl Router {
     pub fn is_healthy(&self, pod: PodId) -> bool {
         let state = &self.pods[pod.index()];
         state.present && state.healthy
+    }
+
+    /// The predicted waits before a new request's prefill over the healthy pods (see
+    /// `LoadTracker::queued_prefill_seconds`); `None` until the fleet's prefill speed is
+    /// learned, or with no healthy pod.
+    pub fn prefill_waits(&self, now: f64) -> Option<PrefillWaits> {
+        let healthy = (0..self.pods.len() as u32).map(PodId).filter(|pod| self.is_healthy(*pod));
+        let waits: Vec<f64> = healthy.map(|pod| self.load.queued_prefill_seconds(pod, now)).collect::<Option<_>>()?;
+        let soonest = waits.iter().copied().reduce(f64::min)?;
+        Some(PrefillWaits { soonest, mean: waits.iter().sum::<f64>() / waits.len() as f64 })
     }
 
     /// The load the pod last reported, while healthy.

@@ -131,6 +131,7 @@ fn simulate(workload_name: &str, router: &str, params: &Params, seeds: u64) -> (
                     *a += b;
                 }
                 p.preemptions += result.preemptions;
+                p.signals.extend(result.signals);
                 p.peak_inflight = p.peak_inflight.max(result.peak_inflight);
                 p.makespan += result.makespan;
                 p
@@ -423,6 +424,22 @@ fn sweep(args: &Args, params: &Params, plan: &[(Workload, Vec<String>)]) -> anyh
                 "points": c.points.iter().map(|(load, p, s)| serde_json::json!({"load": load, "offered": p.offered, "summary": s})).collect::<Vec<_>>(),
             }));
         }
+        if let Some(kv) = curves.iter().find(|c| c.router == "kv") {
+            sections.push_str(&signals_table(kv, limit));
+            // The wait drawn at 1 ÷ its threshold's share: it meets the SLO's line at its threshold.
+            let scale = 1.0 / WAIT_THRESHOLD_OF_SLO;
+            let wait = |s: &Summary| s.wait_mean_ms.map(|w| w * scale);
+            let series = [
+                ("kv: p90 TTFT".to_string(), kv.points.iter().map(|p| p.1).collect()),
+                (
+                    format!("kv: predicted wait, mean over the pods (×{scale})"),
+                    kv.points.iter().filter_map(|(_, p, s)| Some(Point { ttft_p90_ms: wait(s)?, ..*p })).collect(),
+                ),
+            ];
+            let title = format!("{}: {} pods, kvgate's scaling signal against the load offered", w.name, args.pods);
+            let svg = svg_curves(&title, &format!("offered load ({})", unit(w)), limit, &series);
+            std::fs::write(args.out.join(format!("{}-signals.svg", w.name)), svg)?;
+        }
         let series: Vec<(String, Vec<Point>)> = routers
             .iter()
             .filter_map(|r| curves.iter().find(|c| c.router == r))
@@ -438,8 +455,48 @@ fn sweep(args: &Args, params: &Params, plan: &[(Workload, Vec<String>)]) -> anyh
     let json = serde_json::json!({ "params": params, "loads": loads, "curves": json });
     write_results(&args.out, "goodput", &json, &markdown)?;
     println!(
-        "\n{markdown}\nwrote {}/goodput.{{json,md}} and one <workload>-goodput.svg per workload",
+        "\n{markdown}\nwrote {}/goodput.{{json,md}} and one <workload>-goodput.svg (and <workload>-signals.svg with kv) per workload",
         args.out.display()
     );
     Ok(())
+}
+
+/// The autoscaling signals the sweep follows, with the threshold each is judged by: the
+/// predicted waits as a share of the TTFT SLO and the KV-cache usage as the KEDA example
+/// has them (0.2 s for an SLO of about 1 s, 0.7; docs/autoscaling.md), and for comparison
+/// the engines' own queue, one waiting request per pod.
+const WAIT_THRESHOLD_OF_SLO: f64 = 0.2;
+const KV_USAGE_THRESHOLD: f64 = 0.7;
+const ENGINE_WAITING_THRESHOLD: f64 = 1.0;
+
+/// kvgate's autoscaling signals along its sweep, their means over each run: at which load
+/// each crosses its threshold, beside where the p90 TTFT crosses the SLO (an autoscaler must
+/// act before the latter), and each one's value at the last load within the SLO.
+fn signals_table(kv: &Curve, slo_ms: f64) -> String {
+    let wait_threshold = WAIT_THRESHOLD_OF_SLO * slo_ms;
+    let first = |crossed: &dyn Fn(&Summary) -> bool| {
+        kv.points.iter().find(|(_, _, s)| crossed(s)).map_or("–".to_string(), |(l, _, _)| format!("{l:.2}×"))
+    };
+    let wait = |w: Option<f64>| w.map_or("–".to_string(), |w| format!("{} ms", ms(w)));
+    let mut out = format!(
+        "\nkv's autoscaling signals (means over each run). Crossed at: p90 TTFT > SLO {}; predicted wait at the soonest pod ≥ {} ms ({WAIT_THRESHOLD_OF_SLO} × the SLO) {}; mean over the pods ≥ {} ms {}; KV-cache usage ≥ {KV_USAGE_THRESHOLD} {}; engines' waiting requests ≥ {ENGINE_WAITING_THRESHOLD} per pod {}.\n\n| load | p90 TTFT | predicted wait, soonest pod | predicted wait, mean | KV-cache usage | engines' waiting requests per pod |\n|---|---|---|---|---|---|\n",
+        first(&|s| s.ttft_p90_ms > slo_ms),
+        ms(wait_threshold),
+        first(&|s| s.wait_soonest_ms.is_some_and(|w| w >= wait_threshold)),
+        ms(wait_threshold),
+        first(&|s| s.wait_mean_ms.is_some_and(|w| w >= wait_threshold)),
+        first(&|s| s.kv_cache_usage_mean >= KV_USAGE_THRESHOLD),
+        first(&|s| s.engine_waiting_mean >= ENGINE_WAITING_THRESHOLD),
+    );
+    for (load, _, s) in &kv.points {
+        out.push_str(&format!(
+            "| {load:.2}× | {} ms | {} | {} | {:.2} | {:.2} |\n",
+            ms(s.ttft_p90_ms),
+            wait(s.wait_soonest_ms),
+            wait(s.wait_mean_ms),
+            s.kv_cache_usage_mean,
+            s.engine_waiting_mean
+        ));
+    }
+    out
 }
