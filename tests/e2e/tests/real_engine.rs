@@ -336,10 +336,46 @@ async fn leg(path: Path, engines: &mut [Engine], stop: Option<Stop>) {
     // the scorer after the next turn was decided — kvgate credits only what events said, so
     // that request is under-credited, the safe side (seen on the native path, the quickest,
     // in 2 of 5 runs: 2 of 48).
+    //
+    // The autoscaling signals are read as Prometheus would while the load runs. The predicted
+    // wait needs the engines' prefill speed, learned from first tokens of prefills that had
+    // an engine to themselves (a restarted scorer learns it anew): one at a time until then.
+    let learned = |text: String| text.contains("kvgate_pool_predicted_wait_seconds{at=\"mean\"}");
+    for i in 0..40 {
+        if learned(s.scorer.metrics_text().await) {
+            break;
+        }
+        let body = json!({"model": ENGINE_MODEL, "max_tokens": 2, "prompt": words(&format!("{path:?}warm{i}"), 120)});
+        s.exact(&format!("warm-up {i}"), "/v1/completions", &body).await;
+    }
+    assert!(learned(s.scorer.metrics_text().await), "{path:?}: the engines' prefill speed was learned");
     let before =
         (s.predictions().await, path.failed_open(&s.envoy).await, s.scorer_counter("kvgate_pods_down_total").await);
     let scrape_failures = s.scorer_counter("kvgate_scrape_failures_total").await;
-    let sent = loaded(&s, 8, 6).await;
+    let running = std::sync::atomic::AtomicBool::new(true);
+    let highest = async {
+        let mut highest = (0.0_f64, 0.0_f64);
+        while running.load(std::sync::atomic::Ordering::Relaxed) {
+            let wait = samples(&s, "kvgate_pool_predicted_wait_seconds", "at=\"mean\"").await;
+            let usage = samples(&s, "kvgate_pool_kv_cache_usage", "stat=\"max\"").await;
+            highest = (highest.0.max(wait), highest.1.max(usage));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        highest
+    };
+    let load = async {
+        let sent = loaded(&s, 8, 6).await;
+        running.store(false, std::sync::atomic::Ordering::Relaxed);
+        sent
+    };
+    let (sent, (wait, usage)) = tokio::join!(load, highest);
+    println!(
+        "{path:?}: under load, the pool's predicted wait rose to {:.0} ms, its KV-cache usage to {usage:.2}",
+        wait * 1e3
+    );
+    assert!(wait > 0.0, "{path:?}: the predicted wait (from the engines' learned prefill speed) rose under load");
+    assert!(usage > 0.0, "{path:?}: the engines' KV-cache usage (vllm:kv_cache_usage_perc) reached the pool gauge");
+    assert_eq!(s.scorer_counter("kvgate_pool_healthy_pods").await, 2, "{path:?}");
     let verdicts = settled(&s, &before.0, sent).await;
     let scrape_failures = s.scorer_counter("kvgate_scrape_failures_total").await - scrape_failures;
     println!("{path:?}: under load {verdicts:?}, {scrape_failures} scrapes failed");
