@@ -222,6 +222,8 @@ fn the_dashboard_queries_only_exported_metrics_and_labels() {
         "kvgate_kv_event_gaps_total",
         "kvgate_pod_healthy",
         "kvgate_sync_lag_seconds_bucket",
+        "kvgate_pool_predicted_wait_seconds",
+        "kvgate_pool_kv_cache_usage",
     ] {
         assert!(all.contains(metric), "no panel shows {metric}");
     }
