@@ -197,6 +197,8 @@ pub enum Refused {
     NoPod = 4,
     /// The scorer is stopping.
     Stopping = 5,
+    /// No pod serves the model it names.
+    ModelNotFound = 6,
 }
 
 impl Refused {
@@ -205,6 +207,7 @@ impl Refused {
         match self {
             Refused::BadRequest => 400,
             Refused::TooLarge => 413,
+            Refused::ModelNotFound => 404,
             Refused::Overloaded => 429,
             Refused::NoPod | Refused::Stopping | Refused::Unknown => 503,
         }
@@ -215,6 +218,7 @@ impl Refused {
         match self {
             Refused::BadRequest => "BadRequestError",
             Refused::TooLarge => "PayloadTooLarge",
+            Refused::ModelNotFound => "NotFoundError",
             Refused::Overloaded => "TooManyRequests",
             Refused::NoPod | Refused::Stopping | Refused::Unknown => "ServiceUnavailable",
         }

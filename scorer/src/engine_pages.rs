@@ -5,9 +5,17 @@
 use kvgate_routing::policy::ReportedLoad;
 use serde::Serialize;
 
-/// The LoRA adapters of an OpenAI `/v1/models` answer as vLLM gives it: the models with a
-/// `parent` (the base model they adapt).
-pub fn adapters_served(text: &str) -> Vec<String> {
+/// What an OpenAI `/v1/models` answer, as vLLM gives it, says a pod serves.
+#[derive(Debug, PartialEq)]
+pub struct ModelsServed {
+    /// Every model a request may name there: its base models and the adapters loaded.
+    pub models: Vec<String>,
+    /// Of those, the LoRA adapters: the models with a `parent` (the base model they adapt).
+    pub adapters: Vec<String>,
+}
+
+/// The models of a `/v1/models` answer; `None` when the page is not one.
+pub fn models_served(text: &str) -> Option<ModelsServed> {
     #[derive(serde::Deserialize)]
     struct Models {
         data: Vec<Model>,
@@ -18,10 +26,9 @@ pub fn adapters_served(text: &str) -> Vec<String> {
         #[serde(default)]
         parent: Option<String>,
     }
-    match serde_json::from_str::<Models>(text) {
-        Ok(models) => models.data.into_iter().filter(|m| m.parent.is_some()).map(|m| m.id).collect(),
-        Err(_) => Vec::new(),
-    }
+    let listed = serde_json::from_str::<Models>(text).ok()?.data;
+    let adapters = listed.iter().filter(|m| m.parent.is_some()).map(|m| m.id.clone()).collect();
+    Some(ModelsServed { models: listed.into_iter().map(|m| m.id).collect(), adapters })
 }
 
 /// The load figures of a vLLM metrics page (summed over data-parallel engines; KV usage is
@@ -141,9 +148,12 @@ mod tests {
         let text = r#"{"object":"list","data":[
             {"id":"kvgate/qwen3-tiny","object":"model","root":"/m/model","parent":null,"max_model_len":4096},
             {"id":"tiny-sql","object":"model","root":"/m/adapter","parent":"kvgate/qwen3-tiny","max_model_len":null}]}"#;
-        assert_eq!(adapters_served(text), vec!["tiny-sql".to_string()]);
-        assert!(adapters_served(r#"{"object":"list","data":[{"id":"m"}]}"#).is_empty(), "a base model only");
-        assert!(adapters_served("<html>").is_empty());
+        let served = models_served(text).unwrap();
+        assert_eq!(served.models, vec!["kvgate/qwen3-tiny".to_string(), "tiny-sql".to_string()]);
+        assert_eq!(served.adapters, vec!["tiny-sql".to_string()]);
+        let base_only = models_served(r#"{"object":"list","data":[{"id":"m"}]}"#).unwrap();
+        assert!(base_only.adapters.is_empty() && base_only.models == ["m"], "a base model only");
+        assert_eq!(models_served("<html>"), None);
     }
 
     #[test]

@@ -163,6 +163,7 @@ impl PickError {
             PickError::BadRequest(_) => Refused::BadRequest,
             PickError::TooLarge(_) => Refused::TooLarge,
             PickError::NoPod => Refused::NoPod,
+            PickError::ModelNotServed(_) => Refused::ModelNotFound,
             PickError::Stopping => Refused::Stopping,
             PickError::Saturated | PickError::Shed { .. } => Refused::Overloaded,
         }

@@ -17,6 +17,8 @@ pub struct PromptError(pub String);
 #[derive(Debug)]
 pub struct PromptInfo {
     pub tokens: Vec<u32>,
+    /// The `model` it asks for.
+    pub model: Option<String>,
     pub lora_name: Option<String>,
     pub cache_salt: Option<String>,
     pub max_output_tokens: Option<u32>,
@@ -136,8 +138,8 @@ fn info(
     if tokens.is_empty() {
         return Err(PromptError("the prompt is empty".into()));
     }
-    let lora_name = model.filter(|m| lora_adapters.iter().any(|a| a == m));
-    Ok(PromptInfo { tokens, lora_name, cache_salt, max_output_tokens })
+    let lora_name = model.as_ref().filter(|m| lora_adapters.contains(m)).cloned();
+    Ok(PromptInfo { tokens, model, lora_name, cache_salt, max_output_tokens })
 }
 
 fn encode(tokenizer: &Tokenizer, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {

@@ -5,7 +5,7 @@
 //! start or since — before any of them has run.
 
 use crate::config::MetricsUrl;
-use crate::engine_pages::{adapters, adapters_served, block_size, parse, process_start_time};
+use crate::engine_pages::{adapters, block_size, models_served, parse, process_start_time};
 use crate::scorer::{Scorer, Scrape};
 use kvgate_routing::pod_set::PodId;
 use std::sync::Arc;
@@ -52,7 +52,10 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: MetricsUrl) {
             && let Ok(text) = r.text().await
         {
             models_read = Some(tokio::time::Instant::now());
-            adapters_served(&text).iter().for_each(|name| scorer.learn_adapter(name));
+            if let Some(served) = models_served(&text) {
+                served.adapters.iter().for_each(|name| scorer.learn_adapter(name));
+                scorer.served_models(pod, served.models);
+            }
         }
     }
 }

@@ -47,7 +47,7 @@ pub enum Counter {
     FailClosed,
     /// Refused by the proxy itself (no body, not a JSON object).
     BadRequest,
-    /// Refused by the scorer as unreadable.
+    /// Refused by the scorer: unreadable, too large, or naming a model no pod serves.
     ScorerBadRequest,
     /// Refused for overload (429).
     Shed,
@@ -234,7 +234,7 @@ impl RequestFlow {
             Ok(Some(Outcome::Refusal(refusal))) => {
                 let (message, retry_after) = (refusal.message.as_str(), refusal.retry_after);
                 return match refusal.refused() {
-                    r @ (Refused::BadRequest | Refused::TooLarge) => {
+                    r @ (Refused::BadRequest | Refused::TooLarge | Refused::ModelNotFound) => {
                         self.refuse(proxy, Counter::ScorerBadRequest, r, message, None).into()
                     }
                     Refused::Overloaded => {
@@ -657,6 +657,7 @@ mod tests {
         let config = ProxyConfig::default();
         for (answer, status, counter) in [
             (refused(Refused::BadRequest, "'prompt' is required", None), 400, Counter::ScorerBadRequest),
+            (refused(Refused::ModelNotFound, "The model `m` does not exist.", None), 404, Counter::ScorerBadRequest),
             (refused(Refused::Overloaded, "every pod is saturated", Some(5)), 429, Counter::Shed),
         ] {
             let mut proxy = Recorder::default();

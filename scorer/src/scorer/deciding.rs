@@ -9,7 +9,7 @@ use kvgate_route_api::{Api, PodExplain, RoutePick};
 use kvgate_routing::adapters::AdapterId;
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::pod_set::{PodId, PodSet};
-use kvgate_routing::router::{RouteRequest, Unroutable};
+use kvgate_routing::router::{ModelId, RouteRequest, Unroutable};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -23,6 +23,9 @@ pub enum PickError {
     TooLarge(usize),
     #[error("no healthy pod can serve this request")]
     NoPod,
+    /// No pod serves the model it names (as vLLM words its own 404).
+    #[error("The model `{0}` does not exist.")]
+    ModelNotServed(String),
     /// Every pod is saturated (only with `admission`): the request should wait.
     #[error("every pod is saturated")]
     Saturated,
@@ -60,6 +63,8 @@ pub struct Prepared {
     pub max_output_tokens: Option<u32>,
     /// The LoRA adapter it asks for.
     pub adapter: Option<AdapterId>,
+    /// The `model` it names.
+    pub model: Option<String>,
 }
 
 /// What the entry path asks of a decision besides the request itself.
@@ -127,6 +132,7 @@ impl Scorer {
             prompt_tokens: info.tokens.len() as u32,
             max_output_tokens: info.max_output_tokens,
             adapter: info.lora_name.as_deref().map(AdapterId::of),
+            model: info.model,
         })
     }
 
@@ -155,6 +161,7 @@ impl Scorer {
             fallbacks: limits.fallbacks,
             leave_headroom: limits.leave_headroom,
             adapter: prepared.adapter,
+            model: prepared.model.as_deref().map(ModelId::of),
             ..RouteRequest::new(request_id, &prepared.chain, prepared.prompt_tokens, prepared.max_output_tokens)
         };
         let now = self.now();
@@ -162,6 +169,7 @@ impl Scorer {
         let routed = core.router.route(&request, now).map_err(|e| match e {
             Unroutable::NoPod => PickError::NoPod,
             Unroutable::Saturated => PickError::Saturated,
+            Unroutable::ModelNotServed => PickError::ModelNotServed(prepared.model.clone().unwrap_or_default()),
         })?;
         self.bookings_changed();
         let pod = |id: PodId| core.info(id);

@@ -28,7 +28,7 @@ use crate::engine_pages::PodAdapters;
 use crate::metrics::Metrics;
 use ahash::AHashMap;
 use kvgate_routing::pod_set::{PodId, PodMap, PodSet};
-use kvgate_routing::router::Router;
+use kvgate_routing::router::{ModelId, Router};
 use kvgate_tokenize::Tokenizer;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -91,6 +91,8 @@ struct PodEntry {
     health: PodHealth,
     /// The LoRA adapters its last scrape said it runs.
     adapters: Option<PodAdapters>,
+    /// The models it last listed (`/v1/models`).
+    models: Option<Vec<String>>,
 }
 
 struct Core {
@@ -255,6 +257,7 @@ impl Scorer {
         let mut core = self.lock();
         core.router.remove_pod(pod);
         *core.health(pod) = PodHealth::default();
+        core.pods.get_mut(pod).models = None;
         let p = core.info(pod);
         drop(core);
         self.metrics.pod_healthy.with_label_values(&[&p.name]).set(0.0);
@@ -348,6 +351,19 @@ impl Scorer {
             }
         }
         if core.router.ready() { Ok(()) } else { Err(NotReady::NoPod) }
+    }
+
+    /// The models `pod` lists (its `/v1/models`): it is chosen only for requests naming one
+    /// of them (or none).
+    pub fn served_models(&self, pod: PodId, models: Vec<String>) {
+        let mut core = self.lock();
+        let Some(entry) = core.pods.get(pod) else { return };
+        if entry.models.as_ref() == Some(&models) {
+            return;
+        }
+        tracing::info!(pod = %entry.info.name, ?models, "the pod serves these models");
+        core.router.served_models(pod, models.iter().map(|m| ModelId::of(m)).collect());
+        core.pods.get_mut(pod).models = Some(models);
     }
 
     /// A pod named `name` as a LoRA adapter: its requests' blocks are hashed apart from now on.

@@ -48,6 +48,9 @@ pub struct PodView {
     /// The LoRA adapters it runs and has waiting, and how many it holds at once (its last
     /// scrape's `vllm:lora_requests_info`).
     pub adapters: Option<PodAdapters>,
+    /// The models it lists (`/v1/models`): it is chosen only for requests naming one of them.
+    /// Absent until read (then it may be chosen for any).
+    pub models: Option<Vec<String>>,
     pub index_stats: PodIndexStats,
 }
 
@@ -97,6 +100,7 @@ impl Scorer {
                         kv_cache_usage: r.kv_cache_usage,
                     }),
                     adapters: entry.adapters.clone(),
+                    models: entry.models.clone(),
                     index_stats: core.router.index().stats(p.id),
                 }
             })

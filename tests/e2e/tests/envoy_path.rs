@@ -58,6 +58,7 @@ on_every_path!(
         a_pick_that_refuses_connections_is_retried_on_its_fallback_and_the_booking_follows,
         an_adapters_requests_follow_the_pod_holding_it_and_spread_when_it_is_full,
         messages_and_responses_route_with_prefix_affinity_and_malformed_ones_get_400,
+        a_model_no_pod_serves_is_answered_404_in_the_apis_shape,
     ],
     alone: [a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable],
 );
@@ -314,6 +315,34 @@ fn cached_prompt_tokens(answer: &Answer) -> u64 {
     let usage = if json["response"].is_object() { &json["response"]["usage"] } else { &json["usage"] };
     let cached = usage["cache_read_input_tokens"].as_u64().or(usage["input_tokens_details"]["cached_tokens"].as_u64());
     cached.unwrap_or_else(|| panic!("no cached tokens in {usage}"))
+}
+
+async fn a_model_no_pod_serves_is_answered_404_in_the_apis_shape(path: Path) {
+    let s = stack(path, 2, &[]).await;
+    for p in &s.pods {
+        let listed = s.scorer.wait_pod(&p.pod_id, Duration::from_secs(10), |v| !v["models"].is_null()).await;
+        assert_eq!(listed["models"], json!([MODEL]), "learned from the pod's /v1/models");
+    }
+    let question = chat("You answer in one word", "which model are you?", false);
+    let mut unknown = question.clone();
+    unknown["model"] = json!("no-such-model");
+    let a = send(&s.envoy, "/v1/chat/completions", &unknown, &[]).await;
+    assert_eq!(a.status, 404, "{}", a.body);
+    let error: Value = serde_json::from_str(&a.body).unwrap();
+    assert_eq!(error["error"]["type"], "NotFoundError", "{}", a.body);
+    assert!(error["error"]["message"].as_str().unwrap().contains("`no-such-model`"), "names the model: {}", a.body);
+    let mut message = anthropic_message("You answer in one word", "which model?", false);
+    message["model"] = json!("no-such-model");
+    let a = send(&s.envoy, "/v1/messages", &message, &[]).await;
+    assert_eq!(a.status, 404, "{}", a.body);
+    let error: Value = serde_json::from_str(&a.body).unwrap();
+    assert_eq!((&error["type"], &error["error"]["type"]), (&json!("error"), &json!("not_found_error")), "{}", a.body);
+    // Never sent to a pod; the model the pods serve is routed as ever.
+    for p in &s.pods {
+        assert!(p.requests().await.is_empty(), "{} saw a request for a model it does not serve", p.pod_id);
+    }
+    assert_eq!(send(&s.envoy, "/v1/chat/completions", &question, &[]).await.status, 200);
+    assert_eq!(s.failed_open().await, 0);
 }
 
 async fn messages_and_responses_route_with_prefix_affinity_and_malformed_ones_get_400(path: Path) {

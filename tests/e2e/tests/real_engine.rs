@@ -389,25 +389,29 @@ async fn leg(path: Path, engines: &mut [Engine], stop: Option<Stop>) {
         "{path:?}: no engine marked down under load"
     );
 
-    // The engines' own refusals: an unknown model (404), a prompt past the model's length
-    // (400). Counted as error statuses, never as a first token.
-    let refusals = [
-        json!({"model": "no-such-model", "max_tokens": 2, "prompt": "hello"}),
-        json!({"model": ENGINE_MODEL, "max_tokens": 2, "prompt": (0..5000).map(|i| 1000 + i).collect::<Vec<u32>>()}),
-    ];
+    // A model no engine lists (their /v1/models): kvgate answers 404 naming it, as vLLM words
+    // it, and no engine sees the request. The engine's own refusal of a prompt past the
+    // model's length (400): counted as an error status, never as a first token.
+    let engines_listed = s.scorer.pods().await.iter().all(|p| p["models"].as_array().is_some_and(|m| !m.is_empty()));
+    assert!(engines_listed, "{path:?}: the engines' models were read");
     let reports = |event: &'static str| samples(&s, "kvgate_lifecycle_reports_total", event);
     let (errors, first_tokens) = (reports("error_status").await, reports("first_token").await);
     let refused_4xx = samples(&s, "kvgate_error_responses_total", "class=\"4xx\"").await;
-    for (body, status) in refusals.iter().zip([404, 400]) {
-        let answer = send(&s.client, &format!("{}/v1/completions", s.envoy.url), body).await;
-        assert_eq!(answer.status, status, "{path:?}: {body}");
-    }
+    let unknown = json!({"model": "no-such-model", "max_tokens": 2, "prompt": "hello"});
+    let answer = send(&s.client, &format!("{}/v1/completions", s.envoy.url), &unknown).await;
+    assert_eq!(answer.status, 404, "{path:?}: an unknown model");
+    assert!(answer.error.as_deref().is_some_and(|e| e.contains("`no-such-model`")), "{path:?}: {:?}", answer.error);
+    let too_long =
+        json!({"model": ENGINE_MODEL, "max_tokens": 2, "prompt": (0..5000).map(|i| 1000 + i).collect::<Vec<u32>>()});
+    let answer = send(&s.client, &format!("{}/v1/completions", s.envoy.url), &too_long).await;
+    assert_eq!(answer.status, 400, "{path:?}: a prompt past the model's length");
     let deadline = Instant::now() + Duration::from_secs(5);
-    while reports("error_status").await < errors + 2.0 {
-        assert!(Instant::now() < deadline, "{path:?}: the engines' refusals were not reported as error statuses");
+    while reports("error_status").await < errors + 1.0 {
+        assert!(Instant::now() < deadline, "{path:?}: the engine's refusal was not reported as an error status");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(samples(&s, "kvgate_error_responses_total", "class=\"4xx\"").await, refused_4xx + 2.0);
+    assert_eq!(samples(&s, "kvgate_error_responses_total", "class=\"4xx\"").await, refused_4xx + 1.0);
+    assert_eq!(reports("error_status").await, errors + 1.0, "{path:?}: the unknown model reached no engine");
     assert_eq!(reports("first_token").await, first_tokens, "{path:?}: a refusal is no first token");
     s.scorer.wait_idle(Duration::from_secs(10)).await;
 

@@ -24,7 +24,7 @@ mod sharing;
 mod tests;
 
 pub use config::{Admission, PdConfig, Role, RouterConfig};
-pub use pods::PrefillWaits;
+pub use pods::{ModelId, PrefillWaits};
 
 use crate::adapters::{AdapterId, AdapterLoad};
 use crate::approx::ApproxIndex;
@@ -54,6 +54,8 @@ pub struct RouteRequest<'a> {
     pub leave_headroom: bool,
     /// The LoRA adapter it asks for.
     pub adapter: Option<AdapterId>,
+    /// The model it asks for (base or adapter): only pods serving it are chosen.
+    pub model: Option<ModelId>,
 }
 
 impl<'a> RouteRequest<'a> {
@@ -73,6 +75,7 @@ impl<'a> RouteRequest<'a> {
             fallbacks: 0,
             leave_headroom: false,
             adapter: None,
+            model: None,
         }
     }
 }
@@ -114,6 +117,9 @@ pub enum Unroutable {
     /// Every eligible pod is saturated (see [`Admission`]): the request should wait.
     #[error("every pod is saturated")]
     Saturated,
+    /// Healthy pods could take it, but none serves the model it asks for.
+    #[error("no pod serves the model")]
+    ModelNotServed,
 }
 
 /// The routing state machine (see the module doc).
@@ -179,11 +185,13 @@ impl Router {
     pub fn route(&mut self, request: &RouteRequest<'_>, now: f64) -> Result<Routed, Unroutable> {
         // The subset limits where the proxy sends the request: the decode pod and its
         // fallbacks. A prefill pod is reached by the decode side (or the filter's leg).
-        let mut decoders = self.eligible(|r| r.decodes(), request.subset);
+        let mut decoders = self.eligible(|r| r.decodes(), request.subset, request.model);
         if decoders.is_empty() {
-            return Err(Unroutable::NoPod);
+            let model_unserved =
+                request.model.is_some() && !self.eligible(|r| r.decodes(), request.subset, None).is_empty();
+            return Err(if model_unserved { Unroutable::ModelNotServed } else { Unroutable::NoPod });
         }
-        let prefillers = self.eligible(|r| r == Role::Prefill, None);
+        let prefillers = self.eligible(|r| r == Role::Prefill, None, request.model);
         let slot_seconds = request.adapter.map_or(0.0, |_| self.load.output_seconds(request.max_output_tokens));
         let input = RouteInput { prompt_tokens: request.prompt_tokens, block_size: self.block_size, slot_seconds };
         let mut direct = self.candidates(&decoders, request, now, None);

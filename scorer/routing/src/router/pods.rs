@@ -17,6 +17,20 @@ pub(super) struct PodState {
     pub(super) adapters: PodAdapters,
     /// The pod's identity in [`Candidate::tie_rank`]s: the same on every gateway replica.
     pub(super) key: u64,
+    /// The models it serves (base models and loaded adapters, by name hash), as it last
+    /// listed them; `None` until it has (or when nobody reads its listing).
+    pub(super) models: Option<Vec<ModelId>>,
+}
+
+/// A model a request asks for or a pod serves (a base model or an adapter), by its name's
+/// hash: the same on every gateway replica.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ModelId(pub u64);
+
+impl ModelId {
+    pub fn of(name: &str) -> Self {
+        Self(xxh3_64(name.as_bytes()))
+    }
 }
 
 /// The predicted seconds of prefill queued ahead of a new request ([`Router::prefill_waits`]).
@@ -55,8 +69,15 @@ impl Router {
             reported: None,
             adapters: PodAdapters::default(),
             key,
+            models: None,
         });
         id
+    }
+
+    /// The models `pod` serves, as it lists them (vLLM's `/v1/models`: base models and the
+    /// adapters loaded): from now on it is chosen only for requests of those models.
+    pub fn served_models(&mut self, pod: PodId, models: Vec<ModelId>) {
+        self.pods[pod.index()].models = Some(models);
     }
 
     /// Names the pod for tie-breaking by something every gateway replica knows it by (its
@@ -74,6 +95,7 @@ impl Router {
         state.healthy = false;
         state.reported = None;
         state.adapters = PodAdapters::default();
+        state.models = None;
         self.index.clear_pod(pod);
         self.approx.clear_pod(pod);
         self.load.clear_pod(pod);
@@ -124,12 +146,23 @@ impl Router {
         self.pods.iter().any(|p| p.present && p.healthy && p.role.decodes())
     }
 
-    pub(super) fn eligible(&self, role: impl Fn(Role) -> bool, subset: Option<&PodSet>) -> Vec<PodId> {
+    /// The healthy pods of `role` in `subset` that serve `model` (a pod that has not listed
+    /// its models may).
+    pub(super) fn eligible(
+        &self,
+        role: impl Fn(Role) -> bool,
+        subset: Option<&PodSet>,
+        model: Option<ModelId>,
+    ) -> Vec<PodId> {
         (0..self.pods.len() as u32)
             .map(PodId)
             .filter(|p| {
                 let s = &self.pods[p.index()];
-                s.present && s.healthy && role(s.role) && subset.is_none_or(|set| set.contains(*p))
+                let serves = match (model, &s.models) {
+                    (Some(model), Some(models)) => models.contains(&model),
+                    _ => true,
+                };
+                s.present && s.healthy && role(s.role) && subset.is_none_or(|set| set.contains(*p)) && serves
             })
             .collect()
     }

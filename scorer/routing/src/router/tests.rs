@@ -447,3 +447,37 @@ fn headroom_is_kept_for_higher_priorities() {
     r.route(&RouteRequest::new("p2", &c, 64, None), 0.0).unwrap();
     assert_eq!(r.route(&RouteRequest::new("p3", &c, 64, None), 0.0).unwrap_err(), Unroutable::Saturated);
 }
+
+#[test]
+fn a_request_goes_only_to_pods_serving_its_model_and_a_model_nobody_serves_is_unroutable() {
+    let mut r = router(u32::MAX);
+    let pods: Vec<PodId> = (0..3).map(|_| r.add_pod(Role::Both, true)).collect();
+    let (qwen, llama, sql) = (ModelId::of("qwen"), ModelId::of("llama"), ModelId::of("sql"));
+    r.served_models(pods[0], vec![qwen, sql]);
+    r.served_models(pods[1], vec![llama]);
+    // pods[2] has not listed its models: it may serve any.
+    let route = |r: &mut Router, id: &str, model: ModelId| {
+        let c = chain(3, 64);
+        let request = RouteRequest { model: Some(model), fallbacks: 2, ..RouteRequest::new(id, &c, 64, Some(1)) };
+        r.route(&request, 0.0).map(|routed| {
+            let mut chosen: Vec<PodId> = routed.fallbacks.clone();
+            chosen.push(routed.decode.pod);
+            chosen.sort();
+            chosen
+        })
+    };
+    assert_eq!(route(&mut r, "a", qwen).unwrap(), vec![pods[0], pods[2]], "the adapter's base and the unlisted pod");
+    assert_eq!(route(&mut r, "b", sql).unwrap(), vec![pods[0], pods[2]]);
+    assert_eq!(route(&mut r, "c", llama).unwrap(), vec![pods[1], pods[2]]);
+    // Once every pod has listed its models, one none lists is nobody's.
+    r.served_models(pods[2], vec![qwen]);
+    assert_eq!(route(&mut r, "d", llama).unwrap(), vec![pods[1]]);
+    assert_eq!(route(&mut r, "e", ModelId::of("mistral")).unwrap_err(), Unroutable::ModelNotServed);
+    // No model named: any pod. A pod that serves it but is down: no pod at all.
+    let c = chain(4, 64);
+    assert!(r.route(&RouteRequest::new("f", &c, 64, Some(1)), 0.0).is_ok());
+    r.unhealthy(pods[1]);
+    r.unhealthy(pods[0]);
+    r.unhealthy(pods[2]);
+    assert_eq!(route(&mut r, "g", llama).unwrap_err(), Unroutable::NoPod);
+}
