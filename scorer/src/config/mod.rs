@@ -33,6 +33,17 @@ use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+/// What becomes of a request naming a model no engine lists (`unlisted_models`).
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, schemars::JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum UnlistedModels {
+    /// Answered 404, naming the model.
+    #[default]
+    Refuse,
+    /// Routed to any engine, which may load it.
+    Route,
+}
+
 /// A configuration problem, named by its field path.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -88,6 +99,12 @@ pub struct Config {
     /// apart before any pod has named them.
     #[serde(default)]
     pub lora_adapters: Vec<String>,
+    /// A request naming a model no engine lists in its `/v1/models`: `refuse` it (404 in the
+    /// API's shape, without reaching an engine), or `route` it to any engine — for fleets whose
+    /// vLLM loads adapters on their first request (a LoRA resolver), which no listing names
+    /// before. Models some engine lists go only to the engines listing them either way.
+    #[serde(default)]
+    pub unlisted_models: UnlistedModels,
     #[serde(default)]
     pub policy: PolicyConfig,
     /// Seed of the policies' random choices (ties, sampling).

@@ -4,6 +4,7 @@
 
 use super::{Pod, Scorer};
 use crate::admission::{Queue, Refused};
+use crate::config::UnlistedModels;
 use crate::prompt::{self, PromptError};
 use kvgate_route_api::{Api, PodExplain, RoutePick};
 use kvgate_routing::adapters::AdapterId;
@@ -166,7 +167,11 @@ impl Scorer {
         };
         let now = self.now();
         let mut core = self.lock();
-        let routed = core.router.route(&request, now).map_err(|e| match e {
+        let mut routed = core.router.route(&request, now);
+        if matches!(routed, Err(Unroutable::ModelNotServed)) && self.config.unlisted_models == UnlistedModels::Route {
+            routed = core.router.route(&RouteRequest { model: None, ..request }, now);
+        }
+        let routed = routed.map_err(|e| match e {
             Unroutable::NoPod => PickError::NoPod,
             Unroutable::Saturated => PickError::Saturated,
             Unroutable::ModelNotServed => PickError::ModelNotServed(prepared.model.clone().unwrap_or_default()),

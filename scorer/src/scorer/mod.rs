@@ -541,6 +541,31 @@ mod tests {
     }
 
     #[test]
+    fn a_model_no_engine_lists_is_refused_or_routed_as_configured() {
+        let ask = |s: &Scorer, model: &str| {
+            let body = format!(r#"{{"model": "{model}", "prompt": "abcdefgh", "max_tokens": 2}}"#);
+            let prepared = s.prepare(Api::Completions, body.as_bytes()).unwrap();
+            s.decide(model, &prepared, &Limits::default())
+        };
+        for (config, refused) in [("", true), ("unlisted_models: route\n", false)] {
+            let s = scorer(config);
+            let [a, b] = [s.static_pods()[0], s.static_pods()[1]];
+            assert!(ask(&s, "mistral").is_ok(), "no engine has listed its models yet: any may serve");
+            s.served_models(a, vec!["qwen".into(), "sql".into()]);
+            s.served_models(b, vec!["llama".into()]);
+            assert_eq!(ask(&s, "sql").unwrap().decode.name, "a");
+            assert_eq!(ask(&s, "llama").unwrap().decode.name, "b");
+            match ask(&s, "mistral") {
+                Err(PickError::ModelNotServed(model)) => assert!(refused && model == "mistral"),
+                Ok(_) => assert!(!refused, "refused by default"),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        let e = Config::parse("unlisted_models: guess\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n").unwrap_err();
+        assert!(e.to_string().contains("guess"), "{e}");
+    }
+
+    #[test]
     fn a_configured_slowness_applies_from_the_first_request() {
         let pods = |a: &str, b: &str| {
             scorer_of(&format!(
