@@ -705,8 +705,9 @@ impl LoadTracker {
     /// Predicted seconds for `pod` to work through the prefill booked on it and not yet at
     /// first token (what a request sent there now waits before its own); `None` until the
     /// fleet's prefill speed is learned ([`PodSpeeds::prefill_seconds`]).
-    pub fn queued_prefill_seconds(&self, pod: PodId, now: f64) -> Option<f64> {
-        self.speeds.prefill_seconds(pod, self.load(pod, now).queued_prefill_tokens)
+    pub fn queued_prefill_seconds(&self, pod: PodId) -> Option<f64> {
+        let queued = self.pods.get(pod).map_or(0, |state| state.queued_prefill_tokens);
+        self.speeds.prefill_seconds(pod, queued)
     }
 
     /// The pod's learned speed, applied or not.

@@ -254,9 +254,10 @@ impl Scorer {
         let arrived = Instant::now();
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(admission.max_wait_ms);
         let retry_after_seconds = admission.max_wait_ms.div_ceil(1000).max(1);
-        let priority_label = priority.to_string();
+        // The metrics' label, made only off the path of a request admitted at once.
+        let label = || priority.to_string();
         let shed = |reason: &'static str| {
-            self.metrics.admission_refused.with_label_values(&[reason, &priority_label]).inc();
+            self.metrics.admission_refused.with_label_values(&[reason, &label()]).inc();
             Err(PickError::Shed { retry_after_seconds, reason: shed_message(reason) })
         };
         let limits = &Limits { leave_headroom: priority <= admission.default_priority, ..*limits };
@@ -271,7 +272,7 @@ impl Scorer {
                     Err(PickError::Saturated) => {}
                     decided => {
                         if held.is_some() {
-                            let wait = self.metrics.admission_wait_seconds.with_label_values(&[&priority_label]);
+                            let wait = self.metrics.admission_wait_seconds.with_label_values(&[&label()]);
                             wait.observe(arrived.elapsed().as_secs_f64());
                         }
                         if decided.is_ok() && !queue.is_empty() {
@@ -289,9 +290,7 @@ impl Scorer {
                 Ok(woken) => woken,
                 Err(Refused::QueueFull) => return shed("queue_full"),
             };
-            held.get_or_insert_with(|| {
-                queue.hold(self.metrics.admission_waiting.with_label_values(&[&priority_label]))
-            });
+            held.get_or_insert_with(|| queue.hold(self.metrics.admission_waiting.with_label_values(&[&label()])));
             match tokio::time::timeout_at(deadline, woken).await {
                 Ok(Ok(())) => {}
                 Ok(Err(_)) => return shed("queue_full"), // a more important request took the place

@@ -83,7 +83,7 @@ impl Scorer {
                     offloaded_blocks: core.router.index().pod_offloaded_blocks(p.id),
                     inflight_requests: load.inflight_requests,
                     queued_prefill_tokens: load.queued_prefill_tokens,
-                    queued_prefill_seconds: core.router.load().queued_prefill_seconds(p.id, now),
+                    queued_prefill_seconds: core.router.load().queued_prefill_seconds(p.id),
                     decode_blocks: load.decode_blocks,
                     slowness: speed.slowness,
                     slowness_samples: speed.samples,
@@ -105,7 +105,7 @@ impl Scorer {
                 }
             })
             .collect();
-        let waits = core.router.prefill_waits(now);
+        let waits = core.router.prefill_waits();
         let (entries, distinct) = (core.router.index().entries(), core.router.index().distinct_blocks());
         drop(core);
         for v in &views {

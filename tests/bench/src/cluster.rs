@@ -107,7 +107,7 @@ pub trait ClusterRouter {
     fn scraped(&mut self, _pod: usize, _load: ReportedLoad, _now: f64) {}
     /// The predicted waits before a new request's prefill, for routers that predict them
     /// (kvgate's autoscaling signal).
-    fn prefill_waits(&self, _now: f64) -> Option<PrefillWaits> {
+    fn prefill_waits(&self) -> Option<PrefillWaits> {
         None
     }
     /// The same scrape's `vllm:lora_requests_info`, from pods with adapter slots.
@@ -390,7 +390,7 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
                         sim.router.scraped_adapters(i, &adapters);
                     }
                 }
-                sample.prefill_waits = sim.router.prefill_waits(at);
+                sample.prefill_waits = sim.router.prefill_waits();
                 signals.push(sample);
                 sim.schedule(at + sim.scrape_interval, Event::Scrape);
             }

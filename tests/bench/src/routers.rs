@@ -152,8 +152,8 @@ impl ClusterRouter for Kvgate {
         }
     }
 
-    fn prefill_waits(&self, now: f64) -> Option<PrefillWaits> {
-        self.router.prefill_waits(now)
+    fn prefill_waits(&self) -> Option<PrefillWaits> {
+        self.router.prefill_waits()
     }
 
     fn scraped_adapters(&mut self, pod: usize, adapters: &EngineAdapters) {

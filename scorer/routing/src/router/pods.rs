@@ -124,9 +124,9 @@ impl Router {
     /// The predicted waits before a new request's prefill over the healthy pods (see
     /// `LoadTracker::queued_prefill_seconds`); `None` until the fleet's prefill speed is
     /// learned, or with no healthy pod.
-    pub fn prefill_waits(&self, now: f64) -> Option<PrefillWaits> {
+    pub fn prefill_waits(&self) -> Option<PrefillWaits> {
         let healthy = (0..self.pods.len() as u32).map(PodId).filter(|pod| self.is_healthy(*pod));
-        let waits: Vec<f64> = healthy.map(|pod| self.load.queued_prefill_seconds(pod, now)).collect::<Option<_>>()?;
+        let waits: Vec<f64> = healthy.map(|pod| self.load.queued_prefill_seconds(pod)).collect::<Option<_>>()?;
         let soonest = waits.iter().copied().reduce(f64::min)?;
         Some(PrefillWaits { soonest, mean: waits.iter().sum::<f64>() / waits.len() as f64 })
     }
