@@ -507,7 +507,7 @@ impl HttpContext for Request {
             method.as_deref(),
             &path,
             end_of_stream,
-            || header(MapType::HttpRequestHeaders, HEADER_REQUEST_ID),
+            |name| header(MapType::HttpRequestHeaders, name),
             new_id,
         );
         action(next)

@@ -22,6 +22,7 @@
 //! ([`output_tokens`]).
 
 pub mod lifecycle;
+pub mod trace;
 mod wire;
 
 pub use wire::*;

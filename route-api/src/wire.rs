@@ -58,6 +58,10 @@ pub struct RouteCall {
     /// empty `api_path` is no route call: it carries reports only and is not answered.
     #[prost(message, repeated, tag = "6")]
     pub reports: Vec<StreamReport>,
+    /// The request's W3C `traceparent` as the gateway's tracer made it (its span), which
+    /// the scorer's spans of the decision join; absent when the gateway does not trace.
+    #[prost(string, optional, tag = "7")]
+    pub trace_parent: Option<String>,
 }
 
 /// A [`LifecycleReport`] on the route stream.

@@ -112,6 +112,10 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
         "pd_mode": options.pd_mode,
         "destination_header": "x-gateway-destination-endpoint",
     });
+    let in_proxy = matches!(options.picker, Picker::Wasm | Picker::Native);
+    if config.traces.is_some() && in_proxy {
+        filter["traces"] = true.into();
+    }
     if options.picker == Picker::Native {
         let prefill = crate::config::Role::Prefill;
         let has_prefill_pods =
@@ -182,6 +186,7 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
     // The picker listens on all interfaces by default; this Envoy reaches it on loopback.
     let epp_address = epp.map(|e| loopback(e.listen));
     let (request_mode, response_headers, response_mode, response_trailers) = options.epp_body_mode.modes();
+    let traces = config.traces.as_ref();
     let replacements = [
         ("${PODS_DISCOVERY}", discovery),
         ("${ADMIN_IP}", options.admin.ip().to_string()),
@@ -205,6 +210,10 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
         ("${EPP_PORT}", epp_address.map(|a| a.port().to_string()).unwrap_or_default()),
         ("${OVERRIDE_HOST_SOURCE}", override_source.to_string()),
         ("${POD_ENDPOINTS}", endpoints.trim_end().to_string()),
+        ("${TRACES_PERCENT}", traces.map(|t| (t.sample_ratio * 100.0).to_string()).unwrap_or_default()),
+        ("${TRACES_GATEWAY_SERVICE}", traces.map(|t| format!("{}-gateway", t.service_name)).unwrap_or_default()),
+        ("${TRACES_HOST}", traces.and_then(|t| t.otlp_endpoint.as_uri().host().map(String::from)).unwrap_or_default()),
+        ("${TRACES_PORT}", traces.and_then(|t| t.otlp_endpoint.as_uri().port_u16()).unwrap_or_default().to_string()),
     ];
     let mut out = TEMPLATE.to_string();
     out = section(out, "${WASM_BEGIN}", "${WASM_END}", options.picker == Picker::Wasm);
@@ -213,6 +222,8 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
     out = section(out, "${EPP_STREAMED_BEGIN}", "${EPP_STREAMED_END}", request_mode == "STREAMED");
     let tls = epp.is_some_and(|e| e.tls != EppTls::Plaintext);
     out = section(out, "${EPP_TLS_BEGIN}", "${EPP_TLS_END}", tls);
+    out = section(out, "${TRACES_BEGIN}", "${TRACES_END}", traces.is_some());
+    out = section(out, "${FILTER_TRACES_BEGIN}", "${FILTER_TRACES_END}", traces.is_some() && in_proxy);
     for (key, value) in replacements {
         out = out.replace(key, &value);
     }
@@ -287,6 +298,29 @@ mod tests {
         assert!(out.contains("type: STATIC") && !out.contains("dns_lookup_family"));
         let no_epp = render(&config, &EnvoyOptions { picker: Picker::Epp, ..options() });
         assert!(no_epp.unwrap_err().contains("epp"), "the picker needs its section");
+    }
+
+    #[test]
+    fn traces_turn_the_gateways_tracer_on_towards_the_same_receiver() {
+        let pods = "pods:\n  - {name: a, address: '10.0.0.1:8000'}\n";
+        let plain = render(&Config::parse(pods).unwrap(), &options()).unwrap();
+        assert!(!plain.contains("tracing:") && !plain.contains("kvgate_otlp") && !plain.contains("gateway-span"));
+        assert!(!plain.contains("\"traces\""));
+        let traced =
+            Config::parse(&format!("traces: {{otlp_endpoint: 'http://otel.obs:4317', sample_ratio: 0.01}}\n{pods}"))
+                .unwrap();
+        for picker in [Picker::Wasm, Picker::Native, Picker::Epp] {
+            let config = Config { epp: Some(Default::default()), ..traced.clone() };
+            let out = render(&config, &EnvoyOptions { picker, ..options() }).unwrap();
+            assert!(!out.contains("${"), "{out}");
+            assert!(out.contains("random_sampling: { value: 1 }") && out.contains("envoy.tracers.opentelemetry"));
+            assert!(out.contains("socket_address: { address: otel.obs, port_value: 4317 }"), "{out}");
+            assert!(out.contains("service_name: kvgate-gateway"));
+            // The in-proxy filters learn the gateway's span from a filter placed before them.
+            let in_proxy = picker != Picker::Epp;
+            assert_eq!(out.contains("x-kvgate-gateway-span"), in_proxy, "{picker:?}");
+            assert_eq!(out.contains("\"traces\":true"), in_proxy, "{picker:?}");
+        }
     }
 
     #[test]

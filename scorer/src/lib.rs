@@ -16,4 +16,5 @@ pub mod scrape;
 pub mod serve;
 pub mod subscriber;
 pub mod sync;
+pub mod traces;
 pub mod transport;

@@ -7,6 +7,7 @@ use kvgate_scorer::config::Config;
 use kvgate_scorer::discovery::{self, PodEndpoints};
 use kvgate_scorer::picking::Picker;
 use kvgate_scorer::scorer::Scorer;
+use kvgate_scorer::traces::Traces;
 use kvgate_scorer::transport::announce;
 use kvgate_tokenize::Tokenizer;
 use std::path::PathBuf;
@@ -87,7 +88,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     let listen = config.listen;
     let admin_listen = config.admin.listen;
-    let scorer = Arc::new(Scorer::new(config, tokenizer));
+    let mut scorer = Scorer::new(config, tokenizer);
+    if let Some(traces) = &scorer.config.traces {
+        let ttl = Duration::from_secs_f64(scorer.config.load.request_ttl_seconds);
+        scorer.traces = Some(Traces::start(traces, ttl).context("traces")?);
+        tracing::info!(endpoint = ?traces.otlp_endpoint, sample_ratio = traces.sample_ratio, "exporting decision spans over OTLP");
+    }
+    let scorer = Arc::new(scorer);
 
     // The configured pods' tasks run for good.
     for (p, &id) in scorer.config.pods.iter().zip(scorer.static_pods()) {
@@ -120,6 +127,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         loop {
             tick.tick().await;
             expiring.expire();
+            if let Some(traces) = &expiring.traces {
+                traces.expire();
+            }
         }
     });
 
@@ -198,6 +208,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(path) = &scorer.config.route_socket_path {
         let _ = std::fs::remove_file(path);
+    }
+    if scorer.traces.is_some() {
+        let exporting = scorer.clone();
+        let _ = tokio::task::spawn_blocking(move || exporting.traces.as_ref().map(Traces::shutdown)).await;
     }
     tracing::info!("kvgate-scorer stopped");
     Ok(())

@@ -33,6 +33,8 @@ pub struct PickRequest<'a> {
     pub subset: Option<&'a [SocketAddr]>,
     /// Collect every candidate's figures (honoured while the debug endpoints are on).
     pub explain: bool,
+    /// The request's W3C `traceparent` (the gateway's span), which kvgate's spans join.
+    pub trace_parent: Option<&'a str>,
 }
 
 /// What a transport asks of the picking service, as a trait: [`Picker`] in the scorer, a fake
@@ -56,6 +58,7 @@ impl PickingService for Picker {
     /// waiting for room while every pod is saturated (with `admission`).
     async fn pick(&self, request: PickRequest<'_>) -> Result<Pick, PickError> {
         let scorer = &self.scorer;
+        let span = scorer.traces.as_ref().map(|traces| traces.pick(request.trace_parent));
         let booking = match request.booking {
             Some(id) if !id.is_empty() => id.to_string(),
             _ => format!("kvgate-scorer-{}", GENERATED_IDS.fetch_add(1, Ordering::Relaxed)),
@@ -64,8 +67,12 @@ impl PickingService for Picker {
             Ok(api) => scorer.prepare_owned(api, request.body).await,
             Err(e) => Err(e),
         };
+        let mut model = None;
         let decided = match prepared {
             Ok(prepared) => {
+                if span.as_ref().is_some_and(|span| span.is_recording()) {
+                    model = prepared.model.clone();
+                }
                 let subset = request.subset.map(|addresses| scorer.pods_at(addresses));
                 let limits = Limits {
                     subset: subset.as_ref(),
@@ -80,18 +87,27 @@ impl PickingService for Picker {
         if let Err(e) = &decided {
             scorer.metrics.route_errors.with_label_values(&[&e.refused().status().to_string()]).inc();
         }
+        if let (Some(traces), Some(span)) = (&scorer.traces, span) {
+            traces.decided(span, &booking, model.as_deref(), &decided);
+        }
         decided
     }
 
     /// One lifecycle event of a booking (the picker's exchange reads them from the responses
     /// it relays); false if it named no booking.
     fn report(&self, report: &LifecycleReport) -> bool {
+        if let Some(traces) = &self.scorer.traces {
+            traces.report(report);
+        }
         self.scorer.report(report)
     }
 
     /// The gateway reports that `address` served the booking's request (its retries may have
     /// moved it off the pick): the booking follows.
     fn served(&self, booking: &str, address: SocketAddr) {
+        if let Some(traces) = &self.scorer.traces {
+            traces.served(booking, &address.to_string());
+        }
         self.scorer.served(booking, address)
     }
 
@@ -130,6 +146,9 @@ impl Picker {
 
     /// Applies a proxy's batch of lifecycle reports; returns how many named no booking.
     pub fn report_batch(&self, reports: &[LifecycleReport]) -> usize {
+        if let Some(traces) = &self.scorer.traces {
+            reports.iter().for_each(|report| traces.report(report));
+        }
         self.scorer.lifecycle(reports)
     }
 

@@ -12,7 +12,7 @@ mod hooks;
 use abi::{Body, Filter, HeaderMap, LogLevel, body_status, headers_status};
 use kvgate_native_link::{Level, Link, Outcome, Slot, Wake};
 use kvgate_route_api::lifecycle::{self, BodyNext, Counter, Next, Proxy, ProxyConfig, RequestFlow};
-use kvgate_route_api::{HEADER_OBJECTIVE, HEADER_REQUEST_ID, LifecycleReport};
+use kvgate_route_api::{HEADER_OBJECTIVE, LifecycleReport};
 use std::ffi::c_void;
 use std::fmt::Arguments;
 use std::sync::Arc;
@@ -124,22 +124,16 @@ impl Request {
     }
 
     fn on_request_headers(&mut self, filter: &Filter, end_of_stream: bool) -> u32 {
-        let text = |name| filter.header(HeaderMap::Request, name).map(|v| String::from_utf8_lossy(&v).into_owned());
+        let text =
+            |name: &str| filter.header(HeaderMap::Request, name).map(|v| String::from_utf8_lossy(&v).into_owned());
         let (method, path) = (text(":method"), text(":path").unwrap_or_default());
         let (flow, mut host, config) = self.parts(filter);
         let new_id = || {
             let nanos = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
             lifecycle::request_id(nanos, 0, config.calls.fetch_add(1, Ordering::Relaxed))
         };
-        let next = flow.request_headers(
-            &config.proxy,
-            &mut host,
-            method.as_deref(),
-            &path,
-            end_of_stream,
-            || text(HEADER_REQUEST_ID),
-            new_id,
-        );
+        let next =
+            flow.request_headers(&config.proxy, &mut host, method.as_deref(), &path, end_of_stream, text, new_id);
         match next {
             Next::Go => headers_status::CONTINUE,
             Next::Hold => headers_status::STOP_ITERATION,

@@ -55,6 +55,11 @@ pub struct ProxyConfig {
     pub pd_mode: PdMode,
     /// Header naming the prefill pod in `header` mode.
     pub prefiller_header: String,
+    /// Envoy traces requests, and a `header_mutation` filter before this one names the
+    /// gateway's span in `x-kvgate-gateway-span` (as the bootstrap rendered with the
+    /// scorer's `traces` does): the route call carries it, so the scorer's spans of the
+    /// decision join the gateway's trace. The proxy removes the header.
+    pub traces: bool,
 }
 
 impl Default for ProxyConfig {
@@ -68,6 +73,7 @@ impl Default for ProxyConfig {
             lifecycle_batch_max: 256,
             pd_mode: PdMode::Envoy,
             prefiller_header: "x-prefiller-host-port".into(),
+            traces: false,
         }
     }
 }
@@ -231,10 +237,7 @@ mod tests {
         assert_eq!(field_names::<Own>(), ["socket"]);
         assert_eq!(field_names::<NativeSettings>(), ["scorer_address"]);
         let shared = field_names::<ProxyConfig>();
-        assert_eq!(
-            (shared.len(), shared[0].as_str(), shared[7].as_str()),
-            (8, "scorer_timeout_ms", "prefiller_header")
-        );
+        assert_eq!((shared.len(), shared[0].as_str(), shared[8].as_str()), (9, "scorer_timeout_ms", "traces"));
     }
 
     #[test]

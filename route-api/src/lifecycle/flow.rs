@@ -2,6 +2,7 @@
 
 use super::config::{FailureMode, PdMode, ProxyConfig};
 use super::response::ResponseWatch;
+use crate::trace::{HEADER_GATEWAY_SPAN, gateway_traceparent};
 use crate::{
     Api, ErrorBody, HEADER_REQUEST_ID, LifecycleEvent, LifecycleReport, NOT_AN_OBJECT, Outcome, Refused, RouteAnswer,
     RouteCall, starts_as_object,
@@ -132,6 +133,8 @@ pub struct RequestFlow {
     /// The pod that answered (Envoy may have retried one of the pick's fallbacks).
     served: Option<String>,
     response: ResponseWatch,
+    /// The gateway's span, for the route call (with `traces`).
+    trace_parent: Option<String>,
 }
 
 /// A request id for a request that came without one: time, the host's worker or context,
@@ -150,10 +153,10 @@ impl RequestFlow {
         &self.api_path
     }
 
-    /// The request's headers: its method and path; `request_id` reads its `x-request-id`
-    /// (asked of routed requests only), and `new_id` makes one, set on the request, when it has
-    /// none. A client-supplied destination is removed from every request: nobody but the
-    /// scorer names it.
+    /// The request's headers: its method and path; `header` reads one (asked of routed
+    /// requests only: `x-request-id`, and the gateway's span when tracing), and `new_id`
+    /// makes a request id, set on the request, when it has none. A client-supplied
+    /// destination is removed from every request: nobody but the scorer names it.
     #[allow(clippy::too_many_arguments)] // what a headers hook knows, passed as it is read
     pub fn request_headers(
         &mut self,
@@ -162,7 +165,7 @@ impl RequestFlow {
         method: Option<&str>,
         path: &str,
         end_of_stream: bool,
-        request_id: impl FnOnce() -> Option<String>,
+        header: impl Fn(&str) -> Option<String>,
         new_id: impl FnOnce() -> String,
     ) -> Next {
         proxy.set_request_header(&config.destination_header, None);
@@ -170,7 +173,7 @@ impl RequestFlow {
             return Next::Go;
         }
         self.api_path = path.split('?').next().unwrap_or_default().to_string();
-        self.request_id = match request_id() {
+        self.request_id = match header(HEADER_REQUEST_ID) {
             Some(id) if !id.is_empty() => id,
             _ => {
                 let id = new_id();
@@ -178,6 +181,12 @@ impl RequestFlow {
                 id
             }
         };
+        if config.traces
+            && let Some(span) = header(HEADER_GATEWAY_SPAN)
+        {
+            proxy.set_request_header(HEADER_GATEWAY_SPAN, None);
+            self.trace_parent = gateway_traceparent(&span, &self.request_id, header("traceparent").as_deref());
+        }
         if end_of_stream {
             return self.refuse(proxy, Counter::BadRequest, Refused::BadRequest, "request body is required", None);
         }
@@ -214,6 +223,7 @@ impl RequestFlow {
             objective: objective(),
             body,
             reports: Vec::new(),
+            trace_parent: self.trace_parent.take(),
         })
     }
 
@@ -524,7 +534,7 @@ mod tests {
     fn deciding(config: &ProxyConfig, proxy: &mut Recorder) -> RequestFlow {
         let mut flow = RequestFlow::default();
         let next =
-            flow.request_headers(config, proxy, Some("POST"), "/v1/completions?x=1", false, || None, || "gen".into());
+            flow.request_headers(config, proxy, Some("POST"), "/v1/completions?x=1", false, |_| None, || "gen".into());
         assert_eq!(next, Next::Hold);
         assert_eq!(flow.request_body(proxy, false, Vec::new, || None), BodyNext::Wait);
         let BodyNext::Call(call) =
@@ -562,7 +572,7 @@ mod tests {
             let mut proxy = Recorder::default();
             let mut flow = RequestFlow::default();
             assert_eq!(
-                flow.request_headers(&config, &mut proxy, method, path, false, || unreachable!(), || unreachable!()),
+                flow.request_headers(&config, &mut proxy, method, path, false, |_| unreachable!(), || unreachable!()),
                 Next::Go
             );
             assert_eq!(proxy.headers, [(DEST.to_string(), None)]);
@@ -583,7 +593,7 @@ mod tests {
             Some("POST"),
             "/v1/completions",
             true,
-            || Some("r1".into()),
+            |name| (name == "x-request-id").then(|| "r1".into()),
             || unreachable!(),
         );
         assert_eq!(next, Next::Hold);
@@ -591,7 +601,7 @@ mod tests {
         assert!(proxy.responses[0].2.contains("request body is required"));
         assert_eq!(proxy.header("x-request-id"), None, "the client's id is kept");
         let mut flow = RequestFlow::default();
-        flow.request_headers(&config, &mut proxy, Some("POST"), "/v1/completions", false, || None, || "gen".into());
+        flow.request_headers(&config, &mut proxy, Some("POST"), "/v1/completions", false, |_| None, || "gen".into());
         assert_eq!(proxy.header("x-request-id"), Some("gen"), "a made-up id is set on the request");
         assert_eq!(flow.request_body(&mut proxy, true, || b"[1]".to_vec(), || None), BodyNext::Wait);
         assert_eq!(proxy.responses[1].0, 400);
@@ -601,7 +611,7 @@ mod tests {
         assert!(proxy.reports.is_empty(), "nothing was booked");
         // On the Messages API the error is in Anthropic's shape.
         let mut flow = RequestFlow::default();
-        flow.request_headers(&config, &mut proxy, Some("POST"), "/v1/messages", false, || None, || "m".into());
+        flow.request_headers(&config, &mut proxy, Some("POST"), "/v1/messages", false, |_| None, || "m".into());
         flow.request_body(&mut proxy, true, || b"[1]".to_vec(), || None);
         let body: serde_json::Value = serde_json::from_str(&proxy.responses[2].2).unwrap();
         assert_eq!(

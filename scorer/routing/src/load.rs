@@ -706,8 +706,12 @@ impl LoadTracker {
     /// first token (what a request sent there now waits before its own); `None` until the
     /// fleet's prefill speed is learned ([`PodSpeeds::prefill_seconds`]).
     pub fn queued_prefill_seconds(&self, pod: PodId) -> Option<f64> {
-        let queued = self.pods.get(pod).map_or(0, |state| state.queued_prefill_tokens);
-        self.speeds.prefill_seconds(pod, queued)
+        self.prefill_seconds(pod, self.pods.get(pod).map_or(0, |state| state.queued_prefill_tokens))
+    }
+
+    /// Predicted seconds for `pod` to prefill `tokens` ([`PodSpeeds::prefill_seconds`]).
+    pub fn prefill_seconds(&self, pod: PodId, tokens: u64) -> Option<f64> {
+        self.speeds.prefill_seconds(pod, tokens)
     }
 
     /// The pod's learned speed, applied or not.

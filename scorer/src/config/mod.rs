@@ -14,6 +14,7 @@ mod health;
 mod pods;
 mod serving;
 mod sync;
+mod traces;
 
 pub use discovery::{ApiServer, DiscoverySection, DnsDiscovery, InferencePoolDiscovery, KubernetesDiscovery};
 pub use epp::{EppSection, EppTls};
@@ -22,6 +23,7 @@ pub use kvgate_routing::router::Role;
 pub use pods::{MetricsUrl, PodConfig, ZmqEndpoint};
 pub use serving::{AdminSection, ShutdownSection};
 pub use sync::{NatsUrls, SyncSection, SyncTls};
+pub use traces::{OtlpEndpoint, TracesSection};
 
 use kvgate_routing::index::IndexConfig;
 use kvgate_routing::load::LoadConfig;
@@ -137,6 +139,9 @@ pub struct Config {
     /// Share in-flight bookings with the other gateway replicas over NATS (absent: this
     /// replica decides on its own requests in flight only).
     pub sync: Option<SyncSection>,
+    /// Export a span for each decision over OTLP, joined to the request's trace (absent:
+    /// no traces).
+    pub traces: Option<TracesSection>,
     /// Static pods (may be empty when discovery finds them).
     #[serde(default)]
     pub pods: Vec<PodConfig>,
@@ -244,6 +249,9 @@ impl Config {
             epp.check().map_err(|e| e.under("epp"))?;
             let apart = !same(epp.listen, Some(self.listen)) && !same(epp.listen, self.admin.listen);
             check(apart, "epp.listen", "must differ from listen and admin.listen")?;
+        }
+        if let Some(traces) = &self.traces {
+            traces.check().map_err(|e| e.under("traces"))?;
         }
         self.shutdown.check().map_err(|e| e.under("shutdown"))?;
         self.health.check().map_err(|e| e.under("health"))
@@ -361,6 +369,11 @@ pods:
                 "\"https://x/m\" is not an http://",
             ),
             ("pods:\n  - {name: a, address: '1.2.3.4:5', role: router}\n", "router"),
+            ("traces: {otlp_endpoint: 'collector:4317'}\npods: [{name: a, address: '1.2.3.4:5'}]\n", "not an http://"),
+            (
+                "traces: {otlp_endpoint: 'http://c:4317', sample_ratio: 2}\npods: [{name: a, address: '1.2.3.4:5'}]\n",
+                "traces.sample_ratio",
+            ),
             (
                 "policy: {name: kv, decode_weight: -1}\npods:\n  - {name: a, address: '1.2.3.4:5'}\n",
                 "policy.decode_weight",

@@ -98,6 +98,11 @@ pub struct Pick {
     pub uncached_tokens: u32,
     /// The P/D threshold applied (absent without prefill pods).
     pub threshold_tokens: Option<u32>,
+    /// Predicted seconds of prefill queued on `decode` ahead of this request when it was
+    /// chosen (`None` until the fleet's prefill speed is learned).
+    pub predicted_wait_seconds: Option<f64>,
+    /// How long the request waited in the admission queue.
+    pub admission_wait: std::time::Duration,
     pub explain: Option<Vec<PodExplain>>,
 }
 
@@ -185,6 +190,7 @@ impl Scorer {
         let explained: Vec<Arc<Pod>> =
             if limits.explain { routed.candidates.iter().map(|c| pod(c.pod)).collect() } else { Vec::new() };
         let block_size = core.router.block_size() as u32;
+        let predicted_wait_seconds = core.router.predicted_wait(&routed.decode);
         drop(core);
 
         let explain = limits.explain.then(|| {
@@ -230,6 +236,8 @@ impl Scorer {
             cached_tokens,
             uncached_tokens: routed.uncached_tokens,
             threshold_tokens: routed.prefill_pods.then_some(self.config.pd.threshold_tokens),
+            predicted_wait_seconds,
+            admission_wait: std::time::Duration::ZERO,
             explain,
         })
     }
@@ -270,10 +278,14 @@ impl Scorer {
             if try_now {
                 match self.decide(request_id, prepared, limits) {
                     Err(PickError::Saturated) => {}
-                    decided => {
+                    mut decided => {
                         if held.is_some() {
+                            let waited = arrived.elapsed();
                             let wait = self.metrics.admission_wait_seconds.with_label_values(&[&label()]);
-                            wait.observe(arrived.elapsed().as_secs_f64());
+                            wait.observe(waited.as_secs_f64());
+                            if let Ok(pick) = &mut decided {
+                                pick.admission_wait = waited;
+                            }
                         }
                         if decided.is_ok() && !queue.is_empty() {
                             queue.wake_first(); // there may be room for the next one too

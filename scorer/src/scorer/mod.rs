@@ -158,6 +158,8 @@ pub struct Scorer {
     /// Readiness changed by something other than the fleet (draining): the picker's health
     /// reporter looks at once.
     pub readiness_changed: tokio::sync::Notify,
+    /// The decisions' spans (with `traces`; started by the process, in its runtime).
+    pub traces: Option<crate::traces::Traces>,
 }
 
 /// Why the scorer is not ready: `/readyz` answers 503 with it, the picker's gRPC health says
@@ -200,6 +202,7 @@ impl Scorer {
             draining: AtomicBool::new(false),
             adapter_names: RwLock::new(config.lora_adapters.clone()),
             readiness_changed: tokio::sync::Notify::new(),
+            traces: None,
             config,
         };
         scorer.static_pods = (scorer.config.pods.iter())

@@ -51,6 +51,7 @@ async fn route(
         objective: header(HEADER_OBJECTIVE),
         subset: None,
         explain: matches!(query.explain.as_deref(), Some("1" | "true")),
+        trace_parent: header("traceparent"),
     };
     let picked = picker.pick(request).await;
     match picked {

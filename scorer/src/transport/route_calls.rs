@@ -25,6 +25,7 @@ pub fn take_call(picker: &Picker, mut call: RouteCall) -> Option<impl Future<Out
             objective: call.objective.as_deref(),
             subset: None,
             explain: false,
+            trace_parent: call.trace_parent.as_deref(),
         };
         let outcome = match picker.pick(request).await {
             Ok(pick) => Outcome::Pick(pick.route_pick()),

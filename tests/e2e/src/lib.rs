@@ -2,6 +2,7 @@
 //! requests through a gateway (OpenAI completions, chat and responses, Anthropic messages) and
 //! measuring them from the client's side.
 
+pub mod collector;
 pub mod failover;
 pub mod path;
 pub mod sim_check;

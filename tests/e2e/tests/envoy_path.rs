@@ -4,6 +4,7 @@
 //! scorer's Endpoint Picker over ext_proc (`Path::Epp`, in the bootstrap's default body
 //! mode). Every test runs on every path (`wasm::…`, `native::…` and `epp::…`).
 
+use kvgate_e2e::collector::Collector;
 use kvgate_e2e::path::Path;
 use kvgate_test_harness::{
     EnvoyProcess, ScorerProcess, Sim, envoy_validate, filter_native, filter_wasm, qwen3_tokenizer, root, text,
@@ -59,6 +60,7 @@ on_every_path!(
         an_adapters_requests_follow_the_pod_holding_it_and_spread_when_it_is_full,
         messages_and_responses_route_with_prefix_affinity_and_malformed_ones_get_400,
         a_model_no_pod_serves_is_answered_404_in_the_apis_shape,
+        each_request_is_one_trace_with_the_decision_under_the_gateways_span,
     ],
     alone: [a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable],
 );
@@ -1106,4 +1108,72 @@ async fn a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable(path:
     assert!(ordinary_s / ordinary_n > premium_s / premium_n.max(1.0), "ordinary {ordinary_s} s, premium {premium_s} s");
     let grown = rss_kib(s.scorer.pid()).saturating_sub(rss_before);
     assert!(grown < 32 * 1024, "the scorer's memory stays bounded: grew {grown} KiB");
+}
+
+async fn each_request_is_one_trace_with_the_decision_under_the_gateways_span(path: Path) {
+    let collector = Collector::start().await;
+    let traces = format!("traces: {{otlp_endpoint: '{}'}}\n", collector.endpoint);
+    let s = stack_at(path, 2, &[], "0.02", &traces, &[]).await;
+    let system = text("a system prompt every request of this test shares", 300);
+    let mut answered = Vec::new();
+    for i in 0..4 {
+        let a = send(&s.envoy, "/v1/chat/completions", &chat(&system, &format!("question {i}"), i % 2 == 0), &[]).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+        answered.push(a.pod.unwrap());
+    }
+    // A trace the client started: the gateway's span joins it, and kvgate's under that.
+    let client_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let traceparent = format!("00-{client_trace}-00f067aa0ba902b7-01");
+    let a =
+        send(&s.envoy, "/v1/chat/completions", &chat(&system, "question 4", true), &[("traceparent", &traceparent)])
+            .await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    answered.push(a.pod.unwrap());
+
+    let n = answered.len();
+    let ended = |spans: &[kvgate_e2e::collector::ReceivedSpan]| {
+        spans.iter().filter(|s| s.name == "kvgate.response" && s.attribute("kvgate.outcome") == "done").count()
+    };
+    let spans = collector
+        .wait(Duration::from_secs(30), |spans| {
+            let picks: Vec<_> = spans.iter().filter(|s| s.name == "kvgate.pick").collect();
+            ended(spans) == n && picks.iter().all(|p| spans.iter().any(|s| s.span_id == p.parent_span_id))
+        })
+        .await;
+    let picks: Vec<_> = spans.iter().filter(|s| s.name == "kvgate.pick").collect();
+    assert_eq!(picks.len(), n, "one decision span per request: {spans:#?}");
+    assert_eq!(ended(&spans), n, "one response span per request, ended at done");
+    let trace_ids: std::collections::HashSet<&str> = picks.iter().map(|p| p.trace_id.as_str()).collect();
+    assert_eq!(trace_ids.len(), n, "one trace per request");
+    assert!(trace_ids.contains(client_trace), "the client's trace is kept");
+    let mut picked = Vec::new();
+    for pick in &picks {
+        assert_eq!(pick.service, "kvgate");
+        let parent = spans.iter().find(|s| s.span_id == pick.parent_span_id).expect("the parent span exported");
+        assert_eq!((parent.service.as_str(), &parent.trace_id), ("kvgate-gateway", &pick.trace_id), "{parent:?}");
+        assert_eq!(pick.attribute("kvgate.path"), "direct");
+        assert_eq!(pick.attribute("kvgate.policy"), "kv");
+        assert_eq!(pick.attribute("gen_ai.request.model"), MODEL);
+        assert_eq!(pick.attribute("kvgate.admission_wait_seconds"), 0.0);
+        assert!(pick.attribute("kvgate.prompt_tokens").as_i64().unwrap() > 300, "{pick:?}");
+        assert!(pick.attribute("kvgate.cached_tokens").is_i64(), "{pick:?}");
+        picked.push(pick.attribute("kvgate.pod").as_str().unwrap().to_string());
+        let response = (spans.iter())
+            .find(|s| s.name == "kvgate.response" && s.trace_id == pick.trace_id)
+            .expect("the response's span, in the same trace");
+        assert_eq!(response.parent_span_id, pick.parent_span_id, "beside the decision, under the gateway");
+        assert!(response.attribute("kvgate.time_to_first_token_seconds").as_f64().unwrap() > 0.0, "{response:?}");
+        assert!(response.events.contains(&"first_token".to_string()), "{response:?}");
+        assert_eq!(response.attribute("kvgate.fallback_used"), false, "{response:?}");
+    }
+    picked.sort();
+    answered.sort();
+    assert_eq!(picked, answered, "each decision names the pod that answered");
+    assert!(picks.iter().any(|p| p.attribute("kvgate.cached_tokens").as_i64() > Some(0)), "the shared prefix cached");
+    // Never the prompt.
+    let words: Vec<&str> = system.split_whitespace().collect();
+    let phrase = words[..6].join(" ");
+    for span in &spans {
+        assert!(span.attributes.values().all(|v| !v.to_string().contains(&phrase)), "{span:?}");
+    }
 }

@@ -5,7 +5,7 @@ use super::{Role, Router};
 use crate::adapters::{AdapterId, PodAdapters, ReportedAdapters};
 use crate::hash::SequenceHash;
 use crate::pod_set::{PodId, PodSet};
-use crate::policy::ReportedLoad;
+use crate::policy::{Candidate, ReportedLoad};
 use xxhash_rust::xxh3::xxh3_64;
 pub(super) struct PodState {
     pub(super) role: Role,
@@ -129,6 +129,12 @@ impl Router {
         let waits: Vec<f64> = healthy.map(|pod| self.load.queued_prefill_seconds(pod)).collect::<Option<_>>()?;
         let soonest = waits.iter().copied().reduce(f64::min)?;
         Some(PrefillWaits { soonest, mean: waits.iter().sum::<f64>() / waits.len() as f64 })
+    }
+
+    /// Predicted seconds a request placed on `candidate` waits before its own prefill: the
+    /// prefill queued there when it was chosen; `None` until the fleet's speed is learned.
+    pub fn predicted_wait(&self, candidate: &Candidate) -> Option<f64> {
+        self.load.prefill_seconds(candidate.pod, candidate.load.queued_prefill_tokens)
     }
 
     /// The load the pod last reported, while healthy.

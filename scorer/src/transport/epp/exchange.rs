@@ -159,6 +159,9 @@ pub struct Exchange<P: PickingService> {
     booking: Option<Booking>,
     /// The response, as far as this stream sees it (the request lifecycle every way in shares).
     response: ResponseWatch,
+    /// The `traceparent` of the gateway's call (its gRPC metadata), which the decision's
+    /// spans join.
+    trace_parent: Option<String>,
 }
 
 impl<P: PickingService> Exchange<P> {
@@ -179,7 +182,14 @@ impl<P: PickingService> Exchange<P> {
             request: RequestSide::Start,
             booking: None,
             response: ResponseWatch::default(),
+            trace_parent: None,
         }
+    }
+
+    /// The exchange of a call whose gRPC metadata carried `traceparent`.
+    pub fn traced(mut self, trace_parent: Option<String>) -> Self {
+        self.trace_parent = trace_parent;
+        self
     }
 
     /// The answers to the stream's messages, as a stream: each message is handled when the
@@ -354,6 +364,7 @@ impl<P: PickingService> Exchange<P> {
             objective: objective.as_deref(),
             subset: subset.as_deref(),
             explain: false,
+            trace_parent: self.trace_parent.as_deref(),
         };
         let pick = match self.picker.pick(request).await {
             Ok(pick) => pick,
@@ -729,6 +740,8 @@ mod tests {
                 cached_tokens: 0,
                 uncached_tokens: 0,
                 threshold_tokens: None,
+                predicted_wait_seconds: None,
+                admission_wait: std::time::Duration::ZERO,
                 explain: None,
             })
         }

@@ -65,7 +65,9 @@ impl ExternalProcessor for ExtProc {
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
         let id = self.shared.streams.fetch_add(1, Ordering::Relaxed);
-        let exchange = exchange::Exchange::new(self.picker.clone(), self.settings.clone(), self.shared.clone(), id);
+        let trace_parent = request.metadata().get("traceparent").and_then(|v| v.to_str().ok()).map(String::from);
+        let exchange = exchange::Exchange::new(self.picker.clone(), self.settings.clone(), self.shared.clone(), id)
+            .traced(trace_parent);
         Ok(Response::new(Box::pin(exchange.answers(request.into_inner()))))
     }
 }
