@@ -53,7 +53,7 @@ fn hadolint(files: &[PathBuf]) -> Result<String, String> {
     run(cmd)
 }
 
-const MANIFESTS: [&str; 11] = [
+const MANIFESTS: [&str; 12] = [
     "base/namespace.yaml",
     "nats/nats.yaml",
     "base/rbac.yaml",
@@ -63,6 +63,7 @@ const MANIFESTS: [&str; 11] = [
     "istio/gateway.yaml",
     "istio/envoyfilter.yaml",
     "istio/gateway-api.yaml",
+    "istio/telemetry.yaml",
     "gateway-api/epp.yaml",
     "gateway-api/gateway.yaml",
 ];
@@ -104,13 +105,20 @@ fn kubernetes_manifests_pass_the_kubernetes_schemas() {
     let unchecked: Vec<&str> = report.lines().filter(|l| l.contains("Couldn't find schema")).collect();
     for line in &unchecked {
         assert!(
-            ["kind Gateway ", "kind VirtualService ", "kind EnvoyFilter ", "kind HTTPRoute ", "kind DestinationRule "]
-                .iter()
-                .any(|k| line.contains(k)),
+            [
+                "kind Gateway ",
+                "kind VirtualService ",
+                "kind EnvoyFilter ",
+                "kind HTTPRoute ",
+                "kind DestinationRule ",
+                "kind Telemetry ",
+            ]
+            .iter()
+            .any(|k| line.contains(k)),
             "unexpected resource without schema: {line}"
         );
     }
-    assert_eq!(unchecked.len(), 8, "{report}");
+    assert_eq!(unchecked.len(), 9, "{report}");
 
     // Every file a kustomization names exists.
     for dir in ["base", "nats", "sidecar", "envoy", "istio", "gateway-api"] {
@@ -210,6 +218,22 @@ fn the_istio_envoyfilter_patches_assemble_into_a_bootstrap_envoy_accepts() {
     );
     let wasm = &http_filter["patch"]["value"];
     assert_eq!(wasm["typed_config"]["config"]["allow_on_headers_stop_iteration"], true);
+    // The gateway's span named for the filter, by a filter placed before it.
+    let span_patch = (patches.iter())
+        .find(|p| p["match"]["listener"]["filterChain"]["filter"]["subFilter"]["name"] == wasm["name"])
+        .expect("a patch placing a filter before kvgate's");
+    assert_eq!(span_patch["patch"]["operation"], "INSERT_BEFORE");
+    let span_filter = &span_patch["patch"]["value"];
+    let mutation = &span_filter["typed_config"]["mutations"]["request_mutations"][0]["append"]["header"];
+    assert_eq!(
+        (&mutation["key"], &mutation["value"]),
+        (&json!("x-kvgate-gateway-span"), &json!("%TRACE_ID%-%SPAN_ID%"))
+    );
+    let telemetry = documents("istio/telemetry.yaml").remove(0);
+    assert_eq!(
+        telemetry["spec"]["selector"]["matchLabels"]["istio"], filter["spec"]["workloadSelector"]["labels"]["istio"],
+        "the gateway's tracing is turned on where the filter runs"
+    );
     let scorer_cluster = &patch("CLUSTER", "ADD")["patch"]["value"];
     let merge = patch("CLUSTER", "MERGE");
 
@@ -222,6 +246,7 @@ fn the_istio_envoyfilter_patches_assemble_into_a_bootstrap_envoy_accepts() {
     let plugin: Value =
         serde_json::from_str(wasm["typed_config"]["config"]["configuration"]["value"].as_str().unwrap()).unwrap();
     assert_eq!(plugin["scorer_cluster"], scorer_cluster["name"]);
+    assert_eq!(plugin["traces"], true, "the filter reads the span the filter before it names");
     let options =
         &scorer_cluster["typed_extension_protocol_options"]["envoy.extensions.upstreams.http.v3.HttpProtocolOptions"];
     assert!(
@@ -264,7 +289,7 @@ fn the_istio_envoyfilter_patches_assemble_into_a_bootstrap_envoy_accepts() {
                 "stat_prefix": "gateway",
                 "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"], "routes": [
                     {"match": {"prefix": "/v1/"}, "route": {"cluster": pods_cluster, "timeout": "0s"}}]}]},
-                "http_filters": [wasm, {"name": "envoy.filters.http.router", "typed_config": {
+                "http_filters": [span_filter, wasm, {"name": "envoy.filters.http.router", "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}]}}]}]}],
         "clusters": [scorer_cluster, pods]}});
     let path = std::env::temp_dir().join(format!("kvgate-istio-{}.json", std::process::id()));

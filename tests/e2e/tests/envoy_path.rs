@@ -61,6 +61,7 @@ on_every_path!(
         messages_and_responses_route_with_prefix_affinity_and_malformed_ones_get_400,
         a_model_no_pod_serves_is_answered_404_in_the_apis_shape,
         each_request_is_one_trace_with_the_decision_under_the_gateways_span,
+        sampled_at_one_percent_about_one_percent_of_requests_are_traced_whole,
     ],
     alone: [a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable],
 );
@@ -1176,4 +1177,41 @@ async fn each_request_is_one_trace_with_the_decision_under_the_gateways_span(pat
     for span in &spans {
         assert!(span.attributes.values().all(|v| !v.to_string().contains(&phrase)), "{span:?}");
     }
+}
+
+async fn sampled_at_one_percent_about_one_percent_of_requests_are_traced_whole(path: Path) {
+    use futures::StreamExt;
+    let collector = Collector::start().await;
+    let traces = format!("traces: {{otlp_endpoint: '{}', sample_ratio: 0.01}}\n", collector.endpoint);
+    let s = stack_at(path, 2, &[], "0.02", &traces, &[]).await;
+    let n = 2000;
+    let statuses: Vec<u16> = futures::stream::iter(0..n)
+        .map(|i| {
+            let body = json!({"model": MODEL, "prompt": format!("request {i} of the sampling test"), "max_tokens": 1});
+            let envoy = &s.envoy;
+            async move { send(envoy, "/v1/completions", &body, &[]).await.status }
+        })
+        .buffer_unordered(32)
+        .collect()
+        .await;
+    assert!(statuses.iter().all(|&status| status == 200), "{statuses:?}");
+    // Both exporters flush every 5 s.
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let spans = collector.spans();
+    let traced = |service: &str, name: Option<&str>| -> std::collections::BTreeSet<String> {
+        (spans.iter())
+            .filter(|s| s.service == service && name.is_none_or(|n| s.name == n))
+            .map(|s| s.trace_id.clone())
+            .collect()
+    };
+    let gateway = traced("kvgate-gateway", None);
+    let picks = spans.iter().filter(|s| s.name == "kvgate.pick").count();
+    // 20 expected; outside [6, 40] once in ten thousand runs.
+    assert!((6..=40).contains(&gateway.len()), "{} of {n} requests traced", gateway.len());
+    assert_eq!(
+        traced("kvgate", Some("kvgate.pick")),
+        gateway,
+        "kvgate's spans exactly in the traces the gateway sampled"
+    );
+    assert_eq!(picks, gateway.len(), "one decision span per traced request");
 }
