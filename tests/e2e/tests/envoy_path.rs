@@ -62,6 +62,7 @@ on_every_path!(
         a_model_no_pod_serves_is_answered_404_in_the_apis_shape,
         each_request_is_one_trace_with_the_decision_under_the_gateways_span,
         sampled_at_one_percent_about_one_percent_of_requests_are_traced_whole,
+        a_scorer_without_traces_exports_nothing_though_the_gateway_traces,
     ],
     alone: [a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable],
 );
@@ -1214,4 +1215,28 @@ async fn sampled_at_one_percent_about_one_percent_of_requests_are_traced_whole(p
         "kvgate's spans exactly in the traces the gateway sampled"
     );
     assert_eq!(picks, gateway.len(), "one decision span per traced request");
+}
+
+async fn a_scorer_without_traces_exports_nothing_though_the_gateway_traces(path: Path) {
+    let collector = Collector::start().await;
+    let s = stack(path, 2, &[]).await;
+    // A second Envoy in front of the same scorer, rendered as if the scorer traced: the
+    // gateway traces every request and hands kvgate its span.
+    let config = std::fs::read_to_string(&s.scorer.config_path).unwrap();
+    let traced = s.scorer.config_path.with_extension("traced.yaml");
+    std::fs::write(&traced, format!("traces: {{otlp_endpoint: '{}'}}\n{config}", collector.endpoint)).unwrap();
+    let envoy = EnvoyProcess::start_patched(&traced, &path.envoy_flags(&[]), |bootstrap| bootstrap).await;
+    let n = 20;
+    for i in 0..n {
+        let a = send(&envoy, "/v1/chat/completions", &chat("tracing off", &format!("question {i}"), false), &[]).await;
+        assert_eq!(a.status, 200, "{}", a.body);
+    }
+    let gateway_traces = |spans: &[kvgate_e2e::collector::ReceivedSpan]| {
+        spans.iter().map(|s| &s.trace_id).collect::<std::collections::HashSet<_>>().len()
+    };
+    let spans = collector.wait(Duration::from_secs(20), |spans| gateway_traces(spans) >= n).await;
+    std::fs::remove_file(&traced).unwrap();
+    assert_eq!(gateway_traces(&spans), n, "the gateway traced every request");
+    assert!(spans.iter().all(|s| s.service == "kvgate-gateway"), "kvgate exported: {spans:#?}");
+    assert_eq!(path.failed_open(&envoy).await, 0, "every request decided");
 }

@@ -17,7 +17,12 @@
 //! NIXL connector, the KV moved between them.
 //!
 //! No block size and no adapter is configured: the scorer learns both from the engines.
+//!
+//! Envoy and the scorer trace every request to a test OTLP receiver: each request judged
+//! `exact` has its trace, kvgate's decision under the gateway's span, crediting the cached
+//! tokens its engine then reported in the response's span.
 
+use kvgate_e2e::collector::{Collector, ReceivedSpan};
 use kvgate_e2e::path::Path;
 use kvgate_e2e::sim_check::{compare, simulator_beside, table, trace};
 use kvgate_e2e::{Measured, name_the_upstream, send};
@@ -59,6 +64,7 @@ struct Stack {
     path: Path,
     scorer: ScorerProcess,
     envoy: EnvoyProcess,
+    collector: Collector,
     client: reqwest::Client,
     /// Engine names by the address Envoy reaches them at.
     names: HashMap<String, String>,
@@ -75,9 +81,11 @@ impl Stack {
 
     /// A stack in front of `pods` (an engine and its role), `config` added to the scorer's.
     async fn start_with(path: Path, pods: &[(&Engine, &str)], config: &str) -> Stack {
+        let collector = Collector::start().await;
         let mut config = format!(
-            "tokenizer: {}\nhealth: {{scrape_interval_ms: 200}}\n{}{config}pods:\n",
+            "tokenizer: {}\nhealth: {{scrape_interval_ms: 200}}\ntraces: {{otlp_endpoint: '{}'}}\n{}{config}pods:\n",
             qwen3_tokenizer().display(),
+            collector.endpoint,
             path.scorer_config(&[])
         );
         for (e, role) in pods {
@@ -91,7 +99,38 @@ impl Stack {
         let envoy = EnvoyProcess::start_patched(&scorer.config_path, &path.envoy_flags(&[]), name_the_upstream).await;
         let names = pods.iter().map(|(e, _)| (format!("127.0.0.1:{}", e.port), e.name.clone())).collect();
         let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-        Stack { path, scorer, envoy, client, names, follow_ups: (0, 0), checked: 0 }
+        Stack { path, scorer, envoy, collector, client, names, follow_ups: (0, 0), checked: 0 }
+    }
+
+    /// Every request judged `exact` so far has its trace: kvgate's decision under the
+    /// gateway's span, crediting the cached tokens its engine reported (the response's span).
+    async fn traces_agree(&self) {
+        let done = |s: &&ReceivedSpan| s.name == "kvgate.response" && s.attribute("kvgate.outcome") == "done";
+        let whole = |spans: &[ReceivedSpan]| {
+            let responses = spans.iter().filter(done).count() as u64;
+            let joined = (spans.iter().filter(|s| s.name == "kvgate.pick"))
+                .all(|p| spans.iter().any(|s| s.span_id == p.parent_span_id && s.service == "kvgate-gateway"));
+            responses >= self.checked && joined
+        };
+        let spans = self.collector.wait(Duration::from_secs(20), whole).await;
+        assert!(
+            whole(&spans),
+            "{:?}: {} traced responses for {} requests, or an unjoined decision",
+            self.path,
+            spans.iter().filter(done).count(),
+            self.checked
+        );
+        for response in spans.iter().filter(done) {
+            let pick = (spans.iter())
+                .find(|s| s.name == "kvgate.pick" && s.trace_id == response.trace_id)
+                .unwrap_or_else(|| panic!("{:?}: no decision in the trace of {response:?}", self.path));
+            assert_eq!(
+                pick.attribute("kvgate.cached_tokens"),
+                response.attribute("kvgate.engine_cached_tokens"),
+                "{:?}: the decision's credit against what its engine reused: {pick:?} {response:?}",
+                self.path
+            );
+        }
     }
 
     async fn predictions(&self) -> Predictions {
@@ -293,6 +332,7 @@ async fn leg(path: Path, engines: &mut [Engine], stop: Option<Stop>) {
     let (_, first) = s.exact("regeneration", "/v1/chat/completions", &regenerated).await;
     s.turn("regeneration again", "/v1/chat/completions", &regenerated, Some(&first)).await;
     println!("{path:?}: {} requests exact in {:.0?}", s.checked, started.elapsed());
+    s.traces_agree().await;
 
     // Documents past both caches: evictions, each request still exact.
     let documents: Vec<String> = (0..12).map(|d| words(&format!("document{d}x"), 300)).collect();

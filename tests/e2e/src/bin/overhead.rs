@@ -17,6 +17,7 @@
 //! after the question back).
 
 use clap::Parser;
+use kvgate_e2e::collector::Collector;
 use kvgate_e2e::{ms, percentile, send, send_each};
 use kvgate_test_harness::{Build, EPP_PORT, EnvoyProcess, ScorerProcess, Sim, cpu_time, qwen3_tokenizer, text};
 use serde_json::{Value, json};
@@ -38,7 +39,7 @@ struct Args {
     epp_body_mode: String,
     /// Only these paths (`direct`, `rr`, `wasm`, `native`, `epp`, `epp-tls`; all by default) — for
     /// profiling one path at a time (`make profile`).
-    #[arg(long, value_delimiter = ',', value_parser = ["direct", "rr", "wasm", "native", "native-tcp", "epp", "epp-tls", "wasm-base", "native-base", "epp-base"])]
+    #[arg(long, value_delimiter = ',', value_parser = ["direct", "rr", "wasm", "native", "native-tcp", "epp", "epp-tls", "wasm-base", "native-base", "epp-base", "wasm-traced", "native-traced", "epp-traced"])]
     paths: Vec<String>,
     /// Samples the gateway's processes (Envoy and the scorer) with `perf record` into this
     /// file while the measured rounds run (one path with a scorer, one cell; `make profile`).
@@ -49,6 +50,12 @@ struct Args {
     /// paths `wasm-base`, `native-base` and `epp-base` (its scorer, its filters).
     #[arg(long)]
     baseline: Option<std::path::PathBuf>,
+    /// This build again with traces on, new traces sampled at this ratio (the scorer's
+    /// `traces.sample_ratio`, which the gateway's tracer takes too), exported to an OTLP
+    /// receiver in this process. Adds the paths `wasm-traced`, `native-traced` and
+    /// `epp-traced`.
+    #[arg(long)]
+    traces: Option<f64>,
 }
 
 /// A prompt size: its label, its cell name, the words of its text, and its shape.
@@ -175,6 +182,30 @@ async fn main() -> anyhow::Result<()> {
         }
         None => None,
     };
+    // This build with traces on: its scorers and Envoys rendered from a configuration with a
+    // `traces` section (the gateway's tracer on too), exporting to a receiver here.
+    let collector = match args.traces {
+        Some(_) => Some(Collector::start().await),
+        None => None,
+    };
+    let traced = match (args.traces, &collector) {
+        (Some(ratio), Some(collector)) => {
+            let traces = format!("traces: {{otlp_endpoint: '{}', sample_ratio: {ratio}}}\n", collector.endpoint);
+            let unix = format!("route_socket_path: {}\n", route_socket.display());
+            let unix_traced = format!("route_socket_path: {}-traced\n", route_socket.display());
+            let scorer = ScorerProcess::start(&(traces.clone() + &config.replace(&unix, &unix_traced))).await;
+            let plaintext = ScorerProcess::start(
+                &(traces + &config.replace(&unix, "").replace("'}\npods:", "', tls: {mode: plaintext}}\npods:")),
+            )
+            .await;
+            let wasm = EnvoyProcess::start(&scorer, &["--picker", "wasm"]).await;
+            let native = EnvoyProcess::start(&scorer, &["--picker", "native"]).await;
+            let epp =
+                EnvoyProcess::start(&plaintext, &["--picker", "epp", "--epp-body-mode", &args.epp_body_mode]).await;
+            Some((scorer, plaintext, wasm, native, epp))
+        }
+        _ => None,
+    };
     let path = |key, name, url: &str, envoy: Option<&EnvoyProcess>, scorer: Option<&ScorerProcess>| Path {
         key,
         name,
@@ -198,6 +229,13 @@ async fn main() -> anyhow::Result<()> {
             path("wasm-base", "Envoy + kvgate (wasm filter), baseline", &wasm.url, Some(wasm), Some(scorer)),
             path("native-base", "Envoy + kvgate (native module), baseline", &native.url, Some(native), Some(scorer)),
             path("epp-base", "Envoy + kvgate (Endpoint Picker, h2c), baseline", &epp.url, Some(epp), Some(plaintext)),
+        ]
+    }))
+    .chain(traced.iter().flat_map(|(scorer, plaintext, wasm, native, epp)| {
+        [
+            path("wasm-traced", "Envoy + kvgate (wasm filter), traced", &wasm.url, Some(wasm), Some(scorer)),
+            path("native-traced", "Envoy + kvgate (native module), traced", &native.url, Some(native), Some(scorer)),
+            path("epp-traced", "Envoy + kvgate (Endpoint Picker, h2c), traced", &epp.url, Some(epp), Some(plaintext)),
         ]
     }))
     .filter(|p| args.paths.is_empty() || args.paths.iter().any(|k| k == p.key))
