@@ -6,6 +6,7 @@ use clap::Parser;
 use kvgate_scorer::config::Config;
 use kvgate_scorer::discovery::{self, PodEndpoints};
 use kvgate_scorer::picking::Picker;
+use kvgate_scorer::prompt::ModelTokenizers;
 use kvgate_scorer::scorer::Scorer;
 use kvgate_scorer::traces::Traces;
 use kvgate_scorer::transport::announce;
@@ -64,16 +65,17 @@ async fn main() -> std::process::ExitCode {
 async fn run(args: Args) -> anyhow::Result<()> {
     let config =
         Config::load(&args.config).with_context(|| format!("invalid configuration {}", args.config.display()))?;
-    let tokenizer = match &config.tokenizer {
-        Some(path) => {
-            let mut tokenizer = Tokenizer::from_file(path).with_context(|| format!("tokenizer: {}", path.display()))?;
-            if config.tokenizer_cache_tokens > 0
-                && let Err(why) = tokenizer.cache_segments(config.tokenizer_cache_tokens)
-            {
-                tracing::warn!("tokenizer cache off: {why}; every prompt is tokenized in full");
-            }
-            tokenizer
+    let load = |field: &str, path: &std::path::Path| -> anyhow::Result<Tokenizer> {
+        let mut tokenizer = Tokenizer::from_file(path).with_context(|| format!("{field}: {}", path.display()))?;
+        if config.tokenizer_cache_tokens > 0
+            && let Err(why) = tokenizer.cache_segments(config.tokenizer_cache_tokens)
+        {
+            tracing::warn!("{field}: tokenizer cache off: {why}; every prompt is tokenized in full");
         }
+        Ok(tokenizer)
+    };
+    let tokenizer = match &config.tokenizer {
+        Some(path) => load("tokenizer", path)?,
         None => {
             tracing::warn!(
                 "no tokenizer configured: prompt tokens are estimated (4 bytes per token) and every pod is indexed \
@@ -82,13 +84,17 @@ async fn run(args: Args) -> anyhow::Result<()> {
             Tokenizer::fallback()
         }
     };
+    let mut tokenizers = ModelTokenizers::new(tokenizer);
+    for (i, model) in config.models.iter().enumerate() {
+        tokenizers.add(&model.name, load(&format!("models[{i}].tokenizer"), &model.tokenizer)?);
+    }
     if args.check {
         println!("configuration {} is valid ({} pods)", args.config.display(), config.pods.len());
         return Ok(());
     }
     let listen = config.listen;
     let admin_listen = config.admin.listen;
-    let mut scorer = Scorer::new(config, tokenizer);
+    let mut scorer = Scorer::new(config, tokenizers);
     if let Some(traces) = &scorer.config.traces {
         let ttl = Duration::from_secs_f64(scorer.config.load.request_ttl_seconds);
         scorer.traces = Some(Traces::start(traces, ttl).context("traces")?);

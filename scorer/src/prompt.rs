@@ -50,12 +50,52 @@ struct Body {
     add_special_tokens: Option<bool>,
 }
 
-/// Tokenizes a request body the way the engine will.
+/// The tokenizer of each model behind the gateway: those configured by name (`models`), the
+/// default one for every other model (and for a request naming none).
+pub struct ModelTokenizers {
+    default: Tokenizer,
+    /// A handful at most: looked up by a scan.
+    by_model: Vec<(String, Tokenizer)>,
+}
+
+impl ModelTokenizers {
+    pub fn new(default: Tokenizer) -> Self {
+        Self { default, by_model: Vec::new() }
+    }
+
+    /// `model`'s requests are tokenized by `tokenizer`.
+    pub fn add(&mut self, model: &str, tokenizer: Tokenizer) {
+        self.by_model.push((model.to_string(), tokenizer));
+    }
+
+    /// The tokenizer of a request naming `model`.
+    pub fn of(&self, model: Option<&str>) -> &Tokenizer {
+        let named = model.and_then(|model| self.by_model.iter().find(|(name, _)| name == model));
+        named.map_or(&self.default, |(_, tokenizer)| tokenizer)
+    }
+
+    /// Every tokenizer tokenizes as its engines do (none is the estimate).
+    pub fn is_exact(&self) -> bool {
+        self.default.is_exact() && self.by_model.iter().all(|(_, t)| t.is_exact())
+    }
+
+    pub fn default_tokenizer(&self) -> &Tokenizer {
+        &self.default
+    }
+}
+
+impl From<Tokenizer> for ModelTokenizers {
+    fn from(default: Tokenizer) -> Self {
+        Self::new(default)
+    }
+}
+
+/// Tokenizes a request body the way the engine of the model it names will.
 ///
 /// A completions request with several prompts is routed by its first (the engine serves them
 /// all on one pod; the first is what a shared prefix would match).
 pub fn extract(
-    tokenizer: &Tokenizer,
+    tokenizers: &ModelTokenizers,
     api: Api,
     body: &[u8],
     lora_adapters: &[String],
@@ -68,6 +108,7 @@ pub fn extract(
     match api {
         Api::Completions => {
             let mut body: Body = parse(body)?;
+            let tokenizer = tokenizers.of(body.model.as_deref());
             let add_special = body.add_special_tokens.unwrap_or(true);
             let tokens = match body.prompt.take() {
                 None => return Err(PromptError("'prompt' is required".into())),
@@ -88,6 +129,7 @@ pub fn extract(
         }
         Api::ChatCompletions => {
             let mut body: Body = parse(body)?;
+            let tokenizer = tokenizers.of(body.model.as_deref());
             let messages = body.messages.take().ok_or_else(|| PromptError("'messages' is required".into()))?;
             let options = ChatOptions {
                 add_generation_prompt: body.add_generation_prompt.unwrap_or(!body.continue_final_message),
@@ -102,13 +144,15 @@ pub fn extract(
         }
         Api::Messages => {
             let request: MessagesRequest = parse(body)?;
-            let tokens = tokenizer.encode_messages_request(&request).map_err(to_request_error)?;
+            let tokens =
+                tokenizers.of(Some(&request.model)).encode_messages_request(&request).map_err(to_request_error)?;
             let max_tokens = u32::try_from(request.max_tokens).unwrap_or(u32::MAX);
             info(tokens, Some(request.model), request.cache_salt, Some(max_tokens), lora_adapters)
         }
         Api::Responses => {
             let request: ResponsesRequest = parse(body)?;
-            let tokens = tokenizer.encode_responses_request(&request).map_err(to_request_error)?;
+            let tokens =
+                tokenizers.of(request.model.as_deref()).encode_responses_request(&request).map_err(to_request_error)?;
             info(tokens, request.model, request.cache_salt, request.max_output_tokens, lora_adapters)
         }
     }
@@ -151,7 +195,7 @@ mod tests {
     use super::*;
 
     fn fallback(api: Api, body: &str) -> Result<PromptInfo, PromptError> {
-        extract(&Tokenizer::fallback(), api, body.as_bytes(), &["sql".to_string()])
+        extract(&ModelTokenizers::new(Tokenizer::fallback()), api, body.as_bytes(), &["sql".to_string()])
     }
 
     #[test]

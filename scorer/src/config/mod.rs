@@ -11,6 +11,7 @@
 mod discovery;
 mod epp;
 mod health;
+mod models;
 mod pods;
 mod serving;
 mod sync;
@@ -20,6 +21,7 @@ pub use discovery::{ApiServer, DiscoverySection, DnsDiscovery, InferencePoolDisc
 pub use epp::{EppSection, EppTls};
 pub use health::HealthSection;
 pub use kvgate_routing::router::Role;
+pub use models::ModelConfig;
 pub use pods::{MetricsUrl, PodConfig, ZmqEndpoint};
 pub use serving::{AdminSection, ShutdownSection};
 pub use sync::{NatsUrls, SyncSection, SyncTls};
@@ -83,6 +85,11 @@ pub struct Config {
     /// `tokenizer_config.json` beside it. Without it tokens are estimated (bytes/4) and only
     /// the approximate index is used.
     pub tokenizer: Option<PathBuf>,
+    /// Models whose requests are tokenized by a tokenizer of their own (a gateway in front
+    /// of several models); every other model's by `tokenizer`, which is then required. Each
+    /// model's requests go only to the engines listing it (`unlisted_models`).
+    #[serde(default)]
+    pub models: Vec<ModelConfig>,
     /// Token ids of long pieces of prompt text (cut at special tokens — a chat's messages —
     /// and, for Qwen's tokenizers, between words) kept so that resent history or a document
     /// sent again is not tokenized again, at most this many in all (4 bytes each); 0 turns
@@ -197,6 +204,9 @@ impl Config {
         if let Some((field, path)) = files.iter().find(|(_, path)| !path.is_file()) {
             return invalid(*field, format!("{} is not a file", path.display()));
         }
+        if let Some((i, model)) = config.models.iter().enumerate().find(|(_, m)| !m.tokenizer.is_file()) {
+            return invalid(format!("models[{i}].tokenizer"), format!("{} is not a file", model.tokenizer.display()));
+        }
         Ok(config)
     }
 
@@ -240,6 +250,16 @@ impl Config {
         if let Some(sync) = &self.sync {
             sync.check().map_err(|e| e.under("sync"))?;
         }
+        let mut models = HashSet::new();
+        for (i, model) in self.models.iter().enumerate() {
+            let unique = !model.name.is_empty() && models.insert(model.name.as_str());
+            check(unique, &format!("models[{i}].name"), &format!("{:?} is empty or listed twice", model.name))?;
+        }
+        check(
+            self.models.is_empty() || self.tokenizer.is_some(),
+            "tokenizer",
+            "needed with models: the tokenizer of every model not listed there",
+        )?;
         check(self.fallback_endpoints <= 16, "fallback_endpoints", "at most 16 (a retry per endpoint)")?;
         check(self.listen_threads != Some(0), "listen_threads", "must be at least 1")?;
         // Two listeners on port 0 get two ports.
@@ -369,6 +389,11 @@ pods:
                 "\"https://x/m\" is not an http://",
             ),
             ("pods:\n  - {name: a, address: '1.2.3.4:5', role: router}\n", "router"),
+            ("models: [{name: m, tokenizer: /t}]\npods: [{name: a, address: '1.2.3.4:5'}]\n", "needed with models"),
+            (
+                "tokenizer: /t\nmodels: [{name: m, tokenizer: /t}, {name: m, tokenizer: /u}]\npods: [{name: a, address: '1.2.3.4:5'}]\n",
+                "models[1].name",
+            ),
             ("traces: {otlp_endpoint: 'collector:4317'}\npods: [{name: a, address: '1.2.3.4:5'}]\n", "not an http://"),
             (
                 "traces: {otlp_endpoint: 'http://c:4317', sample_ratio: 2}\npods: [{name: a, address: '1.2.3.4:5'}]\n",

@@ -26,10 +26,10 @@ use crate::admission::Queue;
 use crate::config::{Config, Role};
 use crate::engine_pages::PodAdapters;
 use crate::metrics::Metrics;
+use crate::prompt::ModelTokenizers;
 use ahash::AHashMap;
 use kvgate_routing::pod_set::{PodId, PodMap, PodSet};
 use kvgate_routing::router::{ModelId, Router};
-use kvgate_tokenize::Tokenizer;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, TryLockError};
@@ -136,7 +136,7 @@ impl Core {
 pub struct Scorer {
     pub config: Config,
     pub metrics: Metrics,
-    tokenizer: Tokenizer,
+    tokenizers: ModelTokenizers,
     core: Mutex<Core>,
     /// Tokens per KV block requests are hashed in (the router's), read without the lock.
     block_size: AtomicUsize,
@@ -180,7 +180,7 @@ impl Scorer {
     /// Builds the scorer, with the configured pods. Without a real tokenizer every pod is
     /// indexed approximately: the fallback's token ids are not the engines', so their events
     /// could never match.
-    pub fn new(config: Config, tokenizer: Tokenizer) -> Self {
+    pub fn new(config: Config, tokenizers: impl Into<ModelTokenizers>) -> Self {
         let mut router = Router::new(&config.router_config());
         if config.sync.is_some() {
             router.share_bookings();
@@ -190,7 +190,7 @@ impl Scorer {
         let core = Core { router, block_size_from, pods: PodMap::default(), by_address: AHashMap::new() };
         let mut scorer = Self {
             metrics: Metrics::new(),
-            tokenizer,
+            tokenizers: tokenizers.into(),
             core: Mutex::new(core),
             block_size,
             started: Instant::now(),
@@ -226,7 +226,7 @@ impl Scorer {
     /// id the router gave it. `has_events`: it publishes KV events, so it is indexed precisely
     /// when the tokenizer is exact (the fallback's token ids could never match an engine's).
     pub fn add_pod(&self, name: &str, address: SocketAddr, role: Role, has_events: bool, scraped: bool) -> PodId {
-        let precise = has_events && self.tokenizer.is_exact();
+        let precise = has_events && self.tokenizers.is_exact();
         let mut core = self.lock();
         let id = core.router.add_pod(role, precise);
         let address_text = address.to_string();
@@ -415,7 +415,7 @@ mod tests {
 
     /// A scorer of configuration `yaml`, without an exact tokenizer.
     fn scorer_of(yaml: &str) -> Scorer {
-        Scorer::new(Config::parse(yaml).unwrap(), Tokenizer::fallback())
+        Scorer::new(Config::parse(yaml).unwrap(), kvgate_tokenize::Tokenizer::fallback())
     }
 
     /// A scrape that answered, stating the engine's start time and block size when given.

@@ -120,7 +120,7 @@ impl Scorer {
         self.set_pool_gauges(&views, waits);
         self.metrics.index_entries.with_label_values(&["block_pod_entries"]).set(entries as f64);
         self.metrics.index_entries.with_label_values(&["distinct_blocks"]).set(distinct as f64);
-        if let Some(stats) = self.tokenizer.segment_cache_stats() {
+        if let Some(stats) = self.tokenizers.default_tokenizer().segment_cache_stats() {
             for (outcome, total) in [("hit", stats.hits), ("miss", stats.misses)] {
                 let counter = self.metrics.tokenizer_cache_pieces.with_label_values(&[outcome]);
                 counter.inc_by(total.saturating_sub(counter.get()));

@@ -7,7 +7,8 @@
 use kvgate_e2e::collector::Collector;
 use kvgate_e2e::path::Path;
 use kvgate_test_harness::{
-    EnvoyProcess, ScorerProcess, Sim, envoy_validate, filter_native, filter_wasm, qwen3_tokenizer, root, text,
+    EnvoyProcess, ScorerProcess, Sim, envoy_validate, filter_native, filter_wasm, llama3_tokenizer, qwen3_tokenizer,
+    root, text,
 };
 use serde_json::{Value, json};
 use std::time::{Duration, Instant};
@@ -63,6 +64,7 @@ on_every_path!(
         each_request_is_one_trace_with_the_decision_under_the_gateways_span,
         sampled_at_one_percent_about_one_percent_of_requests_are_traced_whole,
         a_scorer_without_traces_exports_nothing_though_the_gateway_traces,
+        two_models_go_each_to_its_pods_tokenized_by_its_own_tokenizer,
     ],
     alone: [a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable],
 );
@@ -116,6 +118,13 @@ async fn stack_at(
         args.extend_from_slice(pod_args);
         pods.push(Sim::start(&format!("pod-{i}"), &args).await);
     }
+    stack_of(path, pods, envoy_flags, extra).await
+}
+
+/// A scorer (the Qwen3 tokenizer by default, with `extra` configuration) and Envoy in front
+/// of `pods`.
+async fn stack_of(path: Path, pods: Vec<Sim>, envoy_flags: &[&str], extra: &str) -> Stack {
+    let tokenizer = qwen3_tokenizer();
     let mut config = format!(
         "tokenizer: {}\nhealth: {{scrape_interval_ms: 200, unhealthy_after: 2}}\n{}{extra}pods:\n",
         tokenizer.display(),
@@ -1239,4 +1248,57 @@ async fn a_scorer_without_traces_exports_nothing_though_the_gateway_traces(path:
     assert_eq!(gateway_traces(&spans), n, "the gateway traced every request");
     assert!(spans.iter().all(|s| s.service == "kvgate-gateway"), "kvgate exported: {spans:#?}");
     assert_eq!(path.failed_open(&envoy).await, 0, "every request decided");
+}
+
+async fn two_models_go_each_to_its_pods_tokenized_by_its_own_tokenizer(path: Path) {
+    const LLAMA: &str = "meta-llama/Llama-3.1-8B-Instruct";
+    let (qwen, llama) = (qwen3_tokenizer(), llama3_tokenizer());
+    let mut pods = Vec::new();
+    for (i, (model, tokenizer)) in [(MODEL, &qwen), (MODEL, &qwen), (LLAMA, &llama), (LLAMA, &llama)].iter().enumerate()
+    {
+        let args = ["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", "0.02", "--model", model];
+        pods.push(Sim::start(&format!("pod-{i}"), &args).await);
+    }
+    let models = format!("models: [{{name: '{LLAMA}', tokenizer: '{}'}}]\n", llama.display());
+    let s = stack_of(path, pods, &[], &models).await;
+    for p in &s.pods {
+        s.scorer.wait_pod(&p.pod_id, Duration::from_secs(10), |v| !v["models"].is_null()).await;
+    }
+    let serves = |model: &str, pod: &str| (model == MODEL) == (pod == "pod-0" || pod == "pod-1");
+    // Conversations of each model, each with a long system prompt of its own: every turn
+    // on a pod serving its model, and after the first on the pod holding its prefix, which
+    // serves it from its cache — kvgate credited it in the model's own tokens.
+    for (c, model) in [MODEL, LLAMA, MODEL, LLAMA].iter().enumerate() {
+        let system = text(&format!("conversation {c} of two models"), 400);
+        let mut first = None;
+        for turn in 0..3 {
+            let mut body = chat(&system, &format!("turn {turn}"), turn % 2 == 0);
+            body["model"] = json!(model);
+            let a = send(&s.envoy, "/v1/chat/completions", &body, &[]).await;
+            assert_eq!(a.status, 200, "{}", a.body);
+            let pod = a.pod.clone().unwrap();
+            assert!(serves(model, &pod), "{model} sent to {pod}");
+            match &first {
+                None => first = Some(pod),
+                Some(held) => {
+                    assert_eq!(&pod, held, "{model}: turn {turn} away from the pod holding its prefix");
+                    assert!(cached_tokens(&a) >= 300, "{model} turn {turn}: {} cached", cached_tokens(&a));
+                }
+            }
+        }
+    }
+    // The prompt tokens the scorer counts are each model's own: its pods' count, and the
+    // Llama 3 tokenizer splits this text otherwise than Qwen3's.
+    let prompt = text("count me", 200);
+    let mut counts = Vec::new();
+    for (model, pod) in [(MODEL, &s.pods[0]), (LLAMA, &s.pods[2])] {
+        let body = json!({"model": model, "prompt": prompt, "max_tokens": 1});
+        let (status, routed) = s.scorer.route("/v1/completions", &format!("count-{}", pod.pod_id), &body, false).await;
+        assert_eq!(status, 200, "{routed}");
+        assert!(serves(model, routed["pod"].as_str().unwrap()), "{routed}");
+        assert_eq!(routed["prompt_tokens"], pod.tokenize(&prompt).await.len(), "{model}: {routed}");
+        counts.push(routed["prompt_tokens"].clone());
+    }
+    assert_ne!(counts[0], counts[1]);
+    assert_eq!(s.failed_open().await, 0);
 }

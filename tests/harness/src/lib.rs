@@ -65,6 +65,11 @@ pub fn qwen3_tokenizer() -> PathBuf {
     required(path, "the Qwen3 tokenizer")
 }
 
+/// The real Llama 3 `tokenizer.json` fetched by `make setup` (a second model's).
+pub fn llama3_tokenizer() -> PathBuf {
+    required(root().join(".kvgate/tokenizers/llama3/tokenizer.json"), "the Llama 3 tokenizer")
+}
+
 /// The target directory's folder of the running test's profile (`target/<profile>`, wherever
 /// `CARGO_TARGET_DIR` puts it).
 fn profile_dir() -> PathBuf {
