@@ -117,6 +117,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(pool) = scorer.config.discovery.inference_pool.clone() {
         tracing::info!(namespace = %pool.namespace, pool = %pool.name, "discovering the pods of an InferencePool");
+        if pool.inference_objectives {
+            tokio::spawn(discovery::inference_pool::run_objectives(scorer.clone(), pool.clone()));
+        }
         tokio::spawn(discovery::inference_pool::run(scorer.clone(), pool));
     }
     for dns in scorer.config.discovery.dns.clone() {

@@ -43,6 +43,7 @@ pub struct Metrics {
     pub admission_waiting: GaugeVec,
     pub admission_wait_seconds: HistogramVec,
     pub admission_refused: IntCounterVec,
+    pub objectives_unknown: IntCounter,
     pub engine_restarts: IntCounterVec,
     pub output_tokens: IntCounter,
     pub scrape_failures: IntCounterVec,
@@ -285,6 +286,11 @@ impl Metrics {
                 "admission_refused_total",
                 "Requests refused for overload (429), by why (sheddable, queue_full, deadline) and priority.",
                 &["reason", "priority"],
+            ),
+            objectives_unknown: r.counter(
+                "objectives_unknown_total",
+                "Requests naming an objective that neither the pool's InferenceObjectives nor admission.objectives \
+                 define (given the default priority).",
             ),
             engine_restarts: r.counters(
                 "engine_restarts_total",

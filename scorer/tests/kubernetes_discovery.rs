@@ -79,7 +79,11 @@ fn list_or_watch(state: &Shared, resource: &'static str, list_kind: &str, q: &Ha
         return ([("content-type", "application/json")], Body::from_stream(stream)).into_response();
     }
     c.lists += 1;
-    let api_version = if resource == "pods" { "v1" } else { "inference.networking.k8s.io/v1" };
+    let api_version = match resource {
+        "pods" => "v1",
+        "inferenceobjectives" => "inference.networking.x-k8s.io/v1alpha2",
+        _ => "inference.networking.k8s.io/v1",
+    };
     let list = json!({"apiVersion": api_version, "kind": list_kind,
         "metadata": {"resourceVersion": version.to_string()},
         "items": c.objects.values().filter(|o| selected(o, &labels)).cloned().collect::<Vec<_>>()});
@@ -94,6 +98,10 @@ async fn pools(State(state): State<Shared>, Query(q): Query<HashMap<String, Stri
     list_or_watch(&state, "inferencepools", "InferencePoolList", &q)
 }
 
+async fn objectives(State(state): State<Shared>, Query(q): Query<HashMap<String, String>>) -> Response {
+    list_or_watch(&state, "inferenceobjectives", "InferenceObjectiveList", &q)
+}
+
 struct ApiServer {
     url: String,
     state: Shared,
@@ -105,6 +113,10 @@ impl ApiServer {
         let app = Router::new()
             .route("/api/v1/namespaces/inference/pods", get(pods))
             .route("/apis/inference.networking.k8s.io/v1/namespaces/inference/inferencepools", get(pools))
+            .route(
+                "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/inference/inferenceobjectives",
+                get(objectives),
+            )
             .with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -401,4 +413,59 @@ fn a_pools_ranks_publish_on_offset_ports() {
     assert!(inference_pool::pool_spec(&broken).unwrap_err().contains("matchLabels"));
     broken = pool("x", &[]);
     assert!(inference_pool::pool_spec(&broken).unwrap_err().contains("targetPorts"));
+}
+
+/// An InferenceObjective of `pool` (`priority` unset when `None`), as the llm-d router's CRD
+/// (`inference.networking.x-k8s.io/v1alpha2`) shapes it.
+fn objective(name: &str, pool: &str, priority: Option<i64>) -> Value {
+    let mut spec = json!({"poolRef": {"name": pool}});
+    if let Some(priority) = priority {
+        spec["priority"] = json!(priority);
+    }
+    json!({"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceObjective",
+        "metadata": {"name": name, "namespace": "inference", "uid": format!("uid-{name}"), "generation": 1,
+            "creationTimestamp": "2026-11-27T17:00:00Z"},
+        "spec": spec})
+}
+
+#[tokio::test]
+async fn the_pools_inference_objectives_set_priorities_as_they_change() {
+    let api = ApiServer::start().await;
+    api.put_in("inferenceobjectives", objective("critical", "vllm-pool", Some(10)), true);
+    api.put_in("inferenceobjectives", objective("batch", "vllm-pool", Some(-1)), true);
+    api.put_in("inferenceobjectives", objective("elsewhere", "another-pool", Some(50)), true);
+    api.put_in("inferenceobjectives", objective("unset", "vllm-pool", None), true);
+    let yaml = format!(
+        "admission: {{max_waiting: 1, objectives: {{critical: 1, legacy: 3}}, default_priority: 2}}\n\
+         discovery:\n  inference_pool: {{namespace: inference, name: vllm-pool, inference_objectives: true, api_server: '{}'}}\n",
+        api.url
+    );
+    let config = Config::parse(&yaml).unwrap();
+    let scorer = Arc::new(Scorer::new(config.clone(), Tokenizer::fallback()));
+    tokio::spawn(inference_pool::run_objectives(scorer.clone(), config.discovery.inference_pool.unwrap()));
+    let wait_priority = |objective: &'static str, want: i32| {
+        let scorer = scorer.clone();
+        async move {
+            let start = Instant::now();
+            while scorer.priority(Some(objective)) != want {
+                assert!(start.elapsed() < Duration::from_secs(5), "{objective}: {}", scorer.priority(Some(objective)));
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            start.elapsed()
+        }
+    };
+    // The pool's objectives over the configuration's; unset is 0; another pool's are not ours.
+    wait_priority("critical", 10).await;
+    let unknown_before = scorer.metrics.objectives_unknown.get();
+    let priorities: Vec<i32> =
+        [Some("batch"), Some("unset"), Some("legacy"), None, Some("elsewhere")].map(|o| scorer.priority(o)).into();
+    assert_eq!(priorities, [-1, 0, 3, 2, 2]);
+    assert_eq!(scorer.metrics.objectives_unknown.get(), unknown_before + 1, "an unknown objective is counted");
+    // Changed and deleted in the API server: applied within a second, without a restart.
+    api.put_in("inferenceobjectives", objective("critical", "vllm-pool", Some(20)), false);
+    assert!(wait_priority("critical", 20).await < Duration::from_secs(1));
+    api.delete_in("inferenceobjectives", "batch", false);
+    assert!(wait_priority("batch", 2).await < Duration::from_secs(1), "deleted: the default");
+    api.put_in("inferenceobjectives", objective("elsewhere", "vllm-pool", Some(7)), false);
+    assert!(wait_priority("elsewhere", 7).await < Duration::from_secs(1), "moved to this pool");
 }

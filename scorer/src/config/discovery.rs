@@ -42,6 +42,13 @@ pub struct InferencePoolDiscovery {
     pub role_label: String,
     /// The API server; by default the in-cluster service account (or `KUBECONFIG`).
     pub api_server: Option<ApiServer>,
+    /// Also watch the namespace's `InferenceObjective`s (`inference.networking.x-k8s.io/
+    /// v1alpha2`) whose `poolRef` names this pool: the objective a request names in
+    /// `x-gateway-inference-objective` gets its `priority` (unset: 0) in admission, ahead of
+    /// `admission.objectives`; a change applies at once. Needs get/list/watch on
+    /// inferenceobjectives, and the CRD installed.
+    #[serde(default)]
+    pub inference_objectives: bool,
 }
 
 /// Pods from the Kubernetes API: those matching `label_selector` in `namespace` that are

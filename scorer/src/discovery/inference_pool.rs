@@ -18,6 +18,7 @@ use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -78,6 +79,61 @@ pub fn endpoints(pod: &Pod, spec: &PoolSpec, config: &InferencePoolDiscovery) ->
             (SocketAddr::new(ip, port), DiscoveredPod { role, endpoints, slowness })
         })
         .collect()
+}
+
+/// An InferenceObjective's priority, if it is one of `pool`'s (its `spec.poolRef` names that
+/// InferencePool); unset, 0.
+pub fn objective_priority(objective: &serde_json::Value, pool: &str) -> Option<i32> {
+    let pool_ref = objective.pointer("/spec/poolRef")?;
+    let field = |name: &str, default: &'static str| pool_ref.get(name).and_then(|v| v.as_str()).unwrap_or(default);
+    let ours = pool_ref.get("name").and_then(|v| v.as_str()) == Some(pool)
+        && field("kind", "InferencePool") == "InferencePool"
+        && field("group", "inference.networking.k8s.io") == "inference.networking.k8s.io";
+    let priority = objective.pointer("/spec/priority").and_then(|p| p.as_i64());
+    ours.then(|| priority.and_then(|p| i32::try_from(p).ok()).unwrap_or(0))
+}
+
+fn objective_resource() -> ApiResource {
+    let gvk = GroupVersionKind::gvk("inference.networking.x-k8s.io", "v1alpha2", "InferenceObjective");
+    ApiResource::from_gvk_with_plural(&gvk, "inferenceobjectives")
+}
+
+/// Follows the InferenceObjectives of the pool in its namespace until the process stops: the
+/// scorer's admission takes their priorities as they change.
+pub async fn run_objectives(scorer: Arc<Scorer>, config: InferencePoolDiscovery) {
+    let source = format!("inference_objectives:{}/{}", config.namespace, config.name);
+    let client = kubernetes::client(&scorer, config.api_server.as_ref(), &source).await;
+    let api: Api<DynamicObject> = Api::namespaced_with(client, &config.namespace, &objective_resource());
+    let mut events = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
+    // By object name; a relist builds the next one whole.
+    let (mut objectives, mut relisted) = (BTreeMap::new(), None::<BTreeMap<String, i32>>);
+    let file = |map: &mut BTreeMap<String, i32>, object: &DynamicObject| {
+        let name = object.metadata.name.clone().unwrap_or_default();
+        match objective_priority(&object.data, &config.name) {
+            Some(priority) => map.insert(name, priority),
+            None => map.remove(&name),
+        };
+    };
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(Event::Init) => relisted = Some(BTreeMap::new()),
+            Ok(Event::InitApply(object)) => file(relisted.get_or_insert_default(), &object),
+            Ok(Event::InitDone) => objectives = relisted.take().unwrap_or_default(),
+            Ok(Event::Apply(object)) => file(&mut objectives, &object),
+            Ok(Event::Delete(object)) => {
+                objectives.remove(object.metadata.name.as_deref().unwrap_or_default());
+            }
+            Err(e) => {
+                scorer.metrics.discovery_errors.with_label_values(&[&source]).inc();
+                tracing::warn!(%source, "InferenceObjective watch failed ({e}); retrying, priorities kept");
+                continue;
+            }
+        }
+        if relisted.is_none() {
+            tracing::info!(%source, ?objectives, "the pool's objectives");
+            scorer.set_pool_objectives(objectives.clone());
+        }
+    }
 }
 
 /// The pool's resource, for the dynamic API.

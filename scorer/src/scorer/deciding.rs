@@ -11,6 +11,7 @@ use kvgate_routing::adapters::AdapterId;
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::pod_set::{PodId, PodSet};
 use kvgate_routing::router::{ModelId, RouteRequest, Unroutable};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -257,8 +258,7 @@ impl Scorer {
         let (Some(queue), Some(admission)) = (&self.queue, &self.config.admission) else {
             return self.decide(request_id, prepared, limits);
         };
-        let priority =
-            objective.and_then(|o| admission.objectives.get(o)).copied().unwrap_or(admission.default_priority);
+        let priority = self.priority(objective);
         let arrived = Instant::now();
         let deadline = tokio::time::Instant::now() + std::time::Duration::from_millis(admission.max_wait_ms);
         let retry_after_seconds = admission.max_wait_ms.div_ceil(1000).max(1);
@@ -312,6 +312,24 @@ impl Scorer {
                 }
             }
         }
+    }
+
+    /// The admission priority of a request naming `objective`: the pool's InferenceObjective
+    /// of that name, else `admission.objectives`'; the default for none, and for an unknown
+    /// one (counted). 0 without admission.
+    pub fn priority(&self, objective: Option<&str>) -> i32 {
+        let Some(admission) = &self.config.admission else { return 0 };
+        let Some(name) = objective else { return admission.default_priority };
+        let pool = self.pool_objectives.read().unwrap_or_else(|e| e.into_inner()).get(name).copied();
+        pool.or_else(|| admission.objectives.get(name).copied()).unwrap_or_else(|| {
+            self.metrics.objectives_unknown.inc();
+            admission.default_priority
+        })
+    }
+
+    /// The pool's InferenceObjectives (name → priority), as the API server has them now.
+    pub fn set_pool_objectives(&self, objectives: BTreeMap<String, i32>) {
+        *self.pool_objectives.write().unwrap_or_else(|e| e.into_inner()) = objectives;
     }
 
     /// Requests waiting in the admission queue now (not counting those being answered).

@@ -158,6 +158,9 @@ pub struct Scorer {
     /// Readiness changed by something other than the fleet (draining): the picker's health
     /// reporter looks at once.
     pub readiness_changed: tokio::sync::Notify,
+    /// The pool's InferenceObjectives by name: their priorities (with
+    /// `discovery.inference_pool.inference_objectives`).
+    pool_objectives: RwLock<std::collections::BTreeMap<String, i32>>,
     /// The decisions' spans (with `traces`; started by the process, in its runtime).
     pub traces: Option<crate::traces::Traces>,
 }
@@ -202,6 +205,7 @@ impl Scorer {
             draining: AtomicBool::new(false),
             adapter_names: RwLock::new(config.lora_adapters.clone()),
             readiness_changed: tokio::sync::Notify::new(),
+            pool_objectives: RwLock::default(),
             traces: None,
             config,
         };

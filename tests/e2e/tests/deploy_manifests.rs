@@ -371,6 +371,15 @@ fn the_inference_pool_names_kvgates_picker_and_the_pieces_agree() {
         spec["targetPorts"].as_array().unwrap().iter().map(|p| p["number"].as_u64().unwrap()).collect();
     assert_eq!(ports.iter().collect::<std::collections::BTreeSet<_>>().len(), ports.len());
 
+    // The example objectives pass their CRD's schema and name this pool.
+    let objectives_crd = "gie/inference.networking.x-k8s.io_inferenceobjectives.yaml";
+    let report =
+        validate_by_crd(objectives_crd, &[deploy("gateway-api/objectives.yaml")]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(report.contains("valid: InferenceObjective/interactive"), "{report}");
+    for objective in documents("gateway-api/objectives.yaml") {
+        assert_eq!(objective["spec"]["poolRef"]["name"], pool["metadata"]["name"]);
+    }
+
     // The picker's configuration: the scorer's parser accepts it, it serves the port the pool
     // names, and it discovers exactly this pool.
     let config = Config::parse(&read("gateway-api/scorer.yaml")).expect("the scorer's parser accepts it");
@@ -395,7 +404,12 @@ fn the_inference_pool_names_kvgates_picker_and_the_pieces_agree() {
     let selector = service["spec"]["selector"].as_object().unwrap();
     assert!(selector.iter().all(|(k, v)| &labels[k] == v), "the Service selects the picker's pods");
     let rules = &find(&epp_docs, "Role", "kvgate-epp")["rules"];
-    for (group, resource) in [("", "pods"), ("inference.networking.k8s.io", "inferencepools")] {
+    let watched = [
+        ("", "pods"),
+        ("inference.networking.k8s.io", "inferencepools"),
+        ("inference.networking.x-k8s.io", "inferenceobjectives"),
+    ];
+    for (group, resource) in watched {
         assert!(
             rules.as_array().unwrap().iter().any(|r| r["apiGroups"][0] == group && r["resources"][0] == resource),
             "the picker may watch {resource}"
