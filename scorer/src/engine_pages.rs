@@ -10,8 +10,9 @@ use serde::Serialize;
 pub struct ModelsServed {
     /// Every model a request may name there: its base models and the adapters loaded.
     pub models: Vec<String>,
-    /// Of those, the LoRA adapters: the models with a `parent` (the base model they adapt).
-    pub adapters: Vec<String>,
+    /// Of those, the LoRA adapters: the models with a `parent`, the base model they adapt
+    /// (adapter, base).
+    pub adapters: Vec<(String, String)>,
 }
 
 /// The models of a `/v1/models` answer; `None` when the page is not one.
@@ -27,7 +28,7 @@ pub fn models_served(text: &str) -> Option<ModelsServed> {
         parent: Option<String>,
     }
     let listed = serde_json::from_str::<Models>(text).ok()?.data;
-    let adapters = listed.iter().filter(|m| m.parent.is_some()).map(|m| m.id.clone()).collect();
+    let adapters = listed.iter().filter_map(|m| Some((m.id.clone(), m.parent.clone()?))).collect();
     Some(ModelsServed { models: listed.into_iter().map(|m| m.id).collect(), adapters })
 }
 
@@ -150,7 +151,7 @@ mod tests {
             {"id":"tiny-sql","object":"model","root":"/m/adapter","parent":"kvgate/qwen3-tiny","max_model_len":null}]}"#;
         let served = models_served(text).unwrap();
         assert_eq!(served.models, vec!["kvgate/qwen3-tiny".to_string(), "tiny-sql".to_string()]);
-        assert_eq!(served.adapters, vec!["tiny-sql".to_string()]);
+        assert_eq!(served.adapters, vec![("tiny-sql".to_string(), "kvgate/qwen3-tiny".to_string())]);
         let base_only = models_served(r#"{"object":"list","data":[{"id":"m"}]}"#).unwrap();
         assert!(base_only.adapters.is_empty() && base_only.models == ["m"], "a base model only");
         assert_eq!(models_served("<html>"), None);

@@ -97,7 +97,7 @@ impl PickingService for Picker {
     /// it relays); false if it named no booking.
     fn report(&self, report: &LifecycleReport) -> bool {
         if let Some(traces) = &self.scorer.traces {
-            traces.report(report);
+            traces.reports(std::slice::from_ref(report));
         }
         self.scorer.report(report)
     }
@@ -147,7 +147,7 @@ impl Picker {
     /// Applies a proxy's batch of lifecycle reports; returns how many named no booking.
     pub fn report_batch(&self, reports: &[LifecycleReport]) -> usize {
         if let Some(traces) = &self.scorer.traces {
-            reports.iter().for_each(|report| traces.report(report));
+            traces.reports(reports);
         }
         self.scorer.lifecycle(reports)
     }

@@ -68,10 +68,13 @@ impl ModelTokenizers {
         self.by_model.push((model.to_string(), tokenizer));
     }
 
-    /// The tokenizer of a request naming `model`.
-    pub fn of(&self, model: Option<&str>) -> &Tokenizer {
-        let named = model.and_then(|model| self.by_model.iter().find(|(name, _)| name == model));
-        named.map_or(&self.default, |(_, tokenizer)| tokenizer)
+    /// The tokenizer of a request naming `model`: its own, else (an adapter) its base
+    /// model's, else the default.
+    pub fn of(&self, model: Option<&str>, adapters: &Adapters) -> &Tokenizer {
+        let listed = |model: &str| self.by_model.iter().find(|(name, _)| name == model).map(|(_, t)| t);
+        let own = model.and_then(listed);
+        let base = || model.and_then(|m| adapters.base_of(m)).and_then(listed);
+        own.or_else(base).unwrap_or(&self.default)
     }
 
     /// Every tokenizer tokenizes as its engines do (none is the estimate).
@@ -81,6 +84,44 @@ impl ModelTokenizers {
 
     pub fn default_tokenizer(&self) -> &Tokenizer {
         &self.default
+    }
+}
+
+/// The LoRA adapters known: configured, and learned from the engines, with the base model
+/// each adapts where its engine said (`/v1/models`' `parent`).
+#[derive(Debug, Default)]
+pub struct Adapters {
+    names: Vec<String>,
+    bases: Vec<(String, String)>,
+}
+
+impl Adapters {
+    pub fn new(names: Vec<String>) -> Self {
+        Self { names, bases: Vec::new() }
+    }
+
+    pub fn is_adapter(&self, model: &str) -> bool {
+        self.names.iter().any(|n| n == model)
+    }
+
+    /// The base model `adapter` adapts, if an engine said.
+    pub fn base_of(&self, adapter: &str) -> Option<&str> {
+        self.bases.iter().find(|(name, _)| name == adapter).map(|(_, base)| base.as_str())
+    }
+
+    /// Whether learning `name` (with its `base`, if known) would change what is known.
+    pub fn is_news(&self, name: &str, base: Option<&str>) -> bool {
+        !self.is_adapter(name) || base.is_some_and(|base| self.base_of(name) != Some(base))
+    }
+
+    pub fn learn(&mut self, name: &str, base: Option<&str>) {
+        if !self.is_adapter(name) {
+            self.names.push(name.to_string());
+        }
+        if let Some(base) = base {
+            self.bases.retain(|(n, _)| n != name);
+            self.bases.push((name.to_string(), base.to_string()));
+        }
     }
 }
 
@@ -98,7 +139,7 @@ pub fn extract(
     tokenizers: &ModelTokenizers,
     api: Api,
     body: &[u8],
-    lora_adapters: &[String],
+    adapters: &Adapters,
 ) -> Result<PromptInfo, PromptError> {
     if !starts_as_object(body) {
         return Err(PromptError(NOT_AN_OBJECT.into()));
@@ -108,7 +149,7 @@ pub fn extract(
     match api {
         Api::Completions => {
             let mut body: Body = parse(body)?;
-            let tokenizer = tokenizers.of(body.model.as_deref());
+            let tokenizer = tokenizers.of(body.model.as_deref(), adapters);
             let add_special = body.add_special_tokens.unwrap_or(true);
             let tokens = match body.prompt.take() {
                 None => return Err(PromptError("'prompt' is required".into())),
@@ -125,11 +166,11 @@ pub fn extract(
                     lists.swap_remove(0)
                 }
             };
-            body.info(tokens, lora_adapters)
+            body.info(tokens, adapters)
         }
         Api::ChatCompletions => {
             let mut body: Body = parse(body)?;
-            let tokenizer = tokenizers.of(body.model.as_deref());
+            let tokenizer = tokenizers.of(body.model.as_deref(), adapters);
             let messages = body.messages.take().ok_or_else(|| PromptError("'messages' is required".into()))?;
             let options = ChatOptions {
                 add_generation_prompt: body.add_generation_prompt.unwrap_or(!body.continue_final_message),
@@ -140,28 +181,32 @@ pub fn extract(
             };
             let text = tokenizer.render_chat(&messages, &options).map_err(to_request_error)?;
             let tokens = encode(tokenizer, &text, body.add_special_tokens.unwrap_or(false))?;
-            body.info(tokens, lora_adapters)
+            body.info(tokens, adapters)
         }
         Api::Messages => {
             let request: MessagesRequest = parse(body)?;
-            let tokens =
-                tokenizers.of(Some(&request.model)).encode_messages_request(&request).map_err(to_request_error)?;
+            let tokens = tokenizers
+                .of(Some(&request.model), adapters)
+                .encode_messages_request(&request)
+                .map_err(to_request_error)?;
             let max_tokens = u32::try_from(request.max_tokens).unwrap_or(u32::MAX);
-            info(tokens, Some(request.model), request.cache_salt, Some(max_tokens), lora_adapters)
+            info(tokens, Some(request.model), request.cache_salt, Some(max_tokens), adapters)
         }
         Api::Responses => {
             let request: ResponsesRequest = parse(body)?;
-            let tokens =
-                tokenizers.of(request.model.as_deref()).encode_responses_request(&request).map_err(to_request_error)?;
-            info(tokens, request.model, request.cache_salt, request.max_output_tokens, lora_adapters)
+            let tokens = tokenizers
+                .of(request.model.as_deref(), adapters)
+                .encode_responses_request(&request)
+                .map_err(to_request_error)?;
+            info(tokens, request.model, request.cache_salt, request.max_output_tokens, adapters)
         }
     }
 }
 
 impl Body {
     /// What routing needs, the prompt's `tokens` given.
-    fn info(self, tokens: Vec<u32>, lora_adapters: &[String]) -> Result<PromptInfo, PromptError> {
-        info(tokens, self.model, self.cache_salt, self.max_completion_tokens.or(self.max_tokens), lora_adapters)
+    fn info(self, tokens: Vec<u32>, adapters: &Adapters) -> Result<PromptInfo, PromptError> {
+        info(tokens, self.model, self.cache_salt, self.max_completion_tokens.or(self.max_tokens), adapters)
     }
 }
 
@@ -177,12 +222,12 @@ fn info(
     model: Option<String>,
     cache_salt: Option<String>,
     max_output_tokens: Option<u32>,
-    lora_adapters: &[String],
+    adapters: &Adapters,
 ) -> Result<PromptInfo, PromptError> {
     if tokens.is_empty() {
         return Err(PromptError("the prompt is empty".into()));
     }
-    let lora_name = model.as_ref().filter(|m| lora_adapters.contains(m)).cloned();
+    let lora_name = model.as_ref().filter(|m| adapters.is_adapter(m)).cloned();
     Ok(PromptInfo { tokens, model, lora_name, cache_salt, max_output_tokens })
 }
 
@@ -195,7 +240,24 @@ mod tests {
     use super::*;
 
     fn fallback(api: Api, body: &str) -> Result<PromptInfo, PromptError> {
-        extract(&ModelTokenizers::new(Tokenizer::fallback()), api, body.as_bytes(), &["sql".to_string()])
+        extract(&ModelTokenizers::new(Tokenizer::fallback()), api, body.as_bytes(), &Adapters::new(vec!["sql".into()]))
+    }
+
+    #[test]
+    fn each_model_has_its_tokenizer_and_an_adapter_its_base_models() {
+        let mut tokenizers = ModelTokenizers::new(Tokenizer::fallback());
+        tokenizers.add("llama", Tokenizer::fallback());
+        let mut adapters = Adapters::new(vec!["sql".into()]);
+        let (default, llama) = (tokenizers.default_tokenizer(), tokenizers.of(Some("llama"), &adapters));
+        assert!(!std::ptr::eq(default, llama));
+        assert!(std::ptr::eq(tokenizers.of(None, &adapters), default));
+        assert!(std::ptr::eq(tokenizers.of(Some("qwen"), &adapters), default), "not listed: the default");
+        assert!(std::ptr::eq(tokenizers.of(Some("sql"), &adapters), default), "its base not known yet");
+        assert!(adapters.is_news("sql", Some("llama")) && !adapters.is_news("sql", None));
+        adapters.learn("sql", Some("llama"));
+        assert!(!adapters.is_news("sql", Some("llama")) && adapters.is_news("sql", Some("qwen")));
+        assert!(std::ptr::eq(tokenizers.of(Some("sql"), &adapters), llama), "an adapter of llama");
+        assert!(adapters.is_adapter("sql") && !adapters.is_adapter("llama"));
     }
 
     #[test]

@@ -53,7 +53,7 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: MetricsUrl) {
         {
             models_read = Some(tokio::time::Instant::now());
             if let Some(served) = models_served(&text) {
-                served.adapters.iter().for_each(|name| scorer.learn_adapter(name));
+                served.adapters.iter().for_each(|(name, base)| scorer.learn_adapter(name, Some(base)));
                 scorer.served_models(pod, served.models);
             }
         }

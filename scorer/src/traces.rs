@@ -163,43 +163,45 @@ impl Traces {
         self.responses.lock().unwrap_or_else(|e| e.into_inner()).insert(booking.to_string(), open);
     }
 
-    /// A lifecycle report of a traced request: its first token noted, its end closes the span.
-    pub fn report(&self, report: &LifecycleReport) {
+    /// Lifecycle reports (a proxy's batch): a traced request's first token is noted, its end
+    /// closes its span. One lock for the batch; reports of requests not traced pass by.
+    pub fn reports(&self, reports: &[LifecycleReport]) {
         let mut responses = self.responses.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(open) = responses.get_mut(&report.request_id) else { return };
-        let at = SystemTime::now() - Duration::from_micros(report.age_us.map_or(0, u64::from));
-        if let Some(served) = &report.served {
-            open.served(served);
-        }
-        let outcome = match report.event {
-            LifecycleEvent::FirstToken => {
-                let ttft = at.duration_since(open.decided).unwrap_or_default();
-                open.span.set_attribute(seconds("kvgate.time_to_first_token_seconds", ttft));
-                open.span.add_event_with_timestamp("first_token", at, Vec::new());
-                return;
+        for report in reports {
+            let Some(open) = responses.get_mut(&report.request_id) else { continue };
+            let at = SystemTime::now() - Duration::from_micros(report.age_us.map_or(0, u64::from));
+            if let Some(served) = &report.served {
+                open.served(served);
             }
-            LifecycleEvent::PrefillDone => {
-                open.span.add_event_with_timestamp("prefill_done", at, Vec::new());
-                return;
+            let outcome = match report.event {
+                LifecycleEvent::FirstToken => {
+                    let ttft = at.duration_since(open.decided).unwrap_or_default();
+                    open.span.set_attribute(seconds("kvgate.time_to_first_token_seconds", ttft));
+                    open.span.add_event_with_timestamp("first_token", at, Vec::new());
+                    continue;
+                }
+                LifecycleEvent::PrefillDone => {
+                    open.span.add_event_with_timestamp("prefill_done", at, Vec::new());
+                    continue;
+                }
+                LifecycleEvent::Done => "done",
+                LifecycleEvent::Cancelled => "cancelled",
+                LifecycleEvent::ErrorStatus => "error_status",
+            };
+            let Some(mut open) = responses.remove(&report.request_id) else { continue };
+            open.span.set_attribute(KeyValue::new("kvgate.outcome", outcome));
+            if let Some(tokens) = report.output_tokens {
+                open.span.set_attribute(KeyValue::new("gen_ai.usage.output_tokens", i64::from(tokens)));
             }
-            LifecycleEvent::Done => "done",
-            LifecycleEvent::Cancelled => "cancelled",
-            LifecycleEvent::ErrorStatus => "error_status",
-        };
-        let Some(mut open) = responses.remove(&report.request_id) else { return };
-        drop(responses);
-        open.span.set_attribute(KeyValue::new("kvgate.outcome", outcome));
-        if let Some(tokens) = report.output_tokens {
-            open.span.set_attribute(KeyValue::new("gen_ai.usage.output_tokens", i64::from(tokens)));
+            if let Some(tokens) = report.cached_tokens {
+                open.span.set_attribute(KeyValue::new("kvgate.engine_cached_tokens", i64::from(tokens)));
+            }
+            if let Some(status) = report.status {
+                open.span.set_attribute(KeyValue::new("http.response.status_code", i64::from(status)));
+                open.span.set_status(Status::error(format!("the engine answered {status}")));
+            }
+            open.span.end_with_timestamp(at);
         }
-        if let Some(tokens) = report.cached_tokens {
-            open.span.set_attribute(KeyValue::new("kvgate.engine_cached_tokens", i64::from(tokens)));
-        }
-        if let Some(status) = report.status {
-            open.span.set_attribute(KeyValue::new("http.response.status_code", i64::from(status)));
-            open.span.set_status(Status::error(format!("the engine answered {status}")));
-        }
-        open.span.end_with_timestamp(at);
     }
 
     /// `address` served the booking's request (the picker learns it apart from the reports).

@@ -126,7 +126,7 @@ impl Scorer {
     /// before [`Scorer::decide`].
     pub fn prepare(&self, api: Api, body: &[u8]) -> Result<Prepared, PickError> {
         let t0 = Instant::now();
-        let adapters = self.adapter_names.read().unwrap_or_else(|e| e.into_inner());
+        let adapters = self.adapters.read().unwrap_or_else(|e| e.into_inner());
         let info = prompt::extract(&self.tokenizers, api, body, &adapters)?;
         drop(adapters);
         self.metrics.tokenize_seconds.with_label_values(&[api.label()]).observe(t0.elapsed().as_secs_f64());

@@ -26,7 +26,7 @@ use crate::admission::Queue;
 use crate::config::{Config, Role};
 use crate::engine_pages::PodAdapters;
 use crate::metrics::Metrics;
-use crate::prompt::ModelTokenizers;
+use crate::prompt::{Adapters, ModelTokenizers};
 use ahash::AHashMap;
 use kvgate_routing::pod_set::{PodId, PodMap, PodSet};
 use kvgate_routing::router::{ModelId, Router};
@@ -154,7 +154,7 @@ pub struct Scorer {
     draining: AtomicBool,
     /// The `model` names that are LoRA adapters: those configured, and those the pods named
     /// since (in their KV events and metrics).
-    adapter_names: RwLock<Vec<String>>,
+    adapters: RwLock<Adapters>,
     /// Readiness changed by something other than the fleet (draining): the picker's health
     /// reporter looks at once.
     pub readiness_changed: tokio::sync::Notify,
@@ -203,7 +203,7 @@ impl Scorer {
             static_pods: Vec::new(),
             started_up: AtomicBool::new(false),
             draining: AtomicBool::new(false),
-            adapter_names: RwLock::new(config.lora_adapters.clone()),
+            adapters: RwLock::new(Adapters::new(config.lora_adapters.clone())),
             readiness_changed: tokio::sync::Notify::new(),
             pool_objectives: RwLock::default(),
             traces: None,
@@ -373,16 +373,16 @@ impl Scorer {
         core.pods.get_mut(pod).models = Some(models);
     }
 
-    /// A pod named `name` as a LoRA adapter: its requests' blocks are hashed apart from now on.
-    pub fn learn_adapter(&self, name: &str) {
-        let known = |names: &Vec<String>| names.iter().any(|n| n == name);
-        if known(&self.adapter_names.read().unwrap_or_else(|e| e.into_inner())) {
+    /// A pod named `name` as a LoRA adapter (of `base`, where its engine said): its requests'
+    /// blocks are hashed apart from now on, tokenized as its base model's.
+    pub fn learn_adapter(&self, name: &str, base: Option<&str>) {
+        if !self.adapters.read().unwrap_or_else(|e| e.into_inner()).is_news(name, base) {
             return;
         }
-        let mut names = self.adapter_names.write().unwrap_or_else(|e| e.into_inner());
-        if !known(&names) {
-            tracing::info!(adapter = %name, "a pod serves LoRA adapter {name:?}: its requests are hashed apart");
-            names.push(name.to_string());
+        let mut adapters = self.adapters.write().unwrap_or_else(|e| e.into_inner());
+        if adapters.is_news(name, base) {
+            tracing::info!(adapter = %name, ?base, "a pod serves LoRA adapter {name:?}: its requests are hashed apart");
+            adapters.learn(name, base);
         }
     }
 

@@ -91,7 +91,7 @@ impl Scorer {
                     stored += s.block_hashes.len() as u64;
                     block_size = block_size.or((s.block_size > 0).then_some(s.block_size));
                     if let Some(adapter) = s.lora_name {
-                        self.learn_adapter(adapter);
+                        self.learn_adapter(adapter, None);
                     }
                 }
                 KvEvent::BlockRemoved { block_hashes, .. } => removed += block_hashes.len() as u64,
@@ -213,7 +213,7 @@ impl Scorer {
                     self.engine_block_size(core, pod, block_size, "metrics (vllm:cache_config_info)");
                 }
                 if let Some(a) = &adapters {
-                    a.running.iter().chain(&a.waiting).for_each(|name| self.learn_adapter(name));
+                    a.running.iter().chain(&a.waiting).for_each(|name| self.learn_adapter(name, None));
                     core.router.reported_adapters(pod, ReportedAdapters::named(&a.running, &a.waiting, a.max_lora));
                 }
                 core.pods.get_mut(pod).adapters = adapters;
