@@ -463,7 +463,7 @@ fn dockerfiles_pass_hadolint() {
 }
 
 /// The overlays a user applies, each on its own.
-const OVERLAYS: [&str; 3] = ["envoy", "istio", "gateway-api"];
+const OVERLAYS: [&str; 4] = ["envoy", "istio", "gateway-api", "two-models"];
 
 /// `kubectl kustomize deploy/<overlay>`: every resource the overlay applies.
 fn render(overlay: &str) -> (String, Vec<Value>) {
@@ -503,7 +503,7 @@ fn every_overlay_renders_alone_validates_and_brings_only_what_it_uses() {
         assert!(report.contains("passed for resource deployment/vllm"), "{overlay}: {report}");
 
         let has = |kind: &str, name: &str| docs.iter().any(|d| d["kind"] == kind && d["metadata"]["name"] == name);
-        let sidecars = overlay != "gateway-api";
+        let sidecars = !matches!(overlay, "gateway-api" | "two-models");
         assert!(has("Deployment", "nats"), "{overlay}: the replicas (gateways or pickers) sync over NATS");
         assert_eq!(has("ConfigMap", "kvgate-scorer"), sidecars, "{overlay}: the sidecars' configuration");
         assert!(has("ConfigMap", "kvgate-model") && has("Deployment", "vllm"), "{overlay}: the pods and their model");
@@ -642,7 +642,8 @@ fn the_shipped_configs_keep_debug_endpoints_off_admin_unexposed_and_nats_authent
             for rule in policy["spec"]["ingress"].as_array().unwrap() {
                 let Some(from) = rule["from"].as_array() else { continue };
                 if policy["metadata"]["name"] == "nats" {
-                    let replicas = if overlay == "gateway-api" { "kvgate-epp" } else { "kvgate-gateway" };
+                    let pickers = matches!(overlay, "gateway-api" | "two-models");
+                    let replicas = if pickers { "kvgate-epp" } else { "kvgate-gateway" };
                     let labels = labels_of(replicas).unwrap();
                     let admitted = from[0]["podSelector"]["matchLabels"].as_object().unwrap();
                     assert!(admitted.iter().all(|(k, v)| &labels[k] == v), "{overlay}: {replicas} reach NATS");
@@ -758,4 +759,49 @@ fn the_picker_runs_synced_replicas_that_drain_and_the_gateway_ejects_a_dead_one(
     let ms: f64 = interval.strip_suffix("ms").and_then(|v| v.parse().ok()).expect("an interval in ms");
     assert!(ms <= 1000.0, "ejections looked at within a second: {interval}");
     assert!(policy["connectionPool"]["tcp"]["connectTimeout"].is_string());
+}
+
+#[test]
+fn two_models_share_one_pool_and_the_picker_tokenizes_each_as_its_own() {
+    let (_, docs) = render("two-models");
+    let find_kind = |kind: &str, name: &str| find(&docs, kind, name).clone();
+    let pool = find_kind("InferencePool", "vllm");
+    let selects = |selector: &Value, labels: &Value| selector.as_object().unwrap().iter().all(|(k, v)| &labels[k] == v);
+    let (first, second) = (find_kind("Deployment", "vllm"), find_kind("Deployment", "vllm-second"));
+    let labels = |d: &Value| d["spec"]["template"]["metadata"]["labels"].clone();
+    let selector = |d: &Value| d["spec"]["selector"]["matchLabels"].clone();
+    for d in [&first, &second] {
+        assert!(
+            selects(&pool["spec"]["selector"]["matchLabels"], &labels(d)),
+            "the pool selects {}",
+            d["metadata"]["name"]
+        );
+        assert!(selects(&selector(d), &labels(d)));
+    }
+    assert!(
+        !selects(&selector(&first), &labels(&second)) && !selects(&selector(&second), &labels(&first)),
+        "the Deployments' selectors overlap"
+    );
+    // Each serves its model; the picker has a tokenizer for the second, fetched by an init
+    // container into a volume its container mounts.
+    let models = &find_kind("ConfigMap", "kvgate-model")["data"];
+    let arg = |d: &Value| d["spec"]["template"]["spec"]["containers"][0]["args"][0].as_str().unwrap().to_string();
+    assert_eq!((arg(&first), arg(&second)), ("--model=$(MODEL)".into(), "--model=$(SECOND_MODEL)".into()));
+    let (_, config) =
+        scorer_configs(&docs).into_iter().find(|(name, _)| name == "kvgate-epp").expect("the picker's ConfigMap");
+    assert_eq!(config.models.len(), 1);
+    assert_eq!(Some(config.models[0].name.as_str()), models["SECOND_MODEL"].as_str());
+    assert_ne!(models["SECOND_MODEL"], models["MODEL"]);
+    let dir = config.models[0].tokenizer.parent().unwrap().to_str().unwrap().to_string();
+    let epp = find_kind("Deployment", "kvgate-epp");
+    let spec = &epp["spec"]["template"]["spec"];
+    let mounted = |c: &Value| {
+        c["volumeMounts"].as_array().unwrap().iter().find(|m| m["mountPath"] == dir.as_str()).map(|m| m["name"].clone())
+    };
+    let volume = mounted(&spec["containers"][0]).expect("the picker mounts the second tokenizer's directory");
+    let fetcher = (spec["initContainers"].as_array().unwrap().iter())
+        .find(|c| mounted(c) == Some(volume.clone()))
+        .expect("an init container fills it");
+    assert!(fetcher["args"][0].as_str().unwrap().contains("$SECOND_MODEL"));
+    assert!(config.discovery.inference_pool.is_some_and(|p| p.name == "vllm"));
 }
