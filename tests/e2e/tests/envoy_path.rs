@@ -946,8 +946,10 @@ async fn a_pick_that_refuses_connections_is_retried_on_its_fallback_and_the_book
     // connection reported by the proxy tells the scorer. Round robin picks it in turn (the
     // `kv` policy would see through it: an unknown pod counts as a full cache).
     let dead = format!("127.0.0.1:{}", kvgate_test_harness::free_port());
+    let collector = Collector::start().await;
     let config = format!(
-        "policy: {{name: round-robin}}\nhealth: {{retry_seconds: 0.3}}\n{}pods:\n  - {{name: pod-0, address: '127.0.0.1:{}', metrics: '{}/metrics'}}\n  - {{name: dead, address: '{dead}'}}\n",
+        "policy: {{name: round-robin}}\nhealth: {{retry_seconds: 0.3}}\ntraces: {{otlp_endpoint: '{}'}}\n{}pods:\n  - {{name: pod-0, address: '127.0.0.1:{}', metrics: '{}/metrics'}}\n  - {{name: dead, address: '{dead}'}}\n",
+        collector.endpoint,
         path.scorer_config(&[]),
         pod.port,
         pod.url
@@ -974,6 +976,18 @@ async fn a_pick_that_refuses_connections_is_retried_on_its_fallback_and_the_book
         "each time, the report took it out"
     );
     assert!(envoy.stat("cluster.kvgate_pods.upstream_rq_retry").await >= picked_dead);
+    // Traced: the response of each pick of the dead pod says a fallback served it.
+    let responses =
+        |spans: &[kvgate_e2e::collector::ReceivedSpan]| spans.iter().filter(|s| s.name == "kvgate.response").count();
+    let spans = collector.wait(Duration::from_secs(20), |spans| responses(spans) >= 16).await;
+    let dead_picks: Vec<_> =
+        spans.iter().filter(|s| s.name == "kvgate.pick" && s.attribute("kvgate.pod") == "dead").collect();
+    assert_eq!(dead_picks.len() as u64, picked_dead, "{spans:#?}");
+    for pick in dead_picks {
+        let response = (spans.iter()).find(|s| s.name == "kvgate.response" && s.trace_id == pick.trace_id).unwrap();
+        assert_eq!(response.attribute("kvgate.fallback_used"), true, "{response:?}");
+        assert_eq!(response.attribute("kvgate.served_by"), &json!(format!("127.0.0.1:{}", pod.port)));
+    }
 }
 
 /// One streamed request: (status, time to its first generated chunk or to its answer,
@@ -1123,7 +1137,9 @@ async fn a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable(path:
 
 async fn each_request_is_one_trace_with_the_decision_under_the_gateways_span(path: Path) {
     let collector = Collector::start().await;
-    let traces = format!("traces: {{otlp_endpoint: '{}'}}\n", collector.endpoint);
+    // Prefill speed learned from two first tokens: later picks predict their wait.
+    let traces =
+        format!("traces: {{otlp_endpoint: '{}'}}\nload: {{pod_speed: {{prior_samples: 2}}}}\n", collector.endpoint);
     let s = stack_at(path, 2, &[], "0.02", &traces, &[]).await;
     let system = text("a system prompt every request of this test shares", 300);
     let mut answered = Vec::new();
@@ -1140,6 +1156,10 @@ async fn each_request_is_one_trace_with_the_decision_under_the_gateways_span(pat
             .await;
     assert_eq!(a.status, 200, "{}", a.body);
     answered.push(a.pod.unwrap());
+    // A refusal is traced too: a model no pod serves.
+    let mut unknown = chat(&system, "question 5", false);
+    unknown["model"] = json!("no-such-model");
+    assert_eq!(send(&s.envoy, "/v1/chat/completions", &unknown, &[]).await.status, 404);
 
     let n = answered.len();
     let ended = |spans: &[kvgate_e2e::collector::ReceivedSpan]| {
@@ -1148,10 +1168,21 @@ async fn each_request_is_one_trace_with_the_decision_under_the_gateways_span(pat
     let spans = collector
         .wait(Duration::from_secs(30), |spans| {
             let picks: Vec<_> = spans.iter().filter(|s| s.name == "kvgate.pick").collect();
-            ended(spans) == n && picks.iter().all(|p| spans.iter().any(|s| s.span_id == p.parent_span_id))
+            ended(spans) == n
+                && picks.len() > n
+                && picks.iter().all(|p| spans.iter().any(|s| s.span_id == p.parent_span_id))
         })
         .await;
-    let picks: Vec<_> = spans.iter().filter(|s| s.name == "kvgate.pick").collect();
+    let refused: Vec<_> =
+        spans.iter().filter(|s| s.name == "kvgate.pick" && !s.attribute("kvgate.refused").is_null()).collect();
+    assert_eq!(refused.len(), 1, "{spans:#?}");
+    assert_eq!(
+        (refused[0].attribute("kvgate.refused"), refused[0].attribute("http.response.status_code")),
+        (&json!("ModelNotFound"), &json!(404))
+    );
+    assert!(spans.iter().all(|s| s.name != "kvgate.response" || s.trace_id != refused[0].trace_id), "no response span");
+    let picks: Vec<_> =
+        spans.iter().filter(|s| s.name == "kvgate.pick" && s.attribute("kvgate.refused").is_null()).collect();
     assert_eq!(picks.len(), n, "one decision span per request: {spans:#?}");
     assert_eq!(ended(&spans), n, "one response span per request, ended at done");
     let trace_ids: std::collections::HashSet<&str> = picks.iter().map(|p| p.trace_id.as_str()).collect();
@@ -1181,6 +1212,10 @@ async fn each_request_is_one_trace_with_the_decision_under_the_gateways_span(pat
     answered.sort();
     assert_eq!(picked, answered, "each decision names the pod that answered");
     assert!(picks.iter().any(|p| p.attribute("kvgate.cached_tokens").as_i64() > Some(0)), "the shared prefix cached");
+    assert!(
+        picks.iter().any(|p| p.attribute("kvgate.predicted_wait_seconds").as_f64() >= Some(0.0)),
+        "a predicted wait once the prefill speed is learned"
+    );
     // Never the prompt.
     let words: Vec<&str> = system.split_whitespace().collect();
     let phrase = words[..6].join(" ");

@@ -2,6 +2,7 @@
 //! filter sends the prefill leg itself (or names the prefill pod in a header), simulated
 //! pods in prefill and decode roles do the NIXL-style hand-over.
 
+use kvgate_e2e::collector::{Collector, ReceivedSpan};
 use kvgate_test_harness::{EPP_PORT, EnvoyProcess, ScorerProcess, Sim, qwen3_tokenizer, text};
 use serde_json::{Value, json};
 use std::time::Duration;
@@ -16,10 +17,15 @@ struct Stack {
 }
 
 async fn stack(prefill: usize, decode: usize, envoy_flags: &[&str]) -> Stack {
+    stack_with(prefill, decode, envoy_flags, "").await
+}
+
+/// [`stack`] with `extra` scorer configuration.
+async fn stack_with(prefill: usize, decode: usize, envoy_flags: &[&str], extra: &str) -> Stack {
     let tokenizer = qwen3_tokenizer();
     let tok = tokenizer.to_str().unwrap();
     let mut config = format!(
-        "tokenizer: {tok}\nhealth: {{scrape_interval_ms: 200, unhealthy_after: 2}}\npd: {{threshold_tokens: 256}}\nepp: {{listen: '127.0.0.1:{EPP_PORT}'}}\npods:\n"
+        "tokenizer: {tok}\nhealth: {{scrape_interval_ms: 200, unhealthy_after: 2}}\npd: {{threshold_tokens: 256}}\nepp: {{listen: '127.0.0.1:{EPP_PORT}'}}\n{extra}pods:\n"
     );
     let mut pods = (Vec::new(), Vec::new());
     for (role, n) in [("prefill", prefill), ("decode", decode)] {
@@ -75,7 +81,8 @@ async fn metric(scorer: &ScorerProcess, line: &str) -> bool {
 
 #[tokio::test]
 async fn long_prompts_are_disaggregated_short_ones_go_direct() {
-    let s = stack(2, 2, &[]).await;
+    let collector = Collector::start().await;
+    let s = stack_with(2, 2, &[], &format!("traces: {{otlp_endpoint: '{}'}}\n", collector.endpoint)).await;
     let (status, body) = complete(&s.envoy, "long-1", &text("A long document about tides", 600), true).await;
     assert_eq!(status, 200, "{body}");
     assert!(
@@ -120,6 +127,31 @@ async fn long_prompts_are_disaggregated_short_ones_go_direct() {
     assert!(metric(&s.scorer, "kvgate_decisions_by_path_total{path=\"direct\"} 1").await);
     s.scorer.wait_idle(Duration::from_secs(5)).await;
     assert_eq!(s.envoy.stat("wasmcustom.kvgate_pd_prefill_ok").await, 1);
+    // Traced under the gateway's span: a disaggregated decision names its prefill pod, its
+    // response the prefill leg's end; a short one goes direct. (Sent without an id of the client's: Envoy decides to
+    // trace by the UUID it makes.)
+    for (prompt, stream) in [(text("Yet another long document", 600), true), ("Hi again".to_string(), false)] {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 4, "stream": stream});
+        let r =
+            reqwest::Client::new().post(format!("{}/v1/completions", s.envoy.url)).json(&body).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        r.text().await.unwrap();
+    }
+    let traced = |spans: &[ReceivedSpan], path: &str| {
+        let through_envoy = |s: &&ReceivedSpan| s.name == "kvgate.pick" && !s.parent_span_id.is_empty();
+        let pick = spans.iter().filter(through_envoy).find(|s| s.attribute("kvgate.path") == path)?;
+        let response = spans.iter().find(|s| s.name == "kvgate.response" && s.trace_id == pick.trace_id)?;
+        spans.iter().find(|s| s.span_id == pick.parent_span_id && s.service == "kvgate-gateway")?;
+        Some((pick.clone(), response.clone()))
+    };
+    let spans = collector
+        .wait(Duration::from_secs(20), |spans| traced(spans, "pd").is_some() && traced(spans, "direct").is_some())
+        .await;
+    let (pd, response) = traced(&spans, "pd").unwrap_or_else(|| panic!("no disaggregated decision traced: {spans:#?}"));
+    assert!(s.prefill.iter().any(|p| pd.attribute("kvgate.prefill_pod") == p.pod_id.as_str()), "{pd:?}");
+    assert!(response.events.contains(&"prefill_done".to_string()), "{response:?}");
+    let (direct, _) = traced(&spans, "direct").unwrap();
+    assert!(direct.attribute("kvgate.prefill_pod").is_null());
 }
 
 #[tokio::test]
