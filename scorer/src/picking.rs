@@ -67,10 +67,12 @@ impl PickingService for Picker {
             Ok(api) => scorer.prepare_owned(api, request.body).await,
             Err(e) => Err(e),
         };
+        // What a sampled request's span holds beyond the pick: only then gathered.
+        let traced = span.as_ref().is_some_and(|span| span.is_recording());
         let mut model = None;
         let decided = match prepared {
             Ok(prepared) => {
-                if span.as_ref().is_some_and(|span| span.is_recording()) {
+                if traced {
                     model = prepared.model.clone();
                 }
                 let subset = request.subset.map(|addresses| scorer.pods_at(addresses));
@@ -78,6 +80,7 @@ impl PickingService for Picker {
                     subset: subset.as_ref(),
                     fallbacks: scorer.config.fallback_endpoints,
                     explain: request.explain && scorer.config.admin.debug_endpoints,
+                    predict_wait: traced,
                     ..Limits::default()
                 };
                 scorer.decide_admitted(&booking, &prepared, &limits, request.objective).await
@@ -106,7 +109,7 @@ impl PickingService for Picker {
     /// moved it off the pick): the booking follows.
     fn served(&self, booking: &str, address: SocketAddr) {
         if let Some(traces) = &self.scorer.traces {
-            traces.served(booking, &address.to_string());
+            traces.served(booking, address);
         }
         self.scorer.served(booking, address)
     }

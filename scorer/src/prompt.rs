@@ -71,6 +71,9 @@ impl ModelTokenizers {
     /// The tokenizer of a request naming `model`: its own, else (an adapter) its base
     /// model's, else the default.
     pub fn of(&self, model: Option<&str>, adapters: &Adapters) -> &Tokenizer {
+        if self.by_model.is_empty() {
+            return &self.default; // one model's gateway: nothing to look up
+        }
         let listed = |model: &str| self.by_model.iter().find(|(name, _)| name == model).map(|(_, t)| t);
         let own = model.and_then(listed);
         let base = || model.and_then(|m| adapters.base_of(m)).and_then(listed);

@@ -205,9 +205,9 @@ impl Traces {
     }
 
     /// `address` served the booking's request (the picker learns it apart from the reports).
-    pub fn served(&self, booking: &str, address: &str) {
+    pub fn served(&self, booking: &str, address: std::net::SocketAddr) {
         if let Some(open) = self.responses.lock().unwrap_or_else(|e| e.into_inner()).get_mut(booking) {
-            open.served(address);
+            open.served(&address.to_string());
         }
     }
 

@@ -80,6 +80,8 @@ pub struct Limits<'a> {
     pub explain: bool,
     /// Leave the admission headroom free (no more than the default priority).
     pub leave_headroom: bool,
+    /// Predict the chosen pod's wait before this request's prefill (a sampled trace's).
+    pub predict_wait: bool,
 }
 
 /// A decision with its pods resolved: what each entry path maps to its own wire format.
@@ -100,7 +102,7 @@ pub struct Pick {
     /// The P/D threshold applied (absent without prefill pods).
     pub threshold_tokens: Option<u32>,
     /// Predicted seconds of prefill queued on `decode` ahead of this request when it was
-    /// chosen (`None` until the fleet's prefill speed is learned).
+    /// chosen, when asked (`Limits::predict_wait`) and the fleet's prefill speed is learned.
     pub predicted_wait_seconds: Option<f64>,
     /// How long the request waited in the admission queue.
     pub admission_wait: std::time::Duration,
@@ -191,7 +193,7 @@ impl Scorer {
         let explained: Vec<Arc<Pod>> =
             if limits.explain { routed.candidates.iter().map(|c| pod(c.pod)).collect() } else { Vec::new() };
         let block_size = core.router.block_size() as u32;
-        let predicted_wait_seconds = core.router.predicted_wait(&routed.decode);
+        let predicted_wait_seconds = limits.predict_wait.then(|| core.router.predicted_wait(&routed.decode)).flatten();
         drop(core);
 
         let explain = limits.explain.then(|| {
