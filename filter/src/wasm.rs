@@ -318,7 +318,8 @@ struct Request {
 /// What the flow asks of the host, for the effective context's request.
 struct Host<'a> {
     shared: &'a Shared,
-    /// Size of the request body buffered (what a decode leg's body replaces).
+    /// Size of the request body buffered (what a rewritten model's or a decode leg's body
+    /// replaces).
     body_size: usize,
 }
 
@@ -356,9 +357,15 @@ impl Proxy for Host<'_> {
         true
     }
 
+    fn request_body(&mut self) -> Result<Vec<u8>, String> {
+        Ok(buffer(BufferType::HttpRequestBody, self.body_size))
+    }
+
     fn replace_request_body(&mut self, body: &[u8]) -> Result<(), String> {
         hostcalls::set_buffer(BufferType::HttpRequestBody, 0, self.body_size, body)
-            .map_err(|e| format!("cannot rewrite the body: {e:?}"))
+            .map_err(|e| format!("cannot rewrite the body: {e:?}"))?;
+        self.body_size = body.len();
+        Ok(())
     }
 }
 
@@ -395,7 +402,9 @@ fn answered(shared: &Shared, id: u32, flow_cell: &SharedFlow, answer: Result<&Ro
     let mut flow = flow_cell.borrow_mut();
     let Flow { flow: request, body_size } = &mut *flow;
     let mut host = Host { shared, body_size: *body_size };
-    match request.answer(&shared.config.proxy, &mut host, answer) {
+    let next = request.answer(&shared.config.proxy, &mut host, answer);
+    *body_size = host.body_size; // its model rewritten, the body may have a new size
+    match next {
         AnswerNext::Go => {
             let _ = hostcalls::resume_http_request();
         }

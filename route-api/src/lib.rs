@@ -175,6 +175,10 @@ pub struct RouteResponse {
     pub prompt_tokens: u32,
     /// Of those, the tokens the chosen pod holds in its prefix cache.
     pub cached_tokens: u32,
+    /// The model the pods must be asked for, when a model rewrite changed the client's: the
+    /// caller sends the body on with this `model`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
     /// Per-pod figures, with `?explain=1`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub explain: Option<Vec<PodExplain>>,
@@ -413,6 +417,7 @@ mod tests {
             policy: "kv".into(),
             prompt_tokens: 10,
             cached_tokens: 0,
+            model: None,
             explain: None,
         };
         assert_eq!(

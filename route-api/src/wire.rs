@@ -62,6 +62,11 @@ pub struct RouteCall {
     /// the scorer's spans of the decision join; absent when the gateway does not trace.
     #[prost(string, optional, tag = "7")]
     pub trace_parent: Option<String>,
+    /// The caller applies a pick's [`RoutePick::model_rewrite`] to the body it sends on; a
+    /// scorer refuses a call it would rewrite from a caller that does not (an older proxy),
+    /// rather than let the pod be asked for a model it may not serve.
+    #[prost(bool, tag = "8")]
+    pub rewrites_model: bool,
 }
 
 /// A [`LifecycleReport`] on the route stream.
@@ -156,6 +161,42 @@ pub struct RoutePick {
     /// Name of the chosen (decode) pod, for logs.
     #[prost(string, tag = "4")]
     pub pod: String,
+    /// The model the pods must be asked for, when a model rewrite (an alias, a split between
+    /// versions) changed the client's: the caller rewrites the body before sending it on.
+    #[prost(message, optional, tag = "5")]
+    pub model_rewrite: Option<ModelRewrite>,
+}
+
+/// A rewrite of a request body's `model`: the JSON string at `at` (`len` bytes, quotes
+/// included: the client's value) becomes `model`.
+#[derive(Clone, PartialEq, prost::Message)]
+pub struct ModelRewrite {
+    #[prost(string, tag = "1")]
+    pub model: String,
+    #[prost(uint64, tag = "2")]
+    pub at: u64,
+    #[prost(uint64, tag = "3")]
+    pub len: u64,
+}
+
+impl ModelRewrite {
+    /// `body` with its model rewritten; an error when the span is not a JSON string of it.
+    pub fn apply(&self, body: &[u8]) -> Result<Vec<u8>, String> {
+        let span = usize::try_from(self.at)
+            .ok()
+            .zip(usize::try_from(self.len).ok())
+            .and_then(|(at, len)| Some(at..at.checked_add(len)?))
+            .filter(|span| {
+                span.len() >= 2 && body.get(span.clone()).is_some_and(|s| s[0] == b'"' && s[s.len() - 1] == b'"')
+            })
+            .ok_or_else(|| format!("the model rewrite's span {}+{} is not a string of the body", self.at, self.len))?;
+        let model = serde_json::to_string(&self.model).map_err(|e| e.to_string())?;
+        let mut out = Vec::with_capacity(body.len() - span.len() + model.len());
+        out.extend_from_slice(&body[..span.start]);
+        out.extend_from_slice(model.as_bytes());
+        out.extend_from_slice(&body[span.end..]);
+        Ok(out)
+    }
 }
 
 impl RoutePick {
@@ -323,6 +364,20 @@ mod tests {
     }
 
     #[test]
+    fn a_model_rewrite_replaces_the_clients_model_string_and_nothing_else() {
+        let body = br#"{"model": "l\u006cama", "messages": [{"role": "user", "content": "model"}]}"#;
+        let at = body.windows(2).position(|w| w == b" \"").unwrap() as u64 + 1;
+        let rewrite = ModelRewrite { model: "llama-\"v2\"".into(), at, len: 12 };
+        let out: serde_json::Value = serde_json::from_slice(&rewrite.apply(body).unwrap()).unwrap();
+        assert_eq!(out["model"], "llama-\"v2\"");
+        assert_eq!(out["messages"][0]["content"], "model");
+        for (at, len) in [(at + 1, 12), (at, 11), (at, 1), (u64::MAX, 2), (body.len() as u64, 2)] {
+            let e = ModelRewrite { at, len, ..rewrite.clone() }.apply(body).unwrap_err();
+            assert!(e.contains("not a string"), "{at}+{len}: {e}");
+        }
+    }
+
+    #[test]
     fn reports_cross_the_route_stream_unchanged() {
         let report = LifecycleReport {
             request_id: "r-1".into(),
@@ -355,6 +410,7 @@ mod tests {
                 fallbacks: vec!["10.0.0.2:8000".into()],
                 prefill: None,
                 pod: "a".into(),
+                model_rewrite: None,
             })),
         };
         assert_eq!(

@@ -11,6 +11,7 @@ pub mod envoy;
 pub mod metrics;
 pub mod picking;
 pub mod prompt;
+pub mod rewrites;
 pub mod scorer;
 pub mod scrape;
 pub mod serve;

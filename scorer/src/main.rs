@@ -120,6 +120,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         if pool.inference_objectives {
             tokio::spawn(discovery::inference_pool::run_objectives(scorer.clone(), pool.clone()));
         }
+        if pool.inference_model_rewrites {
+            tokio::spawn(discovery::inference_pool::run_model_rewrites(scorer.clone(), pool.clone()));
+        }
         tokio::spawn(discovery::inference_pool::run(scorer.clone(), pool));
     }
     for dns in scorer.config.discovery.dns.clone() {

@@ -44,6 +44,7 @@ pub struct Metrics {
     pub admission_wait_seconds: HistogramVec,
     pub admission_refused: IntCounterVec,
     pub objectives_unknown: IntCounter,
+    pub model_rewrites: IntCounterVec,
     pub engine_restarts: IntCounterVec,
     pub output_tokens: IntCounter,
     pub scrape_failures: IntCounterVec,
@@ -291,6 +292,12 @@ impl Metrics {
                 "objectives_unknown_total",
                 "Requests naming an objective that neither the pool's InferenceObjectives nor admission.objectives \
                  define (given the default priority).",
+            ),
+            model_rewrites: r.counters(
+                "model_rewrites_total",
+                "Requests routed with their model rewritten, by the model the rule matched (`*`: the catch-all) \
+                 and the target the pods were asked for.",
+                &["from", "to"],
             ),
             engine_restarts: r.counters(
                 "engine_restarts_total",

@@ -35,6 +35,9 @@ pub struct PickRequest<'a> {
     pub explain: bool,
     /// The request's W3C `traceparent` (the gateway's span), which kvgate's spans join.
     pub trace_parent: Option<&'a str>,
+    /// The caller sends the body on with a rewritten model ([`Pick::model_rewrite`]); a
+    /// request a rule would rewrite is refused from a caller that cannot.
+    pub rewrites_model: bool,
 }
 
 /// What a transport asks of the picking service, as a trait: [`Picker`] in the scorer, a fake
@@ -75,6 +78,10 @@ impl PickingService for Picker {
                 if traced {
                     model = prepared.model.clone();
                 }
+                if let Some(rewrite) = prepared.rewrite.as_ref().filter(|r| r.span.is_some() && !request.rewrites_model)
+                {
+                    return Err(PickError::CannotRewrite(rewrite.model.clone()));
+                }
                 let subset = request.subset.map(|addresses| scorer.pods_at(addresses));
                 let limits = Limits {
                     subset: subset.as_ref(),
@@ -87,8 +94,12 @@ impl PickingService for Picker {
             }
             Err(e) => Err(e),
         };
-        if let Err(e) = &decided {
-            scorer.metrics.route_errors.with_label_values(&[&e.refused().status().to_string()]).inc();
+        match &decided {
+            Ok(Pick { model_rewrite: Some(rewrite), .. }) => {
+                scorer.metrics.model_rewrites.with_label_values(&[&rewrite.from, &rewrite.model]).inc();
+            }
+            Ok(_) => {}
+            Err(e) => scorer.metrics.route_errors.with_label_values(&[&e.refused().status().to_string()]).inc(),
         }
         if let (Some(traces), Some(span)) = (&scorer.traces, span) {
             traces.decided(span, &booking, model.as_deref(), &decided);
@@ -184,7 +195,7 @@ impl PickError {
         match self {
             PickError::BadRequest(_) => Refused::BadRequest,
             PickError::TooLarge(_) => Refused::TooLarge,
-            PickError::NoPod => Refused::NoPod,
+            PickError::NoPod | PickError::CannotRewrite(_) => Refused::NoPod,
             PickError::ModelNotServed(_) => Refused::ModelNotFound,
             PickError::Stopping => Refused::Stopping,
             PickError::Saturated | PickError::Shed { .. } => Refused::Overloaded,

@@ -134,7 +134,8 @@ impl From<Tokenizer> for ModelTokenizers {
     }
 }
 
-/// Tokenizes a request body the way the engine of the model it names will.
+/// Tokenizes a request body the way the engine of the model it names (or `as_model`, its
+/// rewrite's target) will.
 ///
 /// A completions request with several prompts is routed by its first (the engine serves them
 /// all on one pod; the first is what a shared prefix would match).
@@ -143,7 +144,13 @@ pub fn extract(
     api: Api,
     body: &[u8],
     adapters: &Adapters,
+    as_model: Option<&str>,
 ) -> Result<PromptInfo, PromptError> {
+    let rewritten = |model: &mut Option<String>| {
+        if let Some(target) = as_model {
+            *model = Some(target.to_string());
+        }
+    };
     if !starts_as_object(body) {
         return Err(PromptError(NOT_AN_OBJECT.into()));
     }
@@ -152,6 +159,7 @@ pub fn extract(
     match api {
         Api::Completions => {
             let mut body: Body = parse(body)?;
+            rewritten(&mut body.model);
             let tokenizer = tokenizers.of(body.model.as_deref(), adapters);
             let add_special = body.add_special_tokens.unwrap_or(true);
             let tokens = match body.prompt.take() {
@@ -173,6 +181,7 @@ pub fn extract(
         }
         Api::ChatCompletions => {
             let mut body: Body = parse(body)?;
+            rewritten(&mut body.model);
             let tokenizer = tokenizers.of(body.model.as_deref(), adapters);
             let messages = body.messages.take().ok_or_else(|| PromptError("'messages' is required".into()))?;
             let options = ChatOptions {
@@ -188,15 +197,18 @@ pub fn extract(
         }
         Api::Messages => {
             let request: MessagesRequest = parse(body)?;
+            let mut model = Some(request.model.clone());
+            rewritten(&mut model);
             let tokens = tokenizers
-                .of(Some(&request.model), adapters)
+                .of(model.as_deref(), adapters)
                 .encode_messages_request(&request)
                 .map_err(to_request_error)?;
             let max_tokens = u32::try_from(request.max_tokens).unwrap_or(u32::MAX);
-            info(tokens, Some(request.model), request.cache_salt, Some(max_tokens), adapters)
+            info(tokens, model, request.cache_salt, Some(max_tokens), adapters)
         }
         Api::Responses => {
-            let request: ResponsesRequest = parse(body)?;
+            let mut request: ResponsesRequest = parse(body)?;
+            rewritten(&mut request.model);
             let tokens = tokenizers
                 .of(request.model.as_deref(), adapters)
                 .encode_responses_request(&request)
@@ -243,7 +255,8 @@ mod tests {
     use super::*;
 
     fn fallback(api: Api, body: &str) -> Result<PromptInfo, PromptError> {
-        extract(&ModelTokenizers::new(Tokenizer::fallback()), api, body.as_bytes(), &Adapters::new(vec!["sql".into()]))
+        let adapters = Adapters::new(vec!["sql".into()]);
+        extract(&ModelTokenizers::new(Tokenizer::fallback()), api, body.as_bytes(), &adapters, None)
     }
 
     #[test]

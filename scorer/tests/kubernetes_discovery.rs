@@ -81,7 +81,7 @@ fn list_or_watch(state: &Shared, resource: &'static str, list_kind: &str, q: &Ha
     c.lists += 1;
     let api_version = match resource {
         "pods" => "v1",
-        "inferenceobjectives" => "inference.networking.x-k8s.io/v1alpha2",
+        "inferenceobjectives" | "inferencemodelrewrites" => "inference.networking.x-k8s.io/v1alpha2",
         _ => "inference.networking.k8s.io/v1",
     };
     let list = json!({"apiVersion": api_version, "kind": list_kind,
@@ -102,6 +102,10 @@ async fn objectives(State(state): State<Shared>, Query(q): Query<HashMap<String,
     list_or_watch(&state, "inferenceobjectives", "InferenceObjectiveList", &q)
 }
 
+async fn model_rewrites(State(state): State<Shared>, Query(q): Query<HashMap<String, String>>) -> Response {
+    list_or_watch(&state, "inferencemodelrewrites", "InferenceModelRewriteList", &q)
+}
+
 struct ApiServer {
     url: String,
     state: Shared,
@@ -116,6 +120,10 @@ impl ApiServer {
             .route(
                 "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/inference/inferenceobjectives",
                 get(objectives),
+            )
+            .route(
+                "/apis/inference.networking.x-k8s.io/v1alpha2/namespaces/inference/inferencemodelrewrites",
+                get(model_rewrites),
             )
             .with_state(state.clone());
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -468,4 +476,75 @@ async fn the_pools_inference_objectives_set_priorities_as_they_change() {
     assert!(wait_priority("batch", 2).await < Duration::from_secs(1), "deleted: the default");
     api.put_in("inferenceobjectives", objective("elsewhere", "vllm-pool", Some(7)), false);
     assert!(wait_priority("elsewhere", 7).await < Duration::from_secs(1), "moved to this pool");
+}
+
+/// An InferenceModelRewrite of `pool` created at `created`, with `rules` as its CRD shapes
+/// them (`matches[].model.value`, `targets[].modelRewrite` and `weight`).
+fn model_rewrite(name: &str, pool: &str, created: &str, rules: Value) -> Value {
+    json!({"apiVersion": "inference.networking.x-k8s.io/v1alpha2", "kind": "InferenceModelRewrite",
+        "metadata": {"name": name, "namespace": "inference", "uid": format!("uid-{name}"), "generation": 1,
+            "creationTimestamp": created},
+        "spec": {"poolRef": {"name": pool}, "rules": rules}})
+}
+
+#[tokio::test]
+async fn the_pools_model_rewrites_apply_as_they_change_oldest_first() {
+    let api = ApiServer::start().await;
+    let exact =
+        |model: &str, to: &str| json!({"matches": [{"model": {"value": model}}], "targets": [{"modelRewrite": to}]});
+    let newer = json!([exact("llama", "from-newer"), {"targets": [{"modelRewrite": "catch-all"}]}]);
+    api.put_in("inferencemodelrewrites", model_rewrite("newer", "vllm-pool", "2026-11-27T18:00:00Z", newer), true);
+    let older = json!([exact("llama", "from-older")]);
+    api.put_in("inferencemodelrewrites", model_rewrite("older", "vllm-pool", "2026-11-27T17:00:00Z", older), true);
+    let elsewhere = json!([exact("qwen", "not-ours")]);
+    api.put_in(
+        "inferencemodelrewrites",
+        model_rewrite("elsewhere", "other-pool", "2026-11-27T16:00:00Z", elsewhere),
+        true,
+    );
+    let broken = json!([{"matches": [{"model": {"value": "x"}}], "targets": [{"modelRewrite": "a", "weight": 1}, {"modelRewrite": "b"}]}]);
+    api.put_in("inferencemodelrewrites", model_rewrite("broken", "vllm-pool", "2026-11-27T15:00:00Z", broken), true);
+    let yaml = format!(
+        "model_rewrites: [{{matches: [mistral], targets: [{{model: from-config}}]}}]\n\
+         discovery:\n  inference_pool: {{namespace: inference, name: vllm-pool, inference_model_rewrites: true, api_server: '{}'}}\n",
+        api.url
+    );
+    let config = Config::parse(&yaml).unwrap();
+    let scorer = Arc::new(Scorer::new(config.clone(), Tokenizer::fallback()));
+    tokio::spawn(inference_pool::run_model_rewrites(scorer.clone(), config.discovery.inference_pool.unwrap()));
+    let target = |model: &str| {
+        let body = format!(r#"{{"model": "{model}", "prompt": "hello there", "max_tokens": 2}}"#);
+        scorer.prepare(Api::Completions, body.as_bytes()).unwrap().rewrite.map(|r| r.model)
+    };
+    let wait_for = |model: &'static str, want: Option<&'static str>| {
+        let target = &target;
+        async move {
+            let start = Instant::now();
+            while target(model).as_deref() != want {
+                assert!(start.elapsed() < Duration::from_secs(5), "{model}: {:?}", target(model));
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            start.elapsed()
+        }
+    };
+    // The older object's rule wins a model both name; the pool's rules come before the
+    // configuration's; another pool's are not ours; an unusable object is left out, counted.
+    wait_for("llama", Some("from-older")).await;
+    assert_eq!(target("qwen").as_deref(), Some("catch-all"));
+    assert_eq!(target("mistral").as_deref(), Some("from-config"), "a rule naming it beats the pool's catch-all");
+    assert_eq!(target("x").as_deref(), Some("catch-all"), "the broken object's rule is not in force");
+    let errors = scorer.metrics.discovery_errors.with_label_values(&["inferencemodelrewrites:broken"]).get();
+    assert!(errors >= 1);
+    // Changed and deleted in the API server: applied within a second, without a restart.
+    api.put_in(
+        "inferencemodelrewrites",
+        model_rewrite("older", "vllm-pool", "2026-11-27T17:00:00Z", json!([exact("llama", "v3")])),
+        false,
+    );
+    assert!(wait_for("llama", Some("v3")).await < Duration::from_secs(1));
+    api.delete_in("inferencemodelrewrites", "older", false);
+    assert!(wait_for("llama", Some("from-newer")).await < Duration::from_secs(1), "deleted: the next one's");
+    api.delete_in("inferencemodelrewrites", "newer", false);
+    assert!(wait_for("qwen", None).await < Duration::from_secs(1), "no catch-all left");
+    assert_eq!(scorer.model_rewrites().len(), 1, "the configuration's rule remains");
 }

@@ -149,6 +149,8 @@ unsafe extern "C" {
         body: Body,
         chunks: *mut EnvoyBuffer,
     ) -> bool;
+    fn envoy_dynamic_module_callback_http_drain_body(filter: *mut c_void, body: Body, bytes: usize) -> bool;
+    fn envoy_dynamic_module_callback_http_append_body(filter: *mut c_void, body: Body, data: ModuleBuffer) -> bool;
     fn envoy_dynamic_module_callback_http_filter_continue_decoding(filter: *mut c_void);
     fn envoy_dynamic_module_callback_http_filter_get_worker_index(filter: *mut c_void) -> u32;
     fn envoy_dynamic_module_callback_get_concurrency() -> u32;
@@ -271,6 +273,20 @@ impl Filter {
                 out.extend_from_slice(unsafe { chunk.bytes() });
             }
         }
+    }
+
+    /// Replaces the request body Envoy buffered (the request paused on its last piece).
+    pub fn replace_buffered_request_body(&self, body: &[u8]) -> Result<(), String> {
+        // SAFETY: a live filter; Envoy copies `body` during the call.
+        let replaced = unsafe {
+            envoy_dynamic_module_callback_http_drain_body(self.raw, Body::BufferedRequest, usize::MAX)
+                && envoy_dynamic_module_callback_http_append_body(
+                    self.raw,
+                    Body::BufferedRequest,
+                    ModuleBuffer::of(body),
+                )
+        };
+        if replaced { Ok(()) } else { Err("Envoy has no buffered request body".into()) }
     }
 
     /// A string of the stream's dynamic metadata, copied out.

@@ -102,6 +102,16 @@ impl Proxy for Host<'_> {
     }
 
     fn debug(&mut self, _: Arguments<'_>) {}
+
+    fn request_body(&mut self) -> Result<Vec<u8>, String> {
+        let mut body = Vec::new();
+        self.filter.read_body(Body::BufferedRequest, &mut body);
+        Ok(body)
+    }
+
+    fn replace_request_body(&mut self, body: &[u8]) -> Result<(), String> {
+        self.filter.replace_buffered_request_body(body)
+    }
 }
 
 impl Request {

@@ -28,7 +28,11 @@ pub trait Proxy {
     fn sends_prefill_legs(&self) -> bool {
         false
     }
-    /// Replaces the request's body (the decode leg's, after a prefill leg).
+    /// The request's body as buffered (to rewrite its model).
+    fn request_body(&mut self) -> Result<Vec<u8>, String> {
+        Err("this proxy cannot read request bodies".into())
+    }
+    /// Replaces the request's body (its model rewritten; the decode leg's, after a prefill leg).
     fn replace_request_body(&mut self, _body: &[u8]) -> Result<(), String> {
         Err("this proxy cannot replace request bodies".into())
     }
@@ -224,6 +228,7 @@ impl RequestFlow {
             body,
             reports: Vec::new(),
             trace_parent: self.trace_parent.take(),
+            rewrites_model: true,
         })
     }
 
@@ -267,6 +272,17 @@ impl RequestFlow {
             Ok(pick) => pick,
             Err(reason) => return self.unavailable(config, proxy, &reason).into(),
         };
+        if let Some(rewrite) = &pick.model_rewrite {
+            let rewritten = proxy.request_body().and_then(|body| rewrite.apply(&body));
+            if let Err(reason) = rewritten.and_then(|body| replace_body(proxy, &body)) {
+                let id = &self.request_id;
+                proxy.warn(format_args!("kvgate: request {id} cannot be sent as model {:?}: {reason}", rewrite.model));
+                // Booked, but never sent: its booking is released now.
+                self.report(proxy, LifecycleEvent::Cancelled, None);
+                let message = "the gateway could not rewrite the request's model";
+                return self.refuse(proxy, Counter::FailClosed, Refused::Unknown, message, None).into();
+            }
+        }
         let destination = pick.destinations();
         let Some(prefill) = &pick.prefill else {
             proxy.debug(format_args!("kvgate: request {} → {} ({destination})", self.request_id, pick.pod));
@@ -312,12 +328,8 @@ impl RequestFlow {
             Ok((status, _)) => Err(format!("prefill pod answered {status:?}")),
             Err(why) => Err(why),
         };
-        match body.and_then(|body| proxy.replace_request_body(&body).map(|()| body.len())) {
-            Ok(length) => {
-                // The client's content-length no longer holds; a stale one would truncate it.
-                proxy.set_request_header("content-length", Some(&length.to_string()));
-                proxy.count(Counter::PdPrefillOk);
-            }
+        match body.and_then(|body| replace_body(proxy, &body)) {
+            Ok(()) => proxy.count(Counter::PdPrefillOk),
             Err(reason) => {
                 proxy.count(Counter::PdFallback);
                 let id = &self.request_id;
@@ -428,6 +440,14 @@ impl From<Next> for AnswerNext {
     }
 }
 
+/// Sends `body` on in place of the client's, with its length.
+fn replace_body(proxy: &mut impl Proxy, body: &[u8]) -> Result<(), String> {
+    proxy.replace_request_body(body)?;
+    // The client's content-length no longer holds; a stale one would truncate it.
+    proxy.set_request_header("content-length", Some(&body.len().to_string()));
+    Ok(())
+}
+
 /// A JSON error answer in the shape of the request's API, with `Retry-After` when given.
 fn respond(proxy: &mut impl Proxy, api_path: &str, status: u16, kind: &str, message: &str, retry_after: Option<u64>) {
     let body = ErrorBody::new(status, kind, message).to_json_for(Api::from_path(api_path));
@@ -513,6 +533,9 @@ mod tests {
         fn sends_prefill_legs(&self) -> bool {
             self.legs
         }
+        fn request_body(&mut self) -> Result<Vec<u8>, String> {
+            self.body.clone().ok_or_else(|| "no body".to_string())
+        }
         fn replace_request_body(&mut self, body: &[u8]) -> Result<(), String> {
             self.body = Some(body.to_vec());
             Ok(())
@@ -554,8 +577,34 @@ mod tests {
             fallbacks: fallbacks.iter().map(|f| f.to_string()).collect(),
             prefill: prefill.map(str::to_string),
             pod: "p1".into(),
+            model_rewrite: None,
         };
         RouteAnswer { call: 1, outcome: Some(Outcome::Pick(pick)), ..Default::default() }
+    }
+
+    #[test]
+    fn a_rewritten_model_is_what_the_pod_is_asked_for_or_the_request_is_refused() {
+        let config = ProxyConfig::default();
+        let original = br#"{"model":"llama","prompt":"p"}"#;
+        let mut answer = pick("10.0.0.1:8000", &[], None);
+        let Some(Outcome::Pick(p)) = &mut answer.outcome else { unreachable!() };
+        p.model_rewrite = Some(crate::ModelRewrite { model: "llama-v2".into(), at: 9, len: 7 });
+        let mut proxy = Recorder { body: Some(original.to_vec()), ..Recorder::default() };
+        let mut flow = deciding(&config, &mut proxy);
+        assert_eq!(flow.answer(&config, &mut proxy, Ok(&answer)), AnswerNext::Go);
+        assert_eq!(proxy.body.as_deref(), Some(&br#"{"model":"llama-v2","prompt":"p"}"#[..]));
+        assert_eq!(proxy.header("content-length"), Some("33"));
+        assert_eq!(proxy.header(DEST), Some("10.0.0.1:8000"));
+        // A body the rewrite does not fit (or a host that cannot rewrite) is never sent on as
+        // the client's: refused, and its booking released.
+        let mut proxy = Recorder { body: Some(br#"{"prompt":"p"}"#.to_vec()), ..Recorder::default() };
+        let mut flow = deciding(&config, &mut proxy);
+        assert_eq!(flow.answer(&config, &mut proxy, Ok(&answer)), AnswerNext::Hold);
+        assert_eq!(proxy.responses[0].0, 503);
+        assert_eq!(proxy.events(), [LifecycleEvent::Cancelled]);
+        assert_eq!((proxy.header(DEST), proxy.counts.last()), (None, Some(&Counter::FailClosed)));
+        flow.complete(&mut proxy);
+        assert_eq!(proxy.events(), [LifecycleEvent::Cancelled], "released once");
     }
 
     fn refused(reason: Refused, message: &str, retry_after: Option<u64>) -> RouteAnswer {

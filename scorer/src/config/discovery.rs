@@ -49,6 +49,14 @@ pub struct InferencePoolDiscovery {
     /// inferenceobjectives, and the CRD installed.
     #[serde(default)]
     pub inference_objectives: bool,
+    /// Also watch the namespace's `InferenceModelRewrite`s (`inference.networking.x-k8s.io/
+    /// v1alpha2`) whose `poolRef` names this pool: their rules (the oldest object's first)
+    /// rewrite requests' models ahead of `model_rewrites`; a change applies to the next
+    /// request. An object with a rule kvgate cannot use is left out, logged and counted in
+    /// `kvgate_discovery_errors_total`. Needs get/list/watch on inferencemodelrewrites, and
+    /// the CRD installed.
+    #[serde(default)]
+    pub inference_model_rewrites: bool,
 }
 
 /// Pods from the Kubernetes API: those matching `label_selector` in `namespace` that are

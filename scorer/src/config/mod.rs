@@ -21,7 +21,7 @@ pub use discovery::{ApiServer, DiscoverySection, DnsDiscovery, InferencePoolDisc
 pub use epp::{EppSection, EppTls};
 pub use health::HealthSection;
 pub use kvgate_routing::router::Role;
-pub use models::ModelConfig;
+pub use models::{MAX_REWRITE_WEIGHT, ModelConfig, ModelRewriteRule, RewriteTarget};
 pub use pods::{MetricsUrl, PodConfig, ZmqEndpoint};
 pub use serving::{AdminSection, ShutdownSection};
 pub use sync::{NatsUrls, SyncSection, SyncTls};
@@ -90,6 +90,13 @@ pub struct Config {
     /// model's requests go only to the engines listing it (`unlisted_models`).
     #[serde(default)]
     pub models: Vec<ModelConfig>,
+    /// Rewrites of the `model` requests name (the Gateway API Inference Extension's
+    /// InferenceModelRewrite rules): aliases, a catch-all for unknown names, weighted splits.
+    /// The pods get the body with the rewritten model, and it is routed, tokenized and
+    /// cached as that model. With `discovery.inference_pool.inference_model_rewrites`, the
+    /// pool's own rules come first.
+    #[serde(default)]
+    pub model_rewrites: Vec<ModelRewriteRule>,
     /// Token ids of long pieces of prompt text (cut at special tokens — a chat's messages —
     /// and, for Qwen's tokenizers, between words) kept so that resent history or a document
     /// sent again is not tokenized again, at most this many in all (4 bytes each); 0 turns
@@ -254,6 +261,11 @@ impl Config {
         for (i, model) in self.models.iter().enumerate() {
             let unique = !model.name.is_empty() && models.insert(model.name.as_str());
             check(unique, &format!("models[{i}].name"), &format!("{:?} is empty or listed twice", model.name))?;
+        }
+        for (i, rule) in self.model_rewrites.iter().enumerate() {
+            if let Some((field, message)) = rule.problem() {
+                return Err(Invalid { field: format!("model_rewrites[{i}].{field}"), message });
+            }
         }
         check(
             self.models.is_empty() || self.tokenizer.is_some(),

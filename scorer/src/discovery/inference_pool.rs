@@ -9,7 +9,7 @@ use super::kubernetes::{
     self, KV_EVENTS_PORT_ANNOTATION, PodWatch, REPLAY_PORT_ANNOTATION, annotated_port, annotated_slowness, serving,
 };
 use super::{DiscoveredPod, PodEndpoints, Registry};
-use crate::config::InferencePoolDiscovery;
+use crate::config::{InferencePoolDiscovery, ModelRewriteRule, RewriteTarget};
 use crate::scorer::Scorer;
 use futures::StreamExt;
 use futures::stream::BoxStream;
@@ -18,6 +18,7 @@ use kube::api::{ApiResource, DynamicObject, GroupVersionKind};
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
+use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -81,36 +82,101 @@ pub fn endpoints(pod: &Pod, spec: &PoolSpec, config: &InferencePoolDiscovery) ->
         .collect()
 }
 
+/// Whether an object's `spec.poolRef` names the InferencePool `pool`.
+fn names_pool(object: &serde_json::Value, pool: &str) -> bool {
+    let Some(pool_ref) = object.pointer("/spec/poolRef") else { return false };
+    let field = |name: &str, default: &'static str| pool_ref.get(name).and_then(|v| v.as_str()).unwrap_or(default);
+    pool_ref.get("name").and_then(|v| v.as_str()) == Some(pool)
+        && field("kind", "InferencePool") == "InferencePool"
+        && field("group", "inference.networking.k8s.io") == "inference.networking.k8s.io"
+}
+
 /// An InferenceObjective's priority, if it is one of `pool`'s (its `spec.poolRef` names that
 /// InferencePool); unset, 0.
 pub fn objective_priority(objective: &serde_json::Value, pool: &str) -> Option<i32> {
-    let pool_ref = objective.pointer("/spec/poolRef")?;
-    let field = |name: &str, default: &'static str| pool_ref.get(name).and_then(|v| v.as_str()).unwrap_or(default);
-    let ours = pool_ref.get("name").and_then(|v| v.as_str()) == Some(pool)
-        && field("kind", "InferencePool") == "InferencePool"
-        && field("group", "inference.networking.k8s.io") == "inference.networking.k8s.io";
     let priority = objective.pointer("/spec/priority").and_then(|p| p.as_i64());
-    ours.then(|| priority.and_then(|p| i32::try_from(p).ok()).unwrap_or(0))
+    names_pool(objective, pool).then(|| priority.and_then(|p| i32::try_from(p).ok()).unwrap_or(0))
 }
 
-fn objective_resource() -> ApiResource {
-    let gvk = GroupVersionKind::gvk("inference.networking.x-k8s.io", "v1alpha2", "InferenceObjective");
-    ApiResource::from_gvk_with_plural(&gvk, "inferenceobjectives")
+/// An InferenceModelRewrite's rules, if it is one of `pool`'s; an error naming the field when
+/// a rule cannot be used (the object is then left out whole).
+pub fn model_rewrite_rules(rewrite: &serde_json::Value, pool: &str) -> Option<Result<Vec<ModelRewriteRule>, String>> {
+    #[derive(Deserialize)]
+    struct Rule {
+        #[serde(default)]
+        matches: Vec<Match>,
+        #[serde(default)]
+        targets: Vec<Target>,
+    }
+    #[derive(Deserialize)]
+    struct Match {
+        model: ModelMatch,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct ModelMatch {
+        #[serde(rename = "type", default)]
+        kind: Option<String>,
+        value: String,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Target {
+        model_rewrite: String,
+        weight: Option<u32>,
+    }
+    if !names_pool(rewrite, pool) {
+        return None;
+    }
+    let rules = rewrite.pointer("/spec/rules").cloned().unwrap_or_default();
+    let read = || -> Result<Vec<ModelRewriteRule>, String> {
+        let rules: Vec<Rule> = serde_json::from_value(rules).map_err(|e| format!("spec.rules: {e}"))?;
+        rules
+            .into_iter()
+            .enumerate()
+            .map(|(i, rule)| {
+                if let Some(kind) = rule.matches.iter().filter_map(|m| m.model.kind.as_deref()).find(|k| *k != "Exact")
+                {
+                    return Err(format!("spec.rules[{i}].matches: match type {kind:?} (only Exact is defined)"));
+                }
+                let targets =
+                    rule.targets.into_iter().map(|t| RewriteTarget { model: t.model_rewrite, weight: t.weight });
+                let rule = ModelRewriteRule {
+                    matches: rule.matches.into_iter().map(|m| m.model.value).collect(),
+                    targets: targets.collect(),
+                };
+                match rule.problem() {
+                    Some((field, why)) => Err(format!("spec.rules[{i}].{field}: {why}")),
+                    None => Ok(rule),
+                }
+            })
+            .collect()
+    };
+    Some(read())
 }
 
-/// Follows the InferenceObjectives of the pool in its namespace until the process stops: the
-/// scorer's admission takes their priorities as they change.
-pub async fn run_objectives(scorer: Arc<Scorer>, config: InferencePoolDiscovery) {
-    let source = format!("inference_objectives:{}/{}", config.namespace, config.name);
+/// Follows one kind of object of the pool's namespace until the process stops: `read` takes
+/// an object for the pool (`None`: another pool's or unusable), and `apply` gets them all, by
+/// name, whenever they change.
+async fn follow_pool_objects<T: Clone + std::fmt::Debug>(
+    scorer: Arc<Scorer>,
+    config: InferencePoolDiscovery,
+    (kind, plural): (&str, &str),
+    read: impl Fn(&Scorer, &DynamicObject) -> Option<T>,
+    apply: impl Fn(&Scorer, BTreeMap<String, T>),
+) {
+    let source = format!("{plural}:{}/{}", config.namespace, config.name);
     let client = kubernetes::client(&scorer, config.api_server.as_ref(), &source).await;
-    let api: Api<DynamicObject> = Api::namespaced_with(client, &config.namespace, &objective_resource());
+    let gvk = GroupVersionKind::gvk("inference.networking.x-k8s.io", "v1alpha2", kind);
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client, &config.namespace, &ApiResource::from_gvk_with_plural(&gvk, plural));
     let mut events = watcher::watcher(api, watcher::Config::default()).default_backoff().boxed();
     // By object name; a relist builds the next one whole.
-    let (mut objectives, mut relisted) = (BTreeMap::new(), None::<BTreeMap<String, i32>>);
-    let file = |map: &mut BTreeMap<String, i32>, object: &DynamicObject| {
+    let (mut objects, mut relisted) = (BTreeMap::new(), None::<BTreeMap<String, T>>);
+    let file = |map: &mut BTreeMap<String, T>, object: &DynamicObject| {
         let name = object.metadata.name.clone().unwrap_or_default();
-        match objective_priority(&object.data, &config.name) {
-            Some(priority) => map.insert(name, priority),
+        match read(&scorer, object) {
+            Some(value) => map.insert(name, value),
             None => map.remove(&name),
         };
     };
@@ -118,22 +184,54 @@ pub async fn run_objectives(scorer: Arc<Scorer>, config: InferencePoolDiscovery)
         match event {
             Ok(Event::Init) => relisted = Some(BTreeMap::new()),
             Ok(Event::InitApply(object)) => file(relisted.get_or_insert_default(), &object),
-            Ok(Event::InitDone) => objectives = relisted.take().unwrap_or_default(),
-            Ok(Event::Apply(object)) => file(&mut objectives, &object),
+            Ok(Event::InitDone) => objects = relisted.take().unwrap_or_default(),
+            Ok(Event::Apply(object)) => file(&mut objects, &object),
             Ok(Event::Delete(object)) => {
-                objectives.remove(object.metadata.name.as_deref().unwrap_or_default());
+                objects.remove(object.metadata.name.as_deref().unwrap_or_default());
             }
             Err(e) => {
                 scorer.metrics.discovery_errors.with_label_values(&[&source]).inc();
-                tracing::warn!(%source, "InferenceObjective watch failed ({e}); retrying, priorities kept");
+                tracing::warn!(%source, "{kind} watch failed ({e}); retrying, the last ones kept");
                 continue;
             }
         }
         if relisted.is_none() {
-            tracing::info!(%source, ?objectives, "the pool's objectives");
-            scorer.set_pool_objectives(objectives.clone());
+            tracing::info!(%source, ?objects, "the pool's {plural}");
+            apply(&scorer, objects.clone());
         }
     }
+}
+
+/// Follows the InferenceObjectives of the pool in its namespace until the process stops: the
+/// scorer's admission takes their priorities as they change.
+pub async fn run_objectives(scorer: Arc<Scorer>, config: InferencePoolDiscovery) {
+    let pool = config.name.clone();
+    let read = |_: &Scorer, object: &DynamicObject| objective_priority(&object.data, &pool);
+    let apply = |scorer: &Scorer, objectives| scorer.set_pool_objectives(objectives);
+    follow_pool_objects(scorer, config, ("InferenceObjective", "inferenceobjectives"), read, apply).await
+}
+
+/// Follows the InferenceModelRewrites of the pool in its namespace until the process stops:
+/// their rules (the oldest object's first) apply to the next request as they change. An
+/// object with a rule kvgate cannot use is left out, counted and logged with the reason.
+pub async fn run_model_rewrites(scorer: Arc<Scorer>, config: InferencePoolDiscovery) {
+    let pool = config.name.clone();
+    // Its creation time orders it among the pool's: the oldest object's rules first.
+    let read = |scorer: &Scorer, object: &DynamicObject| match model_rewrite_rules(&object.data, &pool)? {
+        Ok(rules) => Some((object.metadata.creation_timestamp.as_ref().map(|t| t.0), rules)),
+        Err(why) => {
+            let name = object.metadata.name.as_deref().unwrap_or_default();
+            scorer.metrics.discovery_errors.with_label_values(&[&format!("inferencemodelrewrites:{name}")]).inc();
+            tracing::warn!(rewrite = name, "InferenceModelRewrite left out: {why}");
+            None
+        }
+    };
+    let apply = |scorer: &Scorer, rewrites: BTreeMap<String, (Option<_>, Vec<ModelRewriteRule>)>| {
+        let mut by_age: Vec<_> = rewrites.into_iter().map(|(name, (created, rules))| (created, name, rules)).collect();
+        by_age.sort_by(|a, b| (&a.0, &a.1).cmp(&(&b.0, &b.1)));
+        scorer.set_pool_rewrites(by_age.into_iter().flat_map(|(_, _, rules)| rules).collect());
+    };
+    follow_pool_objects(scorer, config, ("InferenceModelRewrite", "inferencemodelrewrites"), read, apply).await
 }
 
 /// The pool's resource, for the dynamic API.

@@ -4,9 +4,10 @@
 
 use super::{Pod, Scorer};
 use crate::admission::{Queue, Refused};
-use crate::config::UnlistedModels;
+use crate::config::{ModelRewriteRule, UnlistedModels};
 use crate::prompt::{self, PromptError};
-use kvgate_route_api::{Api, PodExplain, RoutePick};
+use crate::rewrites::{ModelRewrites, Rewrite};
+use kvgate_route_api::{Api, ModelRewrite, PodExplain, RoutePick};
 use kvgate_routing::adapters::AdapterId;
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
 use kvgate_routing::pod_set::{PodId, PodSet};
@@ -34,6 +35,12 @@ pub enum PickError {
     /// Refused for overload: retry after this many seconds.
     #[error("{reason}")]
     Shed { retry_after_seconds: u64, reason: &'static str },
+    /// A rule rewrites its model to this one, and the proxy that asked cannot rewrite bodies
+    /// (one older than the scorer).
+    #[error(
+        "the gateway's kvgate proxy cannot rewrite the request's model to `{0}`: upgrade it to the scorer's version"
+    )]
+    CannotRewrite(String),
     /// The scorer is shutting down.
     #[error("the scorer is stopping")]
     Stopping,
@@ -65,8 +72,10 @@ pub struct Prepared {
     pub max_output_tokens: Option<u32>,
     /// The LoRA adapter it asks for.
     pub adapter: Option<AdapterId>,
-    /// The `model` it names.
+    /// The `model` it is routed as: the one it names, or its rewrite's target.
     pub model: Option<String>,
+    /// Its model's rewrite, when a rule matched it.
+    pub rewrite: Option<Rewrite>,
 }
 
 /// What the entry path asks of a decision besides the request itself.
@@ -106,6 +115,8 @@ pub struct Pick {
     pub predicted_wait_seconds: Option<f64>,
     /// How long the request waited in the admission queue.
     pub admission_wait: std::time::Duration,
+    /// The model the pods are asked for, when a rewrite changed the client's.
+    pub model_rewrite: Option<Rewrite>,
     pub explain: Option<Vec<PodExplain>>,
 }
 
@@ -117,6 +128,10 @@ impl Pick {
             fallbacks: self.fallbacks.iter().map(|p| p.address.clone()).collect(),
             prefill: self.prefill.as_ref().map(|p| p.address.clone()),
             pod: self.decode.name.clone(),
+            model_rewrite: self.model_rewrite.as_ref().and_then(|r| {
+                let (at, len) = r.span?;
+                Some(ModelRewrite { model: r.model.clone(), at: at as u64, len: len as u64 })
+            }),
         }
     }
 }
@@ -128,8 +143,10 @@ impl Scorer {
     /// before [`Scorer::decide`].
     pub fn prepare(&self, api: Api, body: &[u8]) -> Result<Prepared, PickError> {
         let t0 = Instant::now();
+        let rewrite = self.rewrites.read().unwrap_or_else(|e| e.into_inner()).of(body);
         let adapters = self.adapters.read().unwrap_or_else(|e| e.into_inner());
-        let info = prompt::extract(&self.tokenizers, api, body, &adapters)?;
+        let as_model = rewrite.as_ref().map(|r| r.model.as_str());
+        let info = prompt::extract(&self.tokenizers, api, body, &adapters, as_model)?;
         drop(adapters);
         self.metrics.tokenize_seconds.with_label_values(&[api.label()]).observe(t0.elapsed().as_secs_f64());
         let block_size = self.block_size();
@@ -142,6 +159,7 @@ impl Scorer {
             max_output_tokens: info.max_output_tokens,
             adapter: info.lora_name.as_deref().map(AdapterId::of),
             model: info.model,
+            rewrite,
         })
     }
 
@@ -241,6 +259,7 @@ impl Scorer {
             threshold_tokens: routed.prefill_pods.then_some(self.config.pd.threshold_tokens),
             predicted_wait_seconds,
             admission_wait: std::time::Duration::ZERO,
+            model_rewrite: prepared.rewrite.clone(),
             explain,
         })
     }
@@ -327,6 +346,18 @@ impl Scorer {
             self.metrics.objectives_unknown.inc();
             admission.default_priority
         })
+    }
+
+    /// The pool's InferenceModelRewrites' rules, oldest object first, as the API server has
+    /// them now: they come before the configuration's.
+    pub fn set_pool_rewrites(&self, rules: Vec<ModelRewriteRule>) {
+        let rules = rules.into_iter().chain(self.config.model_rewrites.iter().cloned()).collect();
+        *self.rewrites.write().unwrap_or_else(|e| e.into_inner()) = ModelRewrites::new(rules);
+    }
+
+    /// The model rewrites in force.
+    pub fn model_rewrites(&self) -> Vec<ModelRewriteRule> {
+        self.rewrites.read().unwrap_or_else(|e| e.into_inner()).rules().to_vec()
     }
 
     /// The pool's InferenceObjectives (name → priority), as the API server has them now.

@@ -27,6 +27,7 @@ use crate::config::{Config, Role};
 use crate::engine_pages::PodAdapters;
 use crate::metrics::Metrics;
 use crate::prompt::{Adapters, ModelTokenizers};
+use crate::rewrites::ModelRewrites;
 use ahash::AHashMap;
 use kvgate_routing::pod_set::{PodId, PodMap, PodSet};
 use kvgate_routing::router::{ModelId, Router};
@@ -161,6 +162,9 @@ pub struct Scorer {
     /// The pool's InferenceObjectives by name: their priorities (with
     /// `discovery.inference_pool.inference_objectives`).
     pool_objectives: RwLock<std::collections::BTreeMap<String, i32>>,
+    /// The model rewrites in force: the pool's InferenceModelRewrites' (with
+    /// `discovery.inference_pool.inference_model_rewrites`), then the configuration's.
+    rewrites: RwLock<ModelRewrites>,
     /// The decisions' spans (with `traces`; started by the process, in its runtime).
     pub traces: Option<crate::traces::Traces>,
 }
@@ -206,6 +210,7 @@ impl Scorer {
             adapters: RwLock::new(Adapters::new(config.lora_adapters.clone())),
             readiness_changed: tokio::sync::Notify::new(),
             pool_objectives: RwLock::default(),
+            rewrites: RwLock::new(ModelRewrites::new(config.model_rewrites.clone())),
             traces: None,
             config,
         };
@@ -409,6 +414,7 @@ impl Scorer {
 mod tests {
     use super::*;
     use kvgate_route_api::{Api, LifecycleEvent, LifecycleReport};
+    use kvgate_routing::adapters::AdapterId;
     use kvgate_routing::policy::ReportedLoad;
 
     fn scorer(extra: &str) -> Scorer {
@@ -570,6 +576,49 @@ mod tests {
         }
         let e = Config::parse("unlisted_models: guess\npods:\n  - {name: a, address: '10.0.0.1:8000'}\n").unwrap_err();
         assert!(e.to_string().contains("guess"), "{e}");
+    }
+
+    #[test]
+    fn a_rewritten_request_is_routed_and_hashed_as_its_target() {
+        let s = scorer("lora_adapters: [sql]\nmodel_rewrites:\n  - {matches: [llama], targets: [{model: sql}]}\n");
+        let [a, b] = [s.static_pods()[0], s.static_pods()[1]];
+        s.served_models(a, vec!["llama".into()]);
+        s.served_models(b, vec!["sql".into()]);
+        let prepare = |s: &Scorer, model: &str| {
+            let prompt = "abcdefgh".repeat(40);
+            let body = format!(r#"{{"model": "{model}", "prompt": "{prompt}", "max_tokens": 2}}"#);
+            s.prepare(Api::Completions, body.as_bytes()).unwrap()
+        };
+        let rewritten = prepare(&s, "llama");
+        assert_eq!((rewritten.model.as_deref(), rewritten.adapter), (Some("sql"), Some(AdapterId::of("sql"))));
+        assert_eq!(rewritten.chain, prepare(&s, "sql").chain, "hashed as the target (an adapter)");
+        assert_ne!(rewritten.chain, prepare(&scorer(""), "llama").chain);
+        let pick = s.decide("r1", &rewritten, &Limits::default()).unwrap();
+        assert_eq!(pick.decode.name, "b");
+        assert_eq!(pick.route_pick().model_rewrite.map(|r| r.model).as_deref(), Some("sql"));
+        assert!(prepare(&s, "sql").rewrite.is_none(), "a target is not rewritten again");
+        // A catch-all takes every model no rule names (as the API defines it); its target
+        // served nowhere is refused naming it, never a guess.
+        let s = scorer("model_rewrites: [{targets: [{model: nowhere}]}]\n");
+        for pod in s.static_pods() {
+            s.served_models(*pod, vec!["llama".into()]);
+        }
+        match s.decide("r2", &prepare(&s, "llama"), &Limits::default()) {
+            Err(PickError::ModelNotServed(model)) => assert_eq!(model, "nowhere"),
+            other => panic!("{other:?}"),
+        }
+        for (rule, field) in [
+            ("{targets: []}", "model_rewrites[0].targets"),
+            ("{matches: [''], targets: [{model: a}]}", "model_rewrites[0].matches[0]"),
+            ("{targets: [{model: a, weight: 1}, {model: b}]}", "model_rewrites[0].targets"),
+            ("{targets: [{model: a, weight: 0}]}", "model_rewrites[0].targets[0].weight"),
+            ("{targets: [{model: ''}]}", "model_rewrites[0].targets[0].model"),
+        ] {
+            let e =
+                Config::parse(&format!("model_rewrites: [{rule}]\npods: [{{name: a, address: '10.0.0.1:8000'}}]\n"));
+            let e = e.unwrap_err().to_string();
+            assert!(e.contains(field), "{rule}: {e}");
+        }
     }
 
     #[test]

@@ -52,6 +52,7 @@ async fn route(
         subset: None,
         explain: matches!(query.explain.as_deref(), Some("1" | "true")),
         trace_parent: header("traceparent"),
+        rewrites_model: true, // the answer's `model`
     };
     let picked = picker.pick(request).await;
     match picked {
@@ -68,7 +69,7 @@ async fn route(
 
 /// The pick as the HTTP API answers it.
 fn route_response(pick: Pick) -> RouteResponse {
-    let RoutePick { decode, fallbacks, prefill, pod } = pick.route_pick();
+    let RoutePick { decode, fallbacks, prefill, pod, model_rewrite } = pick.route_pick();
     RouteResponse {
         decode,
         fallbacks,
@@ -81,6 +82,7 @@ fn route_response(pick: Pick) -> RouteResponse {
         policy: pick.policy.to_string(),
         prompt_tokens: pick.prompt_tokens,
         cached_tokens: pick.cached_tokens,
+        model: model_rewrite.map(|r| r.model),
         explain: pick.explain,
     }
 }

@@ -26,6 +26,7 @@ pub fn take_call(picker: &Picker, mut call: RouteCall) -> Option<impl Future<Out
             subset: None,
             explain: false,
             trace_parent: call.trace_parent.as_deref(),
+            rewrites_model: call.rewrites_model,
         };
         let outcome = match picker.pick(request).await {
             Ok(pick) => Outcome::Pick(pick.route_pick()),

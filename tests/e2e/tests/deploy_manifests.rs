@@ -379,6 +379,23 @@ fn the_inference_pool_names_kvgates_picker_and_the_pieces_agree() {
     for objective in documents("gateway-api/objectives.yaml") {
         assert_eq!(objective["spec"]["poolRef"]["name"], pool["metadata"]["name"]);
     }
+    // So do the example model rewrites, and the scorer reads each rule as kvgate applies it.
+    let rewrites_crd = "gie/inference.networking.x-k8s.io_inferencemodelrewrites.yaml";
+    let report =
+        validate_by_crd(rewrites_crd, &[deploy("gateway-api/model-rewrites.yaml")]).unwrap_or_else(|e| panic!("{e}"));
+    assert!(report.contains("valid: InferenceModelRewrite/aliases"), "{report}");
+    let served = documents("base/kustomization.yaml")[0]["configMapGenerator"][0]["literals"][0]
+        .as_str()
+        .and_then(|l| l.strip_prefix("MODEL="))
+        .expect("the served model")
+        .to_string();
+    for rewrite in documents("gateway-api/model-rewrites.yaml") {
+        let pool_name = pool["metadata"]["name"].as_str().unwrap();
+        let rules = kvgate_scorer::discovery::inference_pool::model_rewrite_rules(&rewrite, pool_name)
+            .expect("the pool's")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(rules.iter().flat_map(|r| &r.targets).all(|t| t.model == served), "every target is served");
+    }
 
     // The picker's configuration: the scorer's parser accepts it, it serves the port the pool
     // names, and it discovers exactly this pool.
@@ -408,10 +425,12 @@ fn the_inference_pool_names_kvgates_picker_and_the_pieces_agree() {
         ("", "pods"),
         ("inference.networking.k8s.io", "inferencepools"),
         ("inference.networking.x-k8s.io", "inferenceobjectives"),
+        ("inference.networking.x-k8s.io", "inferencemodelrewrites"),
     ];
     for (group, resource) in watched {
+        let lists = |r: &Value| r["resources"].as_array().is_some_and(|all| all.iter().any(|x| x == resource));
         assert!(
-            rules.as_array().unwrap().iter().any(|r| r["apiGroups"][0] == group && r["resources"][0] == resource),
+            rules.as_array().unwrap().iter().any(|r| r["apiGroups"][0] == group && lists(r)),
             "the picker may watch {resource}"
         );
     }

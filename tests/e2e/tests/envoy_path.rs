@@ -65,6 +65,7 @@ on_every_path!(
         sampled_at_one_percent_about_one_percent_of_requests_are_traced_whole,
         a_scorer_without_traces_exports_nothing_though_the_gateway_traces,
         two_models_go_each_to_its_pods_tokenized_by_its_own_tokenizer,
+        a_rewrite_splits_conversations_by_weight_and_every_turn_follows_its_target,
     ],
     alone: [a_burst_beyond_capacity_waits_by_priority_and_sheds_the_sheddable],
 );
@@ -1335,5 +1336,62 @@ async fn two_models_go_each_to_its_pods_tokenized_by_its_own_tokenizer(path: Pat
         counts.push(routed["prompt_tokens"].clone());
     }
     assert_ne!(counts[0], counts[1]);
+    assert_eq!(s.failed_open().await, 0);
+}
+
+async fn a_rewrite_splits_conversations_by_weight_and_every_turn_follows_its_target(path: Path) {
+    use futures::StreamExt;
+    let tokenizer = qwen3_tokenizer();
+    let mut pods = Vec::new();
+    for (i, model) in ["llama-v2", "llama-v2", "llama-v1"].iter().enumerate() {
+        let args = ["--tokenizer", tokenizer.to_str().unwrap(), "--time-scale", "0.02", "--model", model];
+        pods.push(Sim::start(&format!("pod-{i}"), &args).await);
+    }
+    let rewrites = "model_rewrites:\n  - {matches: [llama], targets: [{model: llama-v2, weight: 90}, {model: llama-v1, weight: 10}]}\n";
+    let s = stack_of(path, pods, &[], rewrites).await;
+    for p in &s.pods {
+        s.scorer.wait_pod(&p.pod_id, Duration::from_secs(10), |v| !v["models"].is_null()).await;
+    }
+    // 1,000 conversations asking for `llama`, which no pod serves: each pod answers only the
+    // model it serves (404 otherwise), so a 200 shows the body reached it rewritten.
+    let n = 1000;
+    let turn = |c: usize, turns: usize| {
+        let mut messages = vec![json!({"role": "user", "content": format!("conversation {c}: what is {c} squared?")})];
+        for t in 1..turns {
+            messages.push(json!({"role": "assistant", "content": format!("answer {t}")}));
+            messages.push(json!({"role": "user", "content": format!("and {c} to the power {}?", t + 2)}));
+        }
+        json!({"model": "llama", "max_tokens": 2, "messages": messages})
+    };
+    let ask = |body: Value| {
+        let envoy = &s.envoy;
+        async move {
+            let a = send(envoy, "/v1/chat/completions", &body, &[]).await;
+            assert_eq!(a.status, 200, "{}", a.body);
+            let answered: Value = serde_json::from_str(&a.body).unwrap();
+            (answered["model"].as_str().unwrap().to_string(), a.pod.unwrap())
+        }
+    };
+    let firsts: Vec<(String, String)> =
+        futures::stream::iter(0..n).map(|c| ask(turn(c, 1))).buffered(16).collect().await;
+    let serves = |pod: &str, model: &str| (pod == "pod-2") == (model == "llama-v1");
+    assert!(firsts.iter().all(|(model, pod)| serves(pod, model)), "each answered by a pod serving its target");
+    let v1 = firsts.iter().filter(|(model, _)| model == "llama-v1").count();
+    assert!((70..=130).contains(&v1), "{v1} of {n} conversations to the 10 % target (±3 %)");
+    // Every later turn of a conversation reaches its first turn's target.
+    let later: Vec<(usize, (String, String))> = futures::stream::iter((0..n).step_by(5))
+        .map(|c| async move { (c, ask(turn(c, 3)).await) })
+        .buffered(16)
+        .collect()
+        .await;
+    for (c, (model, _)) in &later {
+        assert_eq!(model, &firsts[*c].0, "conversation {c}: its third turn went elsewhere");
+    }
+    // Each decision's target, counted.
+    let v1_later = later.iter().filter(|(_, (model, _))| model == "llama-v1").count();
+    let counted = s.scorer.metric(r#"kvgate_model_rewrites_total{from="llama",to="llama-v1"}"#).await;
+    assert_eq!(counted as usize, v1 + v1_later);
+    let all = s.scorer.metric("kvgate_model_rewrites_total").await;
+    assert_eq!(all as usize, firsts.len() + later.len());
     assert_eq!(s.failed_open().await, 0);
 }

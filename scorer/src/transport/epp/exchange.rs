@@ -365,12 +365,14 @@ impl<P: PickingService> Exchange<P> {
             subset: subset.as_deref(),
             explain: false,
             trace_parent: self.trace_parent.as_deref(),
+            rewrites_model: true,
         };
         let pick = match self.picker.pick(request).await {
             Ok(pick) => pick,
             Err(e) => return self.refuse_request(&e),
         };
-        let destinations = pick.route_pick().destinations();
+        let route = pick.route_pick();
+        let destinations = route.destinations();
         tracing::debug!(stream = self.stream, request_id = %request_id, pod = %pick.decode.name, "ext_proc: picked {destinations}");
         let metadata = decision_metadata(&destinations, &booking_id);
         self.booking = Some(Booking { id: booking_id, request_id, joined: false });
@@ -378,15 +380,37 @@ impl<P: PickingService> Exchange<P> {
         if let Some(prefill) = &pick.prefill {
             set.push((self.settings.prefiller_header.as_str(), prefill.address.as_str()));
         }
+        // With its model rewritten, the body the gateway sends on is another (the booking,
+        // made, is released with the stream if it cannot be).
+        let (body, rewritten) = match route.model_rewrite.map(|rewrite| rewrite.apply(&body)) {
+            None => (body, false),
+            Some(Ok(rewritten)) => (bytes::Bytes::from(rewritten), true),
+            Some(Err(why)) => return self.immediate(Refused::NoPod, &format!("cannot rewrite the model: {why}"), None),
+        };
+        let length = body.len().to_string();
+        if rewritten {
+            set.push(("content-length", &length));
+        }
         match self.modes.request {
             BodyMode::Buffered => {
-                let answer = BodyResponse { response: Some(common(Some(&set), true)) };
-                self.send(Answer::RequestBody(answer), Some(metadata))
+                let mut response = common(Some(&set), true);
+                if rewritten {
+                    response.body_mutation =
+                        Some(BodyMutation { mutation: Some(body_mutation::Mutation::Body(body.to_vec())) });
+                }
+                self.send(Answer::RequestBody(BodyResponse { response: Some(response) }), Some(metadata))
             }
             BodyMode::Streamed => {
                 self.send(Answer::RequestHeaders(headers_answer(Some(&set), true)), Some(metadata));
-                for _ in 0..chunks {
-                    let answer = BodyResponse { response: Some(CommonResponse::default()) };
+                for chunk in 0..chunks {
+                    // Rewritten: the first chunk's answer carries the whole body, the others none.
+                    let mutation = rewritten.then(|| match chunk {
+                        0 => body_mutation::Mutation::Body(body.to_vec()),
+                        _ => body_mutation::Mutation::ClearBody(true),
+                    });
+                    let body_mutation = mutation.map(|m| BodyMutation { mutation: Some(m) });
+                    let answer =
+                        BodyResponse { response: Some(CommonResponse { body_mutation, ..Default::default() }) };
                     self.send(Answer::RequestBody(answer), None);
                 }
             }
@@ -712,6 +736,9 @@ mod tests {
     #[derive(Default)]
     struct FakePicker {
         refuse: Option<fn() -> PickError>,
+        /// Picks with the model rewritten to this (the span found in the body as the scorer's
+        /// rules would).
+        rewrite_to: Option<&'static str>,
         /// Each request asked for: API path, body, objective.
         asked: std::sync::Mutex<Vec<Asked>>,
         reports: std::sync::Mutex<Vec<LifecycleReport>>,
@@ -728,6 +755,13 @@ mod tests {
             if let Some(refuse) = self.refuse {
                 return Err(refuse());
             }
+            let model_rewrite = self.rewrite_to.map(|model| {
+                let rule = crate::config::ModelRewriteRule {
+                    matches: Vec::new(),
+                    targets: vec![crate::config::RewriteTarget { model: model.into(), weight: None }],
+                };
+                crate::rewrites::ModelRewrites::new(vec![rule]).of(&request.body).expect("a model to rewrite")
+            });
             let pod = |name: &str, address: &str| {
                 Arc::new(crate::picking::Pod { name: name.into(), address: address.into(), ..Default::default() })
             };
@@ -742,6 +776,7 @@ mod tests {
                 threshold_tokens: None,
                 predicted_wait_seconds: None,
                 admission_wait: std::time::Duration::ZERO,
+                model_rewrite,
                 explain: None,
             })
         }
@@ -858,6 +893,45 @@ mod tests {
         assert_eq!(events, vec![LifecycleEvent::FirstToken, LifecycleEvent::Done]);
         assert!(picker.reports.lock().unwrap().iter().all(|r| r.request_id == "epp-0"));
         assert_eq!(answers.len(), 2 + 1 + 2, "headers, body back, response headers and two chunks");
+    }
+
+    #[tokio::test]
+    async fn a_rewritten_model_is_in_the_body_the_gateway_sends_on_in_every_body_mode() {
+        let picker = Arc::new(FakePicker { rewrite_to: Some("llama-v2"), ..FakePicker::default() });
+        let (first, second) = (&br#"{"model": "llama", "prom"#[..], &br#"pt": "hi"}"#[..]);
+        let want = br#"{"model": "llama-v2", "prompt": "hi"}"#;
+        for mode in [BodyMode::FullDuplexStreamed, BodyMode::Buffered, BodyMode::Streamed] {
+            let config = ProtocolConfiguration {
+                request_body_mode: mode as i32,
+                response_body_mode: BodyMode::None as i32,
+                send_body_without_waiting_for_header_response: true,
+            };
+            let whole = [first, second].concat();
+            let chunks: Vec<&[u8]> = if mode == BodyMode::Buffered { vec![&whole] } else { vec![first, second] };
+            let mut messages =
+                vec![ProcessingRequest { protocol_config: Some(config), ..request(post("/v1/completions", &[])) }];
+            let last = chunks.len() - 1;
+            messages.extend(chunks.iter().enumerate().map(|(i, c)| request(Message::RequestBody(body(c, i == last)))));
+            let answers = exchange(&picker, messages).await;
+            let length = ("content-length".to_string(), want.len().to_string());
+            assert!(answers.iter().any(|a| set_headers(a).contains(&length)), "{mode:?}: its length");
+            // What the gateway sends on: each body answer's replacement (or the chunk kept).
+            let mut sent = Vec::new();
+            let mut kept = chunks.iter();
+            for answer in &answers {
+                let Some(Answer::RequestBody(BodyResponse { response: Some(common) })) = &answer.response else {
+                    continue;
+                };
+                let chunk = kept.next().expect("one answer per chunk");
+                match common.body_mutation.as_ref().and_then(|m| m.mutation.as_ref()) {
+                    Some(body_mutation::Mutation::StreamedResponse(s)) => sent.extend_from_slice(&s.body),
+                    Some(body_mutation::Mutation::Body(b)) => sent.extend_from_slice(b),
+                    Some(body_mutation::Mutation::ClearBody(true)) => {}
+                    _ => sent.extend_from_slice(chunk),
+                }
+            }
+            assert_eq!(String::from_utf8_lossy(&sent), String::from_utf8_lossy(want), "{mode:?}");
+        }
     }
 
     #[tokio::test]
