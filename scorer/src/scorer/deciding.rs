@@ -115,7 +115,8 @@ pub struct Pick {
     pub predicted_wait_seconds: Option<f64>,
     /// How long the request waited in the admission queue.
     pub admission_wait: std::time::Duration,
-    /// The model the pods are asked for, when a rewrite changed the client's.
+    /// The request's model rewrite, when a rule matched it (its `span` is where the body
+    /// changes, absent when the target is the client's own model).
     pub model_rewrite: Option<Rewrite>,
     pub explain: Option<Vec<PodExplain>>,
 }

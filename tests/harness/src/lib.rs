@@ -6,7 +6,10 @@
 
 mod engine;
 
-pub use engine::{ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_MODEL, ENGINE_VERSION, Engine, EngineOptions, engine_dir};
+pub use engine::{
+    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_LLAMA_MODEL, ENGINE_MODEL, ENGINE_VERSION, Engine, EngineOptions, TinyModel,
+    engine_dir,
+};
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
