@@ -9,10 +9,10 @@ use axum::body::Body;
 use axum::extract::{Query, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use kvgate_route_api::Api;
+use kvgate_route_api::{Api, LifecycleEvent, LifecycleReport};
 use kvgate_scorer::config::Config;
 use kvgate_scorer::discovery::{inference_pool, kubernetes};
-use kvgate_scorer::scorer::{Limits, Scorer};
+use kvgate_scorer::scorer::{Limits, PickError, Scorer};
 use kvgate_tokenize::Tokenizer;
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap};
@@ -476,6 +476,48 @@ async fn the_pools_inference_objectives_set_priorities_as_they_change() {
     assert!(wait_priority("batch", 2).await < Duration::from_secs(1), "deleted: the default");
     api.put_in("inferenceobjectives", objective("elsewhere", "vllm-pool", Some(7)), false);
     assert!(wait_priority("elsewhere", 7).await < Duration::from_secs(1), "moved to this pool");
+}
+
+#[tokio::test]
+async fn the_pools_objectives_order_admission_under_overload() {
+    let api = ApiServer::start().await;
+    api.put_in("inferenceobjectives", objective("critical", "vllm-pool", Some(10)), true);
+    api.put_in("inferenceobjectives", objective("batch", "vllm-pool", Some(-1)), true);
+    // One pod with room for one request: the next ones wait, by the pool's priorities.
+    let yaml = format!(
+        "admission: {{max_inflight_requests: 1, max_wait_ms: 10000}}\npods: [{{name: a, address: '10.0.0.1:8000'}}]\n\
+         discovery:\n  inference_pool: {{namespace: inference, name: vllm-pool, inference_objectives: true, api_server: '{}'}}\n",
+        api.url
+    );
+    let config = Config::parse(&yaml).unwrap();
+    let scorer = Arc::new(Scorer::new(config.clone(), Tokenizer::fallback()));
+    tokio::spawn(inference_pool::run_objectives(scorer.clone(), config.discovery.inference_pool.unwrap()));
+    let start = Instant::now();
+    while scorer.priority(Some("batch")) != -1 {
+        assert!(start.elapsed() < Duration::from_secs(5), "the pool's objectives never arrived");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let prepared = scorer.prepare(Api::Completions, br#"{"prompt": "the same prompt", "max_tokens": 2}"#).unwrap();
+    let ask = |id: &'static str, objective: Option<&'static str>| {
+        let (scorer, prepared) = (scorer.clone(), prepared.clone());
+        tokio::spawn(async move { scorer.decide_admitted(id, &prepared, &Limits::default(), objective).await })
+    };
+    let done = |id: &str| scorer.report(&LifecycleReport::new(id.to_string(), LifecycleEvent::Done));
+    assert!(ask("first", None).await.unwrap().is_ok());
+    // The pool's sheddable objective is shed at once; an ordinary request and then a critical
+    // one wait, and the critical one gets the room first.
+    assert!(matches!(ask("batch", Some("batch")).await.unwrap(), Err(PickError::Shed { .. })));
+    let ordinary = ask("ordinary", None);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let critical = ask("critical", Some("critical"));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!ordinary.is_finished() && !critical.is_finished(), "both wait for room");
+    assert!(done("first"));
+    assert!(critical.await.unwrap().is_ok());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(!ordinary.is_finished(), "the ordinary request, though first to wait, waits on");
+    assert!(done("critical"));
+    assert!(ordinary.await.unwrap().is_ok());
 }
 
 /// An InferenceModelRewrite of `pool` created at `created`, with `rules` as its CRD shapes

@@ -309,10 +309,15 @@ async fn two_models_leg(path: Path, qwen: &Engine, llama: &Engine) {
             assert_eq!(served, serving, "{path:?}: {model} turn {n}");
         }
     }
-    let rewritten = s.scorer_counter(&format!("kvgate_model_rewrites_total{{from=\"llama\",to=\"{ENGINE_LLAMA_MODEL}\"}}")).await;
+    let rewritten =
+        s.scorer_counter(&format!("kvgate_model_rewrites_total{{from=\"llama\",to=\"{ENGINE_LLAMA_MODEL}\"}}")).await;
     assert_eq!(rewritten, 3, "{path:?}: each turn asking for `llama`");
-    let unknown = send(&s.client, &format!("{}/v1/chat/completions", s.envoy.url), &json!({"model": "mistral",
-        "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}))
+    let unknown = send(
+        &s.client,
+        &format!("{}/v1/chat/completions", s.envoy.url),
+        &json!({"model": "mistral",
+        "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+    )
     .await;
     assert_eq!(unknown.status, 404, "{path:?}: {:?}", unknown.error);
     s.traces_agree().await;
