@@ -26,53 +26,43 @@ LORA_RANK = 8
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def make_model(tokenizer_dir: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
+# The shape both tiny models share.
+SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+)
 
-    torch.manual_seed(SEED)
-    config = Qwen3Config(
-        vocab_size=151936,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        bos_token_id=151643,
-        eos_token_id=151645,
-    )
+
+def save_tiny(config, seed: int, tokenizer_dir: Path, out: Path) -> None:
+    """Random weights from `seed` for `config`, saved with the tokenizer's files."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / name, out / name)
+
+
+def make_model(tokenizer_dir: Path, out: Path) -> None:
+    from transformers import Qwen3Config
+
+    config = Qwen3Config(vocab_size=151936, bos_token_id=151643, eos_token_id=151645, **SHAPE)
+    save_tiny(config, SEED, tokenizer_dir, out)
 
 
 def make_llama(tokenizer_dir: Path, out: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import LlamaConfig
 
-    torch.manual_seed(SEED + 2)
-    config = LlamaConfig(
-        vocab_size=128256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-        bos_token_id=128000,
-        eos_token_id=128009,
-    )
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer_dir / name, out / name)
+    config = LlamaConfig(vocab_size=128256, rope_theta=500000.0, bos_token_id=128000, eos_token_id=128009, **SHAPE)
+    save_tiny(config, SEED + 2, tokenizer_dir, out)
 
 
 def make_adapter(out: Path) -> None:
