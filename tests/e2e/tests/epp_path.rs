@@ -66,7 +66,8 @@ async fn scorer_metric(scorer: &ScorerProcess, name: &str) -> f64 {
 
 #[tokio::test]
 async fn every_body_mode_relays_bodies_and_streams_unchanged() {
-    let (pods, scorer) = pods_and_picker(2, "", "").await;
+    let rewrites = format!("model_rewrites: [{{matches: [alias], targets: [{{model: {MODEL}}}]}}]\n");
+    let (pods, scorer) = pods_and_picker(2, &rewrites, "").await;
     // A prompt of ≈ 150 kB: full duplex hands it back in chunks of at most 62,000 bytes.
     let long = text("Clause of a very long contract", 4_600);
     assert!(long.len() > 2 * 62_000, "{}", long.len());
@@ -77,6 +78,16 @@ async fn every_body_mode_relays_bodies_and_streams_unchanged() {
             post(&envoy, "/v1/completions", &json!({"model": MODEL, "prompt": long, "max_tokens": 2}), &[]).await;
         assert_eq!(status, 200, "{mode}: {body}");
         assert_eq!(usage(&body)["prompt_tokens"], expected_tokens, "{mode}: the pod got the body unchanged");
+        // The same body naming a model a rule rewrites: the pod (which answers 404 to any
+        // other name) gets it, in as many chunks, under the served model's name.
+        let (status, _, body) =
+            post(&envoy, "/v1/completions", &json!({"model": "alias", "prompt": long, "max_tokens": 2}), &[]).await;
+        assert_eq!(status, 200, "{mode}: {body}");
+        let answer: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            (answer["model"].as_str(), &answer["usage"]["prompt_tokens"]),
+            (Some(MODEL), &json!(expected_tokens))
+        );
 
         // A system prompt shared by a conversation's turns: streamed back, then cached where it went.
         let system = text(&format!("Instructions for the {mode} assistant"), 300);
@@ -104,7 +115,8 @@ async fn every_body_mode_relays_bodies_and_streams_unchanged() {
     // Every request's response was read by the picker: nothing left booked, nothing unknown.
     scorer.wait_idle(Duration::from_secs(5)).await;
     assert_eq!(scorer_metric(&scorer, "kvgate_lifecycle_unknown_total").await, 0.0);
-    assert_eq!(scorer_metric(&scorer, "kvgate_lifecycle_reports_total{event=\"done\"}").await, 12.0);
+    assert_eq!(scorer_metric(&scorer, "kvgate_lifecycle_reports_total{event=\"done\"}").await, 15.0);
+    assert_eq!(scorer_metric(&scorer, "kvgate_model_rewrites_total").await, 3.0);
 }
 
 #[tokio::test]
