@@ -96,7 +96,7 @@ impl ModelRewrites {
 }
 
 /// What a body shows of its model and of its conversation's start, borrowed from the body
-/// (the rest is skipped).
+/// (the rest is skipped; lists are read only when a split needs the conversation's key).
 #[derive(Deserialize)]
 struct Head<'a> {
     #[serde(borrow)]
@@ -113,7 +113,7 @@ struct Head<'a> {
     instructions: Option<&'a RawValue>,
     /// Chat completions and Anthropic messages.
     #[serde(borrow)]
-    messages: Option<Vec<&'a RawValue>>,
+    messages: Option<&'a RawValue>,
     /// The Responses API's input: a string or items.
     #[serde(borrow)]
     input: Option<&'a RawValue>,
@@ -144,11 +144,10 @@ impl Head<'_> {
             return hash.digest();
         }
         self.system.into_iter().chain(self.instructions).for_each(&mut feed);
-        let input_items = self
-            .input
+        let items = (self.messages.or(self.input))
             .filter(|raw| raw.get().starts_with('['))
             .and_then(|raw| serde_json::from_str::<Vec<&RawValue>>(raw.get()).ok());
-        match self.messages.as_deref().or(input_items.as_deref()) {
+        match items.as_deref() {
             Some(items) => {
                 for item in items {
                     feed(item);
