@@ -1387,11 +1387,19 @@ async fn a_rewrite_splits_conversations_by_weight_and_every_turn_follows_its_tar
     for (c, (model, _)) in &later {
         assert_eq!(model, &firsts[*c].0, "conversation {c}: its third turn went elsewhere");
     }
+    // A body of many chunks (≈ 150 kB) reaches its pod whole under its target's name.
+    let long = text("Clause of a very long contract", 4_600);
+    let body = json!({"model": "llama", "prompt": long, "max_tokens": 2, "prompt_cache_key": "contract"});
+    let a = send(&s.envoy, "/v1/completions", &body, &[]).await;
+    assert_eq!(a.status, 200, "{}", a.body);
+    let answered: Value = serde_json::from_str(&a.body).unwrap();
+    assert_eq!(answered["usage"]["prompt_tokens"], s.pods[0].tokenize(&long).await.len(), "the whole prompt");
+    assert!(serves(a.pod.as_deref().unwrap(), answered["model"].as_str().unwrap()));
     // Each decision's target, counted.
     let v1_later = later.iter().filter(|(_, (model, _))| model == "llama-v1").count();
     let counted = s.scorer.metric(r#"kvgate_model_rewrites_total{from="llama",to="llama-v1"}"#).await;
     assert_eq!(counted as usize, v1 + v1_later);
     let all = s.scorer.metric("kvgate_model_rewrites_total").await;
-    assert_eq!(all as usize, firsts.len() + later.len());
+    assert_eq!(all as usize, firsts.len() + later.len() + 1);
     assert_eq!(s.failed_open().await, 0);
 }
