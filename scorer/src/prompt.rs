@@ -197,14 +197,13 @@ pub fn extract(
         }
         Api::Messages => {
             let request: MessagesRequest = parse(body)?;
-            let mut model = Some(request.model.clone());
-            rewritten(&mut model);
             let tokens = tokenizers
-                .of(model.as_deref(), adapters)
+                .of(Some(as_model.unwrap_or(&request.model)), adapters)
                 .encode_messages_request(&request)
                 .map_err(to_request_error)?;
             let max_tokens = u32::try_from(request.max_tokens).unwrap_or(u32::MAX);
-            info(tokens, model, request.cache_salt, Some(max_tokens), adapters)
+            let model = as_model.map_or(request.model, str::to_string);
+            info(tokens, Some(model), request.cache_salt, Some(max_tokens), adapters)
         }
         Api::Responses => {
             let mut request: ResponsesRequest = parse(body)?;

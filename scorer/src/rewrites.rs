@@ -8,7 +8,7 @@
 //! body with the target's name (the proxies splice it in at the span found here), and the
 //! request is tokenized, hashed and routed as the target.
 
-use crate::config::ModelRewriteRule;
+use crate::config::{ModelRewriteRule, RewriteTarget};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 use std::borrow::Cow;
@@ -47,10 +47,6 @@ impl ModelRewrites {
         self.rules.is_empty()
     }
 
-    pub fn rules(&self) -> &[ModelRewriteRule] {
-        &self.rules
-    }
-
     /// The rule for `model`: the first naming it, else the first catch-all.
     fn rule(&self, model: &str) -> Option<(&ModelRewriteRule, bool)> {
         let named = self.rules.iter().find(|r| r.matches.iter().any(|m| m == model)).map(|r| (r, true));
@@ -70,19 +66,11 @@ impl ModelRewrites {
         let target = match &rule.targets[..] {
             [only] => only,
             targets => {
-                let weight = |i: usize| u64::from(targets[i].weight.unwrap_or(1));
-                let total: u64 = (0..targets.len()).map(weight).sum();
-                let mut point = head.conversation_key() % total;
-                let i = (0..targets.len())
-                    .find(|&i| match point.checked_sub(weight(i)) {
-                        Some(rest) => {
-                            point = rest;
-                            false
-                        }
-                        None => true,
-                    })
-                    .unwrap_or(targets.len() - 1);
-                &targets[i]
+                // The conversation's point on the targets' weights laid end to end.
+                let weight = |t: &RewriteTarget| u64::from(t.weight.unwrap_or(1));
+                let mut point = head.conversation_key() % targets.iter().map(weight).sum::<u64>();
+                let mut past = |t: &&RewriteTarget| point.checked_sub(weight(t)).map(|rest| point = rest).is_some();
+                targets.iter().find(|t| !past(t)).unwrap_or(&targets[targets.len() - 1])
             }
         };
         // The value's place in the body: `raw` borrows it.

@@ -70,7 +70,7 @@ def make_adapter(out: Path) -> None:
     from safetensors.torch import save_file
 
     generator = torch.Generator().manual_seed(SEED + 1)
-    hidden, heads, kv_heads, head_dim = 128, 4, 2, 32
+    hidden, heads, kv_heads, head_dim = (SHAPE[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
     # (in, out) of each projection the adapter changes.
     shapes = {
         "q_proj": (hidden, heads * head_dim),
@@ -79,7 +79,7 @@ def make_adapter(out: Path) -> None:
         "o_proj": (heads * head_dim, hidden),
     }
     tensors = {}
-    for layer in range(2):
+    for layer in range(SHAPE["num_hidden_layers"]):
         for name, (fan_in, fan_out) in shapes.items():
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(LORA_RANK, fan_in, generator=generator) * 0.02

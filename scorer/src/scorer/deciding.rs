@@ -356,11 +356,6 @@ impl Scorer {
         *self.rewrites.write().unwrap_or_else(|e| e.into_inner()) = ModelRewrites::new(rules);
     }
 
-    /// The model rewrites in force.
-    pub fn model_rewrites(&self) -> Vec<ModelRewriteRule> {
-        self.rewrites.read().unwrap_or_else(|e| e.into_inner()).rules().to_vec()
-    }
-
     /// The pool's InferenceObjectives (name → priority), as the API server has them now.
     pub fn set_pool_objectives(&self, objectives: BTreeMap<String, i32>) {
         *self.pool_objectives.write().unwrap_or_else(|e| e.into_inner()) = objectives;

@@ -382,33 +382,34 @@ impl<P: PickingService> Exchange<P> {
         }
         // With its model rewritten, the body the gateway sends on is another (the booking,
         // made, is released with the stream if it cannot be).
-        let (body, rewritten) = match route.model_rewrite.map(|rewrite| rewrite.apply(&body)) {
-            None => (body, false),
-            Some(Ok(rewritten)) => (bytes::Bytes::from(rewritten), true),
+        let mut rewritten = match route.model_rewrite.map(|rewrite| rewrite.apply(&body)) {
+            None => None,
+            Some(Ok(rewritten)) => Some(rewritten),
             Some(Err(why)) => return self.immediate(Refused::NoPod, &format!("cannot rewrite the model: {why}"), None),
         };
-        let length = body.len().to_string();
-        if rewritten {
-            set.push(("content-length", &length));
+        let length = rewritten.as_ref().map(|b| b.len().to_string());
+        if let Some(length) = &length {
+            set.push(("content-length", length));
         }
+        let mutation = |m| Some(BodyMutation { mutation: Some(m) });
         match self.modes.request {
             BodyMode::Buffered => {
                 let mut response = common(Some(&set), true);
-                if rewritten {
-                    response.body_mutation =
-                        Some(BodyMutation { mutation: Some(body_mutation::Mutation::Body(body.to_vec())) });
-                }
+                response.body_mutation = rewritten.and_then(|b| mutation(body_mutation::Mutation::Body(b)));
                 self.send(Answer::RequestBody(BodyResponse { response: Some(response) }), Some(metadata))
             }
             BodyMode::Streamed => {
                 self.send(Answer::RequestHeaders(headers_answer(Some(&set), true)), Some(metadata));
-                for chunk in 0..chunks {
+                let rewriting = rewritten.is_some();
+                for _ in 0..chunks {
                     // Rewritten: the first chunk's answer carries the whole body, the others none.
-                    let mutation = rewritten.then(|| match chunk {
-                        0 => body_mutation::Mutation::Body(body.to_vec()),
-                        _ => body_mutation::Mutation::ClearBody(true),
-                    });
-                    let body_mutation = mutation.map(|m| BodyMutation { mutation: Some(m) });
+                    let body_mutation = rewriting
+                        .then(|| {
+                            rewritten
+                                .take()
+                                .map_or(body_mutation::Mutation::ClearBody(true), body_mutation::Mutation::Body)
+                        })
+                        .and_then(mutation);
                     let answer =
                         BodyResponse { response: Some(CommonResponse { body_mutation, ..Default::default() }) };
                     self.send(Answer::RequestBody(answer), None);
@@ -417,7 +418,7 @@ impl<P: PickingService> Exchange<P> {
             _ => {
                 // Full duplex: the body goes back in chunks.
                 self.send(Answer::RequestHeaders(headers_answer(Some(&set), true)), Some(metadata));
-                let mut pieces = body.chunks(MAX_CHUNK).peekable();
+                let mut pieces = rewritten.as_deref().unwrap_or(&body).chunks(MAX_CHUNK).peekable();
                 if pieces.peek().is_none() {
                     return self.send(Answer::RequestBody(streamed_chunk(Vec::new(), end_of_stream)), None);
                 }
