@@ -212,8 +212,8 @@ pub fn render(config: &Config, options: &EnvoyOptions) -> Result<String, String>
         ("${POD_ENDPOINTS}", endpoints.trim_end().to_string()),
         ("${TRACES_PERCENT}", traces.map(|t| (t.sample_ratio * 100.0).to_string()).unwrap_or_default()),
         ("${TRACES_GATEWAY_SERVICE}", traces.map(|t| format!("{}-gateway", t.service_name)).unwrap_or_default()),
-        ("${TRACES_HOST}", traces.and_then(|t| t.otlp_endpoint.as_uri().host().map(String::from)).unwrap_or_default()),
-        ("${TRACES_PORT}", traces.and_then(|t| t.otlp_endpoint.as_uri().port_u16()).unwrap_or_default().to_string()),
+        ("${TRACES_HOST}", traces.and_then(|t| t.otlp_endpoint.host().map(String::from)).unwrap_or_default()),
+        ("${TRACES_PORT}", traces.and_then(|t| t.otlp_endpoint.port_u16()).unwrap_or_default().to_string()),
     ];
     let mut out = TEMPLATE.to_string();
     out = section(out, "${WASM_BEGIN}", "${WASM_END}", options.picker == Picker::Wasm);

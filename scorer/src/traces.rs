@@ -84,7 +84,7 @@ impl Traces {
     pub fn start(section: &TracesSection, ttl: Duration) -> anyhow::Result<Self> {
         let exporter = opentelemetry_otlp::SpanExporter::builder()
             .with_tonic()
-            .with_endpoint(section.otlp_endpoint.as_uri().to_string())
+            .with_endpoint(section.otlp_endpoint.to_string())
             .build()?;
         let resource = opentelemetry_sdk::Resource::builder().with_service_name(section.service_name.clone()).build();
         let provider = SdkTracerProvider::builder()

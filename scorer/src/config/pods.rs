@@ -3,6 +3,7 @@
 
 use kvgate_routing::router::Role;
 use kvgate_routing::validate::{Invalid, check};
+use derive_more::{Deref, Display};
 use serde::Deserialize;
 use std::net::SocketAddr;
 
@@ -33,17 +34,12 @@ pub struct PodConfig {
     pub slowness: Option<f64>,
 }
 
-/// A ZMQ endpoint kvgate connects to: `tcp://host:port` or `ipc://path`, checked when read.
-#[derive(Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
+/// A ZMQ endpoint kvgate connects to: `tcp://host:port` or `ipc://path`, checked when read;
+/// shown as the endpoint it is (`"tcp://10.0.0.1:5557"`).
+#[derive(Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema, derive_more::Debug, Display, Deref)]
 #[serde(try_from = "String")]
+#[debug("{_0:?}")]
 pub struct ZmqEndpoint(String);
-
-/// Shown as the endpoint it is (`"tcp://10.0.0.1:5557"`).
-impl std::fmt::Debug for ZmqEndpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
 
 impl ZmqEndpoint {
     /// `tcp://ip:port`.
@@ -63,32 +59,12 @@ impl TryFrom<String> for ZmqEndpoint {
     }
 }
 
-impl std::ops::Deref for ZmqEndpoint {
-    type Target = str;
-
-    fn deref(&self) -> &str {
-        &self.0
-    }
-}
-
-impl std::fmt::Display for ZmqEndpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-/// The `http://` URL of a pod's Prometheus page, checked when read.
-#[derive(Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
+/// The `http://` URL of a pod's Prometheus page, checked when read; shown as the URL it is.
+#[derive(Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema, derive_more::Debug, Deref)]
 #[serde(try_from = "String")]
 #[schemars(with = "String")]
+#[debug("{:?}", _0.as_str())]
 pub struct MetricsUrl(reqwest::Url);
-
-/// Shown as the URL it is.
-impl std::fmt::Debug for MetricsUrl {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.as_str().fmt(f)
-    }
-}
 
 impl TryFrom<String> for MetricsUrl {
     type Error = String;
@@ -115,14 +91,6 @@ impl MetricsUrl {
         url.set_path("/v1/models");
         url.set_query(None);
         url
-    }
-}
-
-impl std::ops::Deref for MetricsUrl {
-    type Target = str;
-
-    fn deref(&self) -> &str {
-        self.0.as_str()
     }
 }
 

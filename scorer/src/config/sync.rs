@@ -5,8 +5,9 @@ use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
 /// NATS server URLs (`nats://` or `tls://`): one, several comma-separated, or a list.
-#[derive(Clone, Debug, PartialEq, Eq, schemars::JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Eq, schemars::JsonSchema, derive_more::Display)]
 #[schemars(with = "String")]
+#[display("{}", _0.join(","))]
 pub struct NatsUrls(Vec<String>);
 
 impl<'de> Deserialize<'de> for NatsUrls {
@@ -32,12 +33,6 @@ impl<'de> Deserialize<'de> for NatsUrls {
 impl NatsUrls {
     pub fn urls(&self) -> impl Iterator<Item = &str> {
         self.0.iter().map(String::as_str)
-    }
-}
-
-impl std::fmt::Display for NatsUrls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0.join(","))
     }
 }
 

@@ -31,18 +31,12 @@ fn default_service_name() -> String {
     "kvgate".into()
 }
 
-/// An OTLP/gRPC receiver: an `http://host:port` URL, checked when read.
-#[derive(Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema)]
+/// An OTLP/gRPC receiver: an `http://host:port` URL, checked when read; shown as the URL it is.
+#[derive(Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema, derive_more::Debug, derive_more::Deref)]
 #[serde(try_from = "String")]
 #[schemars(with = "String")]
+#[debug("{_0:?}")]
 pub struct OtlpEndpoint(http::Uri);
-
-/// Shown as the URL it is.
-impl std::fmt::Debug for OtlpEndpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.0.fmt(f)
-    }
-}
 
 impl TryFrom<String> for OtlpEndpoint {
     type Error = String;
@@ -52,12 +46,6 @@ impl TryFrom<String> for OtlpEndpoint {
             Ok(uri) if uri.scheme_str() == Some("http") && uri.port_u16().is_some() => Ok(OtlpEndpoint(uri)),
             _ => Err(format!("{text:?} is not an http://host:port URL (OTLP over gRPC, without TLS)")),
         }
-    }
-}
-
-impl OtlpEndpoint {
-    pub fn as_uri(&self) -> &http::Uri {
-        &self.0
     }
 }
 

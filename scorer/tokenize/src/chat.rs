@@ -237,69 +237,14 @@ fn raise_exception(message: String) -> Result<JValue, JError> {
     Err(JError::new(ErrorKind::InvalidOperation, message))
 }
 
-/// `strftime_now(fmt)` as HF registers it (Llama 3 templates print today's date), for the
-/// directives those templates use: `%d %m %Y %y %b %B %H %M %S %%`, in UTC.
+/// `strftime_now(fmt)` as HF registers it (Llama 3 templates print today's date), in UTC.
 fn strftime_now(format: String) -> Result<JValue, JError> {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or_default();
-    Ok(JValue::from(strftime(&format, secs)))
+    strftime(&format, jiff::Timestamp::now())
 }
 
-fn strftime(format: &str, unix_secs: i64) -> String {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    let (days, secs_of_day) = (unix_secs.div_euclid(86_400), unix_secs.rem_euclid(86_400));
-    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    let month_name = MONTHS[(month - 1) as usize];
-    let mut out = String::new();
-    let mut chars = format.chars();
-    while let Some(c) = chars.next() {
-        if c != '%' {
-            out.push(c);
-            continue;
-        }
-        match chars.next() {
-            Some('d') => out.push_str(&format!("{day:02}")),
-            Some('m') => out.push_str(&format!("{month:02}")),
-            Some('Y') => out.push_str(&year.to_string()),
-            Some('y') => out.push_str(&format!("{:02}", year % 100)),
-            Some('b') => out.push_str(&month_name[..3]),
-            Some('B') => out.push_str(month_name),
-            Some('H') => out.push_str(&format!("{:02}", secs_of_day / 3600)),
-            Some('M') => out.push_str(&format!("{:02}", secs_of_day / 60 % 60)),
-            Some('S') => out.push_str(&format!("{:02}", secs_of_day % 60)),
-            Some('%') => out.push('%'),
-            Some(other) => {
-                out.push('%');
-                out.push(other);
-            }
-            None => out.push('%'),
-        }
-    }
-    out
+fn strftime(format: &str, at: jiff::Timestamp) -> Result<JValue, JError> {
+    let text = jiff::fmt::strtime::format(format, at).map_err(|e| JError::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    Ok(JValue::from(text))
 }
 
 #[cfg(test)]
@@ -310,7 +255,8 @@ mod tests {
     #[test]
     fn strftime_formats_a_known_date() {
         // 2024-07-26 13:05:09 UTC
-        assert_eq!(strftime("%d %b %Y %H:%M:%S %B %%", 1_721_999_109), "26 Jul 2024 13:05:09 July %");
+        let at = jiff::Timestamp::from_second(1_721_999_109).unwrap();
+        assert_eq!(strftime("%d %b %Y %H:%M:%S %B %%", at).unwrap().as_str(), Some("26 Jul 2024 13:05:09 July %"));
     }
 
     #[test]
