@@ -5,6 +5,7 @@ use crate::Api;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
+use smart_default::SmartDefault;
 
 /// How a disaggregated request reaches its prefill pod.
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
@@ -33,49 +34,41 @@ pub enum FailureMode {
 }
 
 /// The settings every proxy host shares.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, SmartDefault)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, deny_unknown_fields)]
 pub struct ProxyConfig {
     /// Route-call timeout; beyond it the failure mode applies.
+    #[default(100)]
     pub scorer_timeout_ms: u64,
+    #[default(FailureMode::Open)]
     pub failure_mode: FailureMode,
     /// Request paths routed by the scorer (exact match, query string ignored), among
     /// `/v1/completions`, `/v1/chat/completions`, `/v1/messages` and `/v1/responses`; other
     /// traffic passes untouched.
+    #[default(Api::PATHS.iter().map(|p| p.to_string()).collect())]
     pub paths: Vec<String>,
     /// Header naming the chosen pod for Envoy's `override_host` load-balancing policy.
+    #[default = "x-gateway-destination-endpoint"]
     pub destination_header: String,
     /// Lifecycle reports not yet gone with a route call are sent at this period (also the
     /// period at which route-call timeouts are checked)…
+    #[default(20)]
     pub lifecycle_flush_ms: u64,
     /// …or as soon as this many are waiting, or at once while the scorer says requests wait
     /// in its admission queue (each report frees room one of them is owed).
+    #[default(256)]
     pub lifecycle_batch_max: usize,
+    #[default(PdMode::Envoy)]
     pub pd_mode: PdMode,
     /// Header naming the prefill pod in `header` mode.
+    #[default = "x-prefiller-host-port"]
     pub prefiller_header: String,
     /// Envoy traces requests, and a `header_mutation` filter before this one names the
     /// gateway's span in `x-kvgate-gateway-span` (as the bootstrap rendered with the
     /// scorer's `traces` does): the route call carries it, so the scorer's spans of the
     /// decision join the gateway's trace. The proxy removes the header.
     pub traces: bool,
-}
-
-impl Default for ProxyConfig {
-    fn default() -> Self {
-        Self {
-            scorer_timeout_ms: 100,
-            failure_mode: FailureMode::Open,
-            paths: Api::PATHS.iter().map(|p| p.to_string()).collect(),
-            destination_header: "x-gateway-destination-endpoint".into(),
-            lifecycle_flush_ms: 20,
-            lifecycle_batch_max: 256,
-            pd_mode: PdMode::Envoy,
-            prefiller_header: "x-prefiller-host-port".into(),
-            traces: false,
-        }
-    }
 }
 
 /// A lowercase HTTP header name.
@@ -151,33 +144,26 @@ pub fn parse<H: HostConfig>(bytes: &[u8]) -> Result<(ProxyConfig, H), String> {
 }
 
 /// The wasm filter's own settings: it reaches the scorer and the pods through Envoy clusters.
-#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq, SmartDefault)]
 #[cfg_attr(feature = "schema", derive(schemars::JsonSchema))]
 #[serde(default, deny_unknown_fields)]
 pub struct WasmSettings {
     /// Envoy cluster of the scorer sidecar (HTTP/2: the route stream is gRPC).
+    #[default = "kvgate_scorer"]
     pub scorer_cluster: String,
     /// `:authority` of lifecycle batches sent to the scorer by HTTP, while the route stream is
     /// closed (route calls and, while it is open, lifecycle reports go on the stream).
+    #[default = "kvgate-scorer"]
     pub scorer_authority: String,
     /// Timeout of a lifecycle batch sent by HTTP.
+    #[default(1000)]
     pub lifecycle_timeout_ms: u64,
     /// Envoy cluster of the pods (prefill legs go there, steered by the destination header).
+    #[default = "kvgate_pods"]
     pub pods_cluster: String,
     /// Timeout of a prefill leg; beyond it the decode pod prefills locally.
+    #[default(60_000)]
     pub prefill_timeout_ms: u64,
-}
-
-impl Default for WasmSettings {
-    fn default() -> Self {
-        Self {
-            scorer_cluster: "kvgate_scorer".into(),
-            scorer_authority: "kvgate-scorer".into(),
-            lifecycle_timeout_ms: 1000,
-            pods_cluster: "kvgate_pods".into(),
-            prefill_timeout_ms: 60_000,
-        }
-    }
 }
 
 impl HostConfig for WasmSettings {

@@ -33,26 +33,23 @@ use crate::pod_set::{PodId, PodMap, PodSet};
 use crate::validate::{Invalid, check, positive};
 use ahash::AHashMap;
 use serde::Deserialize;
+use smart_default::SmartDefault;
 use std::collections::VecDeque;
 
 /// The KV indexes (`index`).
-#[derive(Clone, Debug, Deserialize, PartialEq, schemars::JsonSchema)]
+#[derive(Clone, Debug, Deserialize, PartialEq, schemars::JsonSchema, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct IndexConfig {
     /// Most blocks indexed per pod (precise and approximate index each); the oldest stored
     /// are forgotten first beyond it.
+    #[default(1 << 20)]
     pub max_blocks_per_pod: usize,
     /// How long blocks routed to a pod without events count as cached there.
+    #[default(120.0)]
     pub approximate_ttl_seconds: f64,
     /// Blocks the pods' KV connectors offload to host memory or storage (events with
     /// `medium` CPU or STORAGE).
     pub offload: OffloadConfig,
-}
-
-impl Default for IndexConfig {
-    fn default() -> Self {
-        Self { max_blocks_per_pod: 1 << 20, approximate_ttl_seconds: 120.0, offload: OffloadConfig::default() }
-    }
 }
 
 impl IndexConfig {
@@ -73,22 +70,19 @@ impl IndexConfig {
 
 /// The tiers a pod's KV connector offloads blocks to (vLLM's `OffloadingConnector`, LMCache):
 /// a block there is loaded back instead of recomputed (`index.offload`).
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, schemars::JsonSchema)]
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, schemars::JsonSchema, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct OffloadConfig {
     /// Most blocks indexed per pod in each offload tier; 0: offloaded blocks are not indexed
     /// (counted as ignored).
+    #[default(1 << 22)]
     pub max_blocks_per_pod: usize,
     /// Loading a block from host memory, as a fraction of computing it (0–1).
+    #[default(0.1)]
     pub cpu_load_cost: f64,
     /// Loading a block from storage, as a fraction of computing it (0–1).
+    #[default(0.4)]
     pub storage_load_cost: f64,
-}
-
-impl Default for OffloadConfig {
-    fn default() -> Self {
-        Self { max_blocks_per_pod: 1 << 22, cpu_load_cost: 0.1, storage_load_cost: 0.4 }
-    }
 }
 
 /// What happened to one pod's events, for metrics and `/v1/pods`.

@@ -24,22 +24,27 @@ use crate::speed::{PodSpeeds, SpeedConfig, SpeedView};
 use crate::validate::{Invalid, check, non_negative, positive};
 use ahash::{AHashMap, AHashSet};
 use serde::Deserialize;
+use smart_default::SmartDefault;
 use std::sync::Arc;
 
 /// In-flight bookkeeping (`load`).
-#[derive(Clone, Debug, Deserialize, PartialEq, schemars::JsonSchema)]
+#[derive(Clone, Debug, Deserialize, PartialEq, schemars::JsonSchema, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct LoadConfig {
     /// Expected completion tokens of a request without `max_tokens`.
+    #[default(256)]
     pub default_output_tokens: u32,
     /// Estimated decode speed of one sequence (tokens/s), to decay expected output over time.
+    #[default(50.0)]
     pub decode_tokens_per_second: f64,
     /// A booking without a `done` report is dropped after this long.
+    #[default(600.0)]
     pub request_ttl_seconds: f64,
     /// Bookings at least this old that a pod's engine does not account for (its scraped
     /// running + waiting requests are fewer) are dropped, oldest first: their end was never
     /// reported (a lifecycle batch lost while the scorer was frozen, a gateway replica
     /// gone). 0 turns this off (then only `request_ttl_seconds` drops them).
+    #[default(10.0)]
     pub reconcile_after_seconds: f64,
     /// Learning each pod's prefill speed from the first tokens it reports, so that pods
     /// of different speeds are compared in predicted seconds (`learn: false` to compare
@@ -50,20 +55,8 @@ pub struct LoadConfig {
     /// carry; all of it until reports come). Clients that ask for far more than they get —
     /// a 2,048-token cap on 150-token answers — otherwise make every pod look full of
     /// decodes to come. `false`: plan the whole `max_tokens`.
+    #[default(true)]
     pub learn_output_share: bool,
-}
-
-impl Default for LoadConfig {
-    fn default() -> Self {
-        Self {
-            default_output_tokens: 256,
-            decode_tokens_per_second: 50.0,
-            request_ttl_seconds: 600.0,
-            reconcile_after_seconds: 10.0,
-            pod_speed: SpeedConfig::default(),
-            learn_output_share: true,
-        }
-    }
 }
 
 impl LoadConfig {

@@ -42,30 +42,30 @@
 use crate::pod_set::{PodId, PodMap};
 use crate::validate::{Invalid, check};
 use serde::Deserialize;
+use smart_default::SmartDefault;
 
 /// How pod speeds are learned.
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, schemars::JsonSchema)]
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, schemars::JsonSchema, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct SpeedConfig {
     /// Learn and apply pod speeds; false = every pod counts as the fleet's average.
+    #[default(true)]
     pub learn: bool,
     /// Memory of both fits, in samples (a pod's own samples for its slowness).
+    #[default(200.0)]
     pub window_samples: f64,
     /// Pseudo-samples at slowness 1 (or at the pod's declared `slowness`) every pod starts
     /// with; also the fleet samples needed before any pod is judged.
+    #[default(16.0)]
     pub prior_samples: f64,
     /// Slowness is kept within `[1/max, max]`.
+    #[default(8.0)]
     pub max_slowness: f64,
     /// A fleet whose learned slownesses span less than this factor (slowest ÷ fastest) is
     /// taken as alike and every pod's slowness applied as 1: noise, or one pod's passing
     /// load, is not a slower GPU, and alike pods keep comparing on work alone.
+    #[default(1.5)]
     pub alike_spread: f64,
-}
-
-impl Default for SpeedConfig {
-    fn default() -> Self {
-        Self { learn: true, window_samples: 200.0, prior_samples: 16.0, max_slowness: 8.0, alike_spread: 1.5 }
-    }
 }
 
 impl SpeedConfig {

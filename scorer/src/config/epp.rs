@@ -3,32 +3,26 @@
 use kvgate_route_api::lifecycle::header_name;
 use kvgate_routing::validate::{Invalid, check};
 use serde::Deserialize;
+use smart_default::SmartDefault;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 /// The Endpoint Picker: the Gateway API Inference Extension's protocol (Envoy ext_proc over
 /// gRPC), so any InferencePool gateway can use kvgate as its picker.
-#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct EppSection {
     /// gRPC address of `envoy.service.ext_proc.v3.ExternalProcessor` and gRPC health.
+    #[default(SocketAddr::from(([0, 0, 0, 0], 9002)))]
     pub listen: SocketAddr,
+    #[default(EppTls::SelfSigned)]
     pub tls: EppTls,
     /// Largest request body buffered for a decision; larger ones are answered 413.
+    #[default(8 << 20)]
     pub body_limit_bytes: usize,
     /// Header naming the prefill pod of a disaggregated request (llm-d's decode sidecars).
+    #[default = "x-prefiller-host-port"]
     pub prefiller_header: String,
-}
-
-impl Default for EppSection {
-    fn default() -> Self {
-        Self {
-            listen: SocketAddr::from(([0, 0, 0, 0], 9002)),
-            tls: EppTls::SelfSigned,
-            body_limit_bytes: 8 << 20,
-            prefiller_header: "x-prefiller-host-port".into(),
-        }
-    }
 }
 
 /// How the Endpoint Picker's gRPC listener is secured. Gateways dial pickers over TLS

@@ -1,9 +1,9 @@
 //! A pod of the static `pods:` list, and the typed endpoints a pod (listed or discovered) is
 //! reached at: checked as the file is read, so nothing later parses or skips one.
 
+use derive_more::{Deref, Display};
 use kvgate_routing::router::Role;
 use kvgate_routing::validate::{Invalid, check};
-use derive_more::{Deref, Display};
 use serde::Deserialize;
 use std::net::SocketAddr;
 

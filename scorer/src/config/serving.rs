@@ -3,6 +3,7 @@
 
 use kvgate_routing::validate::{Invalid, check, non_negative};
 use serde::Deserialize;
+use smart_default::SmartDefault;
 use std::net::SocketAddr;
 
 /// Who can see what: the debug endpoints reveal per-pod state, so they can be turned off or
@@ -24,20 +25,16 @@ pub struct AdminSection {
 /// (a full-duplex picker exchange lasts as long as its response) finish for up to
 /// `finish_seconds`. Set the pod's `terminationGracePeriodSeconds` above the sum (plus any
 /// `preStop` sleep).
-#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct ShutdownSection {
     /// Seconds between SIGTERM and closing the listeners, answering as usual but not ready.
+    #[default(5.0)]
     pub drain_seconds: f64,
     /// Longest wait, after the listeners close, for the picker's open exchanges to end
     /// (the filters' HTTP connections and route streams get 5 s).
+    #[default(60.0)]
     pub finish_seconds: f64,
-}
-
-impl Default for ShutdownSection {
-    fn default() -> Self {
-        Self { drain_seconds: 5.0, finish_seconds: 60.0 }
-    }
 }
 
 impl ShutdownSection {

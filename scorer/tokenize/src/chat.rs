@@ -13,12 +13,14 @@ use crate::{TokenizeError, pyjson};
 use minijinja::value::{Kwargs, Serde, Value as JValue};
 use minijinja::{Environment, Error as JError, ErrorKind};
 use serde_json::{Map, Value};
+use smart_default::SmartDefault;
 use strum::VariantArray;
 
 /// Options of one chat rendering, named as in vLLM's chat-completions / tokenize requests.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, SmartDefault)]
 pub struct ChatOptions {
     /// Append the assistant header so the model answers (vLLM default: true).
+    #[default(true)]
     pub add_generation_prompt: bool,
     /// Leave the final (assistant) message open so the model continues it.
     pub continue_final_message: bool,
@@ -29,18 +31,6 @@ pub struct ChatOptions {
     /// `reasoning_effort` of the request: passed to the template, and, unless the request's
     /// kwargs set `enable_thinking`, turning thinking on (any effort) or off (`"none"`).
     pub reasoning_effort: Option<String>,
-}
-
-impl Default for ChatOptions {
-    fn default() -> Self {
-        Self {
-            add_generation_prompt: true,
-            continue_final_message: false,
-            tools: None,
-            template_kwargs: None,
-            reasoning_effort: None,
-        }
-    }
 }
 
 /// A compiled chat template plus the special-token strings templates refer to.
@@ -243,7 +233,8 @@ fn strftime_now(format: String) -> Result<JValue, JError> {
 }
 
 fn strftime(format: &str, at: jiff::Timestamp) -> Result<JValue, JError> {
-    let text = jiff::fmt::strtime::format(format, at).map_err(|e| JError::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let text =
+        jiff::fmt::strtime::format(format, at).map_err(|e| JError::new(ErrorKind::InvalidOperation, e.to_string()))?;
     Ok(JValue::from(text))
 }
 

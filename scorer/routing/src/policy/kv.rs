@@ -61,6 +61,7 @@ use crate::validate::{Invalid, check, non_negative, positive};
 use rand::Rng;
 use rand::rngs::StdRng;
 use serde::Deserialize;
+use smart_default::SmartDefault;
 
 /// How prefill work is estimated.
 #[derive(Clone, Copy, Debug, Default, Deserialize, serde::Serialize, PartialEq, Eq, schemars::JsonSchema)]
@@ -74,38 +75,48 @@ pub enum PrefillEstimate {
 }
 
 /// Weights of the `kv` policy.
-#[derive(Clone, Debug, Deserialize, serde::Serialize, PartialEq, schemars::JsonSchema)]
+#[derive(Clone, Debug, Deserialize, serde::Serialize, PartialEq, schemars::JsonSchema, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct KvPolicyConfig {
     /// Weight of prefill work: the uncached prompt tokens queued on the pod plus this
     /// request's (in linear-equivalent tokens, per block), scaled by the pod's slowness.
+    #[default(1.0)]
     pub prefill_weight: f64,
     /// Weight of the KV blocks held by the pod's requests in flight (decode load).
+    #[default(0.1)]
     pub decode_weight: f64,
     /// Weight of the blocks decode steps read (per sequence: shared prefixes count once per
     /// sequence reading them), which sets decode step time.
+    #[default(0.02)]
     pub decode_read_weight: f64,
     /// Fraction of the cached tokens credited (1 = all, 0 = cache ignored).
+    #[default(1.0)]
     pub prefix_weight: f64,
     /// Extra cost per uncached prompt token, as a fraction of computing it: the blocks a
     /// miss stores evict other prefixes (now, or once the caches have filled), which later
     /// requests recompute.
+    #[default(3.0)]
     pub miss_weight: f64,
     /// Cost per block this request would need beyond the pod's KV capacity: blocks held by
     /// requests in flight plus its uncached ones, less `num_gpu_blocks` from the pod's
     /// metrics (no charge while that is unknown). A request whose blocks do not fit waits
     /// for others to finish. 0 = off.
+    #[default(1.0)]
     pub overflow_weight: f64,
     /// How prefill work is estimated: `trapezoid` (tokens plus the attention work of a long
     /// context) or `linear` (tokens).
+    #[default(PrefillEstimate::Trapezoid)]
     pub prefill_estimate: PrefillEstimate,
     /// Context length at which attention work equals linear work (trapezoid estimate).
+    #[default(30_000.0)]
     pub attention_horizon_tokens: f64,
     /// Milliseconds a pod takes to bring a LoRA adapter onto its GPU (one it has not run
     /// lately), charged to a request for it there. 0 = loads are free.
+    #[default(50.0)]
     pub adapter_load_ms: f64,
     /// Prompt tokens a pod prefills in a second: what a second of waiting — for an adapter's
     /// load, or for an adapter slot to free — costs in prefill work. 0 = adapters ignored.
+    #[default(20_000.0)]
     pub prefill_tokens_per_second: f64,
     /// 0 = always the cheapest pod; > 0 = softmax sampling over normalised costs.
     pub temperature: f64,
@@ -113,35 +124,15 @@ pub struct KvPolicyConfig {
     /// prompt's home (of the pods caching most of it, the least busy), and fewer by the factor
     /// `balance_rel_threshold`, is not charged the miss, so load wins over stickiness.
     /// `None` = off.
+    #[default(Some(32))]
     pub balance_abs_threshold: Option<u32>,
     /// The factor of the pile-up guard (see `balance_abs_threshold`).
+    #[default(1.5)]
     pub balance_rel_threshold: f64,
     /// Drop pods reporting at least this many waiting requests.
     pub max_waiting: Option<f64>,
     /// Drop pods reporting at least this KV-cache usage (0–1).
     pub max_kv_usage: Option<f64>,
-}
-
-impl Default for KvPolicyConfig {
-    fn default() -> Self {
-        Self {
-            prefill_weight: 1.0,
-            decode_weight: 0.1,
-            decode_read_weight: 0.02,
-            prefix_weight: 1.0,
-            miss_weight: 3.0,
-            overflow_weight: 1.0,
-            prefill_estimate: PrefillEstimate::Trapezoid,
-            attention_horizon_tokens: 30_000.0,
-            adapter_load_ms: 50.0,
-            prefill_tokens_per_second: 20_000.0,
-            temperature: 0.0,
-            balance_abs_threshold: Some(32),
-            balance_rel_threshold: 1.5,
-            max_waiting: None,
-            max_kv_usage: None,
-        }
-    }
 }
 
 impl KvPolicyConfig {

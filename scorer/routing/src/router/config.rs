@@ -6,8 +6,10 @@ use crate::load::LoadConfig;
 use crate::policy::{Candidate, PolicyConfig, ReportedLoad};
 use crate::validate::{Invalid, check, non_negative};
 use serde::{Deserialize, Serialize};
+use smart_default::SmartDefault;
 use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
+
 /// Which side of prefill/decode disaggregation a pod serves.
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq, Serialize, schemars::JsonSchema)]
 #[serde(rename_all = "lowercase")]
@@ -26,22 +28,17 @@ impl Role {
 }
 
 /// Prefill/decode disaggregation (`pd`).
-#[derive(Clone, Debug, Deserialize, PartialEq, schemars::JsonSchema)]
+#[derive(Clone, Debug, Deserialize, PartialEq, schemars::JsonSchema, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct PdConfig {
     /// Disaggregate when the best decode-capable pod would have to prefill at least this many
     /// uncached tokens (and a healthy prefill pod exists). 0 = always.
+    #[default(1024)]
     pub threshold_tokens: u32,
     /// How the prefill pod is chosen (`kv`: KV overlap + queued prefill work).
     pub prefill_policy: PolicyConfig,
     /// How the decode pod of a disaggregated request is chosen (`kv`: decode load).
     pub decode_policy: PolicyConfig,
-}
-
-impl Default for PdConfig {
-    fn default() -> Self {
-        Self { threshold_tokens: 1024, prefill_policy: PolicyConfig::default(), decode_policy: PolicyConfig::default() }
-    }
 }
 
 /// Everything a router is built from.
@@ -79,7 +76,7 @@ impl RouterConfig {
 /// limits it is not chosen (the router judges it) — and how a request finding every pod so
 /// waits for room in the scorer's admission queue (by priority, first come first served within
 /// one, until its wait runs out: 429 with `Retry-After`; sheddable ones are refused at once).
-#[derive(Clone, Debug, PartialEq, Deserialize, schemars::JsonSchema)]
+#[derive(Clone, Debug, PartialEq, Deserialize, schemars::JsonSchema, SmartDefault)]
 #[serde(default, deny_unknown_fields)]
 pub struct Admission {
     /// A pod is saturated at this many waiting requests it reports
@@ -99,31 +96,17 @@ pub struct Admission {
     pub headroom: f64,
     /// Requests waiting at most (at least 1); a newcomer beyond it is refused, or takes the
     /// place of a waiter of lower priority.
+    #[default(NonZeroUsize::new(1024).expect("not zero"))]
     pub queue_limit: NonZeroUsize,
     /// Longest wait for room (then 429); Envoy's timeouts toward the scorer are rendered
     /// this much longer.
+    #[default(5000)]
     pub max_wait_ms: u64,
     /// Priority of each objective named in `x-gateway-inference-objective` (the Gateway
     /// API Inference Extension's InferenceObjective); negative = sheddable.
     pub objectives: BTreeMap<String, i32>,
     /// Priority of requests naming no known objective.
     pub default_priority: i32,
-}
-
-impl Default for Admission {
-    fn default() -> Self {
-        Self {
-            max_waiting: None,
-            max_kv_usage: None,
-            max_queued_prefill_tokens: None,
-            max_inflight_requests: None,
-            headroom: 0.0,
-            queue_limit: NonZeroUsize::new(1024).expect("not zero"),
-            max_wait_ms: 5000,
-            objectives: BTreeMap::new(),
-            default_priority: 0,
-        }
-    }
 }
 
 impl Admission {
