@@ -33,6 +33,7 @@ use kvgate_routing::policy::PolicyConfig;
 use kvgate_routing::router::{Admission, PdConfig, RouterConfig};
 use kvgate_routing::validate::{Invalid, check};
 use serde::Deserialize;
+use smart_default::SmartDefault;
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -64,13 +65,13 @@ fn invalid<T>(field: impl Into<String>, message: impl Into<String>) -> Result<T,
 }
 
 /// The whole file.
-#[derive(Clone, Debug, Deserialize, schemars::JsonSchema)]
-#[serde(deny_unknown_fields)]
+#[derive(Clone, Debug, Deserialize, schemars::JsonSchema, SmartDefault)]
+#[serde(default, deny_unknown_fields)]
 pub struct Config {
     /// HTTP address of the scorer's API (loopback by default: only the local Envoy calls it).
     /// On port 0 (here, `admin.listen` or `epp.listen`) the OS picks a port; every listener
     /// says where it is bound on stdout as it binds (`listening api|admin|epp <ip:port>`).
-    #[serde(default = "default_listen")]
+    #[default(SocketAddr::from(([127, 0, 0, 1], 7070)))]
     pub listen: SocketAddr,
     /// Threads serving the connections to `listen` (default: one per CPU). Each connection
     /// stays on one thread, and so do the route calls it carries: Envoy keeps one route
@@ -88,20 +89,18 @@ pub struct Config {
     /// Models whose requests are tokenized by a tokenizer of their own (a gateway in front
     /// of several models); every other model's by `tokenizer`, which is then required. Each
     /// model's requests go only to the engines listing it (`unlisted_models`).
-    #[serde(default)]
     pub models: Vec<ModelConfig>,
     /// Rewrites of the `model` requests name (the Gateway API Inference Extension's
     /// InferenceModelRewrite rules): aliases, a catch-all for unknown names, weighted splits.
     /// The pods get the body with the rewritten model, and it is routed, tokenized and
     /// cached as that model. With `discovery.inference_pool.inference_model_rewrites`, the
     /// pool's own rules come first.
-    #[serde(default)]
     pub model_rewrites: Vec<ModelRewriteRule>,
     /// Token ids of long pieces of prompt text (cut at special tokens — a chat's messages —
     /// and, for Qwen's tokenizers, between words) kept so that resent history or a document
     /// sent again is not tokenized again, at most this many in all (4 bytes each); 0 turns
     /// the cache off.
-    #[serde(default = "default_tokenizer_cache_tokens")]
+    #[default(4 << 20)]
     pub tokenizer_cache_tokens: u64,
     /// Tokens per KV block. Absent (the default), it is learned from the engines: every KV
     /// event and `vllm:cache_config_info` states it, and requests are hashed in blocks of
@@ -113,38 +112,27 @@ pub struct Config {
     /// learns them from the pods — their KV events' `lora_name` and their
     /// `vllm:lora_requests_info` — so list here only adapters whose first requests must hash
     /// apart before any pod has named them.
-    #[serde(default)]
     pub lora_adapters: Vec<String>,
     /// A request naming a model no engine lists in its `/v1/models`: `refuse` it (404 in the
     /// API's shape, without reaching an engine), or `route` it to any engine — for fleets whose
     /// vLLM loads adapters on their first request (a LoRA resolver), which no listing names
     /// before. Models some engine lists go only to the engines listing them either way.
-    #[serde(default)]
     pub unlisted_models: UnlistedModels,
-    #[serde(default)]
     pub policy: PolicyConfig,
     /// Seed of the policies' random choices (ties, sampling).
-    #[serde(default)]
     pub seed: u64,
     /// Next-best pods named after the pick (`ip:port,ip:port,…`), which Envoy's
     /// `override_host` retries in order when a pod refuses the connection; 0 for gateways
     /// that route with an ORIGINAL_DST cluster on the header (llm-d's standalone Envoy),
     /// which accept a single endpoint only.
-    #[serde(default = "default_fallback_endpoints")]
+    #[default(2)]
     pub fallback_endpoints: usize,
-    #[serde(default)]
     pub index: IndexConfig,
-    #[serde(default)]
     pub load: LoadConfig,
-    #[serde(default)]
     pub health: HealthSection,
-    #[serde(default)]
     pub pd: PdConfig,
-    #[serde(default)]
     pub admin: AdminSection,
-    #[serde(default)]
     pub discovery: DiscoverySection,
-    #[serde(default)]
     pub shutdown: ShutdownSection,
     /// Serve the Endpoint Picker protocol (absent: only the HTTP API of the wasm filter).
     pub epp: Option<EppSection>,
@@ -157,20 +145,7 @@ pub struct Config {
     /// no traces).
     pub traces: Option<TracesSection>,
     /// Static pods (may be empty when discovery finds them).
-    #[serde(default)]
     pub pods: Vec<PodConfig>,
-}
-
-fn default_listen() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], 7070))
-}
-
-fn default_fallback_endpoints() -> usize {
-    2
-}
-
-fn default_tokenizer_cache_tokens() -> u64 {
-    4 << 20
 }
 
 /// Tokens per block requests are hashed in until the engines state theirs.
