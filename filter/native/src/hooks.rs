@@ -92,27 +92,39 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_new(
     Box::into_raw(Box::new(request)).cast()
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_headers(
-    filter_envoy: *mut c_void,
-    module: *mut c_void,
-    end_of_stream: bool,
-) -> u32 {
-    // SAFETY: Envoy's pointers for this hook.
-    let (filter, request) = unsafe { (Filter::new(filter_envoy), request(module)) };
-    request.on_request_headers(&filter, end_of_stream)
+/// A hook of a stream's filter: `filter` (Envoy's handle) and `request` (the module's) from
+/// Envoy's pointers, then `body`. Envoy posts no hook to a destroyed filter.
+macro_rules! stream_hook {
+    ($hook:ident($($arg:ident: $ty:ty),*) -> $out:ty, |$filter:ident, $request:ident| $body:expr) => {
+        #[unsafe(no_mangle)]
+        pub unsafe extern "C" fn $hook(filter_envoy: *mut c_void, module: *mut c_void, $($arg: $ty),*) -> $out {
+            // SAFETY: Envoy's pointers for this hook.
+            let ($filter, $request) = unsafe { (Filter::new(filter_envoy), request(module)) };
+            $body
+        }
+    };
 }
 
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_body(
-    filter_envoy: *mut c_void,
-    module: *mut c_void,
-    end_of_stream: bool,
-) -> u32 {
-    // SAFETY: Envoy's pointers for this hook.
-    let (filter, request) = unsafe { (Filter::new(filter_envoy), request(module)) };
+stream_hook!(envoy_dynamic_module_on_http_filter_request_headers(end_of_stream: bool) -> u32, |filter, request| {
+    request.on_request_headers(&filter, end_of_stream)
+});
+stream_hook!(envoy_dynamic_module_on_http_filter_request_body(end_of_stream: bool) -> u32, |filter, request| {
     request.on_request_body(&filter, end_of_stream)
-}
+});
+stream_hook!(envoy_dynamic_module_on_http_filter_response_headers(end_of_stream: bool) -> u32, |filter, request| {
+    request.on_response_headers(&filter, end_of_stream);
+    headers_status::CONTINUE
+});
+stream_hook!(envoy_dynamic_module_on_http_filter_response_body(end_of_stream: bool) -> u32, |filter, request| {
+    request.on_response_body(&filter, end_of_stream);
+    body_status::CONTINUE
+});
+stream_hook!(envoy_dynamic_module_on_http_filter_stream_complete() -> (), |filter, request| {
+    request.on_stream_complete(&filter)
+});
+stream_hook!(envoy_dynamic_module_on_http_filter_scheduled(_event_id: u64) -> (), |filter, request| {
+    request.on_scheduled(&filter)
+});
 
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
@@ -120,30 +132,6 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_request_trailers(
     _module: *mut c_void,
 ) -> u32 {
     headers_status::CONTINUE
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_headers(
-    filter_envoy: *mut c_void,
-    module: *mut c_void,
-    end_of_stream: bool,
-) -> u32 {
-    // SAFETY: Envoy's pointers for this hook.
-    let (filter, request) = unsafe { (Filter::new(filter_envoy), request(module)) };
-    request.on_response_headers(&filter, end_of_stream);
-    headers_status::CONTINUE
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_body(
-    filter_envoy: *mut c_void,
-    module: *mut c_void,
-    end_of_stream: bool,
-) -> u32 {
-    // SAFETY: Envoy's pointers for this hook.
-    let (filter, request) = unsafe { (Filter::new(filter_envoy), request(module)) };
-    request.on_response_body(&filter, end_of_stream);
-    body_status::CONTINUE
 }
 
 #[unsafe(no_mangle)]
@@ -155,30 +143,9 @@ pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_response_trailers(
 }
 
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_stream_complete(
-    filter_envoy: *mut c_void,
-    module: *mut c_void,
-) {
-    // SAFETY: Envoy's pointers for this hook.
-    let (filter, request) = unsafe { (Filter::new(filter_envoy), request(module)) };
-    request.on_stream_complete(&filter);
-}
-
-#[unsafe(no_mangle)]
 pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_destroy(module: *mut c_void) {
     // SAFETY: from `Box::into_raw` in filter_new; Envoy destroys a filter once.
     unsafe { Box::from_raw(module.cast::<Request>()) }.forget_call();
-}
-
-#[unsafe(no_mangle)]
-pub unsafe extern "C" fn envoy_dynamic_module_on_http_filter_scheduled(
-    filter_envoy: *mut c_void,
-    module: *mut c_void,
-    _event_id: u64,
-) {
-    // SAFETY: Envoy's pointers for this hook (it posts none to a destroyed filter).
-    let (filter, request) = unsafe { (Filter::new(filter_envoy), request(module)) };
-    request.on_scheduled(&filter);
 }
 
 // Hooks Envoy requires of every HTTP filter module; kvgate makes no callouts of Envoy's and
