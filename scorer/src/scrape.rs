@@ -27,7 +27,7 @@ pub async fn run(scorer: Arc<Scorer>, pod: PodId, url: MetricsUrl) {
     let mut models_read: Option<tokio::time::Instant> = None;
     loop {
         interval.tick().await;
-        let scrape = match client.get(url.as_str()).send().await {
+        let scrape = match client.get(&*url).send().await {
             Ok(r) if r.status().is_success() => match r.text().await {
                 Ok(text) => parse(&text).map_or(Scrape::Failed, |load| Scrape::Answered {
                     load,

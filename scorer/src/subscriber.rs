@@ -45,7 +45,7 @@ const CONNECT_ATTEMPT: Duration = Duration::from_millis(300);
 /// continuation — so the pod's index is cleared and rebuilt from it, and its sequence
 /// numbers are judged afresh.
 pub async fn run(scorer: Arc<Scorer>, pod: PodId, endpoint: ZmqEndpoint, replay: Option<ZmqEndpoint>) {
-    let replay = replay.as_deref().map(String::as_str);
+    let replay = replay.as_deref();
     let name = scorer.pod(pod).name.clone();
     let mut backoff = Duration::from_millis(100);
     let mut tracker = SequenceTracker::default();

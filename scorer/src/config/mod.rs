@@ -352,7 +352,7 @@ pods:
         assert_eq!(url.models().as_str(), "http://10.0.0.1:8000/v1/models");
         let discovered = MetricsUrl::at("[::1]:8000".parse().unwrap(), "/stats");
         assert_eq!(
-            (discovered.as_str(), discovered.models().as_str()),
+            (&*discovered, discovered.models().as_str()),
             ("http://[::1]:8000/stats", "http://[::1]:8000/v1/models")
         );
     }

@@ -39,6 +39,7 @@ pub struct PodConfig {
 #[derive(Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema, derive_more::Debug, Display, Deref)]
 #[serde(try_from = "String")]
 #[debug("{_0:?}")]
+#[deref(forward)]
 pub struct ZmqEndpoint(String);
 
 impl ZmqEndpoint {
@@ -60,7 +61,7 @@ impl TryFrom<String> for ZmqEndpoint {
 }
 
 /// The `http://` URL of a pod's Prometheus page, checked when read; shown as the URL it is.
-#[derive(Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema, derive_more::Debug, Deref)]
+#[derive(Clone, PartialEq, Eq, Deserialize, schemars::JsonSchema, derive_more::Debug)]
 #[serde(try_from = "String")]
 #[schemars(with = "String")]
 #[debug("{:?}", _0.as_str())]
@@ -91,6 +92,14 @@ impl MetricsUrl {
         url.set_path("/v1/models");
         url.set_query(None);
         url
+    }
+}
+
+impl std::ops::Deref for MetricsUrl {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        self.0.as_str()
     }
 }
 

@@ -34,33 +34,28 @@ pub struct PoolSpec {
 
 /// Reads a pool's `spec` (an InferencePool v1 object, as JSON).
 pub fn pool_spec(pool: &serde_json::Value) -> Result<PoolSpec, String> {
-    let spec = pool.get("spec").ok_or("no spec")?;
-    let labels = spec
-        .pointer("/selector/matchLabels")
-        .and_then(|m| m.as_object())
-        .filter(|m| !m.is_empty())
-        .ok_or("spec.selector.matchLabels is missing or empty")?;
-    let mut pairs = Vec::with_capacity(labels.len());
-    for (k, v) in labels {
-        let v = v.as_str().ok_or_else(|| format!("label {k} is not a string"))?;
-        pairs.push(format!("{k}={v}"));
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Spec {
+        selector: Selector,
+        target_ports: Vec<Port>,
     }
-    pairs.sort();
-    let ports = spec.get("targetPorts").and_then(|p| p.as_array()).ok_or("spec.targetPorts is missing")?;
-    let target_ports = ports
-        .iter()
-        .map(|p| {
-            p.get("number")
-                .and_then(|n| n.as_u64())
-                .and_then(|n| u16::try_from(n).ok())
-                .filter(|&n| n > 0)
-                .ok_or_else(|| format!("target port {p} is not a port number"))
-        })
-        .collect::<Result<Vec<u16>, String>>()?;
-    if target_ports.is_empty() {
-        return Err("spec.targetPorts is empty".into());
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Selector {
+        match_labels: BTreeMap<String, String>,
     }
-    Ok(PoolSpec { selector: pairs.join(","), target_ports })
+    #[derive(Deserialize)]
+    struct Port {
+        number: std::num::NonZeroU16,
+    }
+    let spec = Spec::deserialize(pool.get("spec").ok_or("no spec")?).map_err(|e| format!("spec: {e}"))?;
+    let labels = spec.selector.match_labels;
+    if labels.is_empty() || spec.target_ports.is_empty() {
+        return Err("spec.selector.matchLabels and spec.targetPorts must not be empty".into());
+    }
+    let selector = labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",");
+    Ok(PoolSpec { selector, target_ports: spec.target_ports.iter().map(|p| p.number.get()).collect() })
 }
 
 /// Every endpoint a pod contributes to the pool: one per target port (rank), with that
