@@ -286,7 +286,7 @@ pub enum LifecycleEvent {
 }
 
 /// One report.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct LifecycleReport {
     pub request_id: String,
     pub event: LifecycleEvent,
@@ -314,15 +314,7 @@ pub struct LifecycleReport {
 impl LifecycleReport {
     /// A report of `event` alone.
     pub fn new(request_id: impl Into<String>, event: LifecycleEvent) -> Self {
-        Self {
-            request_id: request_id.into(),
-            event,
-            served: None,
-            output_tokens: None,
-            cached_tokens: None,
-            status: None,
-            age_us: None,
-        }
+        Self { request_id: request_id.into(), event, ..Default::default() }
     }
 
     /// The last report of a request that ended as `end` says.

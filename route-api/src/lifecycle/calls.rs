@@ -74,16 +74,6 @@ impl<K: Eq + Hash, W, T: Ord + Copy> CallsInFlight<K, W, T> {
         self.last_answer = None;
         self.waiting.drain().map(|(id, (waiter, _))| (id, waiter)).collect()
     }
-
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        self.waiting.len()
-    }
-
-    #[cfg(test)]
-    fn is_empty(&self) -> bool {
-        self.waiting.is_empty()
-    }
 }
 
 #[cfg(test)]
@@ -105,9 +95,9 @@ mod tests {
         calls.sent(2, "b", 5);
         assert_eq!(calls.answered(&2, 30), Some(("b", 5)));
         assert_eq!(calls.answered(&2, 31), None, "answered twice");
-        assert_eq!(calls.len(), 1);
+        assert_eq!(calls.waiting.len(), 1);
         assert_eq!(calls.forget(&1), Some("a"));
-        assert!(calls.is_empty());
+        assert!(calls.waiting.is_empty());
     }
 
     #[test]
@@ -123,7 +113,7 @@ mod tests {
         let expired = calls.expire(1105 - 100);
         assert_eq!(ids(expired.calls), vec![1]);
         assert!(!expired.stuck, "the stream answered after the call went out");
-        assert_eq!(calls.len(), 1, "call 3 still has time");
+        assert_eq!(calls.waiting.len(), 1, "call 3 still has time");
     }
 
     #[test]
@@ -136,7 +126,7 @@ mod tests {
         assert!(expired.stuck, "a new stream that never answered");
         // The host replaces it: call 2 fails too, and the next stream starts afresh.
         assert_eq!(ids(calls.reset()), vec![2]);
-        assert!(calls.is_empty());
+        assert!(calls.waiting.is_empty());
     }
 
     #[test]

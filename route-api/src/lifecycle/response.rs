@@ -53,11 +53,6 @@ impl ResponseWatch {
         self.error_status().is_none() && !std::mem::replace(&mut self.first_token, true)
     }
 
-    /// Whether the response has completed.
-    pub fn is_complete(&self) -> bool {
-        self.complete
-    }
-
     /// The response's status, when it is an error.
     fn error_status(&self) -> Option<u16> {
         self.status.filter(|s| !(200..300).contains(s))
@@ -115,7 +110,7 @@ mod tests {
         let mut w = ResponseWatch::default();
         assert!(w.body(b"x", false));
         w.completed();
-        assert!(w.is_complete());
+        assert!(w.complete);
         assert_eq!(w.finish().unwrap().event, LifecycleEvent::Done);
         let mut w = ResponseWatch::default();
         assert!(w.first_token() && !w.first_token());

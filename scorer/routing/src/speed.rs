@@ -115,9 +115,10 @@ impl Line {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, SmartDefault)]
 struct PodSpeed {
     /// When the pod last finished a prefill (its next one started no earlier).
+    #[default(f64::NEG_INFINITY)]
     busy_until: f64,
     /// Decayed seconds its samples took, and the fleet fit's prediction for them.
     observed: f64,
@@ -128,22 +129,8 @@ struct PodSpeed {
     decode_seconds: f64,
     decode_samples: f64,
     /// Where its slowness starts (1 unless declared).
+    #[default(1.0)]
     declared: f64,
-}
-
-impl Default for PodSpeed {
-    fn default() -> Self {
-        Self {
-            busy_until: f64::NEG_INFINITY,
-            observed: 0.0,
-            expected: 0.0,
-            samples: 0.0,
-            decoded_tokens: 0.0,
-            decode_seconds: 0.0,
-            decode_samples: 0.0,
-            declared: 1.0,
-        }
-    }
 }
 
 /// A pod's learned speed, for `/v1/pods` and metrics.

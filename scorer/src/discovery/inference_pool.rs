@@ -62,8 +62,8 @@ pub fn pool_spec(pool: &serde_json::Value) -> Result<PoolSpec, String> {
 /// rank's KV-event and replay ports; none while it cannot serve.
 pub fn endpoints(pod: &Pod, spec: &PoolSpec, config: &InferencePoolDiscovery) -> Vec<(SocketAddr, DiscoveredPod)> {
     let Some((ip, role)) = serving(pod, &config.role_label) else { return Vec::new() };
-    let events = annotated_port(pod, KV_EVENTS_PORT_ANNOTATION).unwrap_or(config.kv_events_port);
-    let replay = annotated_port(pod, REPLAY_PORT_ANNOTATION).unwrap_or(config.kv_events_replay_port);
+    let events = annotated_port(pod, KV_EVENTS_PORT_ANNOTATION).or(config.kv_events_port);
+    let replay = annotated_port(pod, REPLAY_PORT_ANNOTATION).or(config.kv_events_replay_port);
     let slowness = annotated_slowness(pod);
     let rank = |base: Option<u16>, r: usize| base.and_then(|b| b.checked_add(r as u16));
     spec.target_ports

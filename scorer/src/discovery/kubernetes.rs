@@ -48,44 +48,35 @@ pub fn serving(pod: &Pod, role_label: &str) -> Option<(IpAddr, Role)> {
     Some((ip, role))
 }
 
-/// A port from the pod's annotation `key`: `None` without it, `Some(None)` when it is not a
-/// port (warned, then ignored).
-pub fn annotated_port(pod: &Pod, key: &str) -> Option<Option<u16>> {
+/// The pod's annotation `key` as a `T` that `valid` accepts: `None` without it, or when it
+/// is not `what` (warned, then ignored).
+fn annotation<T: std::str::FromStr>(pod: &Pod, key: &str, valid: impl Fn(&T) -> bool, what: &str) -> Option<T> {
     let value = pod.metadata.annotations.as_ref()?.get(key)?;
-    match value.parse() {
-        Ok(port) => Some(Some(port)),
-        Err(_) => {
-            let name = pod.metadata.name.as_deref().unwrap_or("?");
-            tracing::warn!(pod = name, "discovery: annotation {key}={value:?} is not a port; ignored");
-            None
-        }
+    let parsed = value.parse().ok().filter(valid);
+    if parsed.is_none() {
+        let name = pod.metadata.name.as_deref().unwrap_or("?");
+        tracing::warn!(pod = name, "discovery: annotation {key}={value:?} is not {what}; ignored");
     }
+    parsed
 }
 
-/// The pod's declared slowness (annotation `kvgate.io/slowness`): `None` without it, or when
-/// it is not a positive number (warned, then ignored).
+/// A port from the pod's annotation `key`.
+pub fn annotated_port(pod: &Pod, key: &str) -> Option<u16> {
+    annotation(pod, key, |_| true, "a port")
+}
+
+/// The pod's declared slowness (annotation `kvgate.io/slowness`), a positive number.
 pub fn annotated_slowness(pod: &Pod) -> Option<f64> {
-    let value = pod.metadata.annotations.as_ref()?.get(SLOWNESS_ANNOTATION)?;
-    match value.parse::<f64>() {
-        Ok(s) if s.is_finite() && s > 0.0 => Some(s),
-        _ => {
-            let name = pod.metadata.name.as_deref().unwrap_or("?");
-            tracing::warn!(
-                pod = name,
-                "discovery: annotation {SLOWNESS_ANNOTATION}={value:?} is not a positive number; ignored"
-            );
-            None
-        }
-    }
+    annotation(pod, SLOWNESS_ANNOTATION, |s: &f64| s.is_finite() && *s > 0.0, "a positive number")
 }
 
 /// What `pod` contributes: its address and description, or `None` while it cannot serve
 /// (see [`serving`]).
 pub fn discovered(pod: &Pod, config: &KubernetesDiscovery) -> Option<(SocketAddr, DiscoveredPod)> {
     let (ip, role) = serving(pod, &config.role_label)?;
-    let port = annotated_port(pod, PORT_ANNOTATION).flatten().unwrap_or(config.port);
-    let events = annotated_port(pod, KV_EVENTS_PORT_ANNOTATION).unwrap_or(config.kv_events_port);
-    let replay = annotated_port(pod, REPLAY_PORT_ANNOTATION).unwrap_or(config.kv_events_replay_port);
+    let port = annotated_port(pod, PORT_ANNOTATION).unwrap_or(config.port);
+    let events = annotated_port(pod, KV_EVENTS_PORT_ANNOTATION).or(config.kv_events_port);
+    let replay = annotated_port(pod, REPLAY_PORT_ANNOTATION).or(config.kv_events_replay_port);
     let endpoints = PodEndpoints::at(ip, port, events, replay, config.metrics_path.as_deref());
     Some((SocketAddr::new(ip, port), DiscoveredPod { role, endpoints, slowness: annotated_slowness(pod) }))
 }
