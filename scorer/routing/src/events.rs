@@ -125,11 +125,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch<'_>, DecodeError> {
         return shape(format!("a batch is an array of at least 2 elements, got {n}"));
     }
     let ts = r.number()?;
-    let count = r.array_len()?;
-    let mut events = Vec::with_capacity(count);
-    for _ in 0..count {
-        events.push(decode_event(&mut r)?);
-    }
+    let events = r.array(decode_event)?;
     let data_parallel_rank = if n >= 3 { if r.try_nil()? { None } else { Some(r.uint()?) } } else { None };
     for _ in 3..n {
         r.skip()?;
@@ -258,24 +254,14 @@ fn decode_tagged_map<'a>(r: &mut Reader<'a>) -> Result<KvEvent<'a>, DecodeError>
 
 fn read_field<'a>(r: &mut Reader<'a>, field: Field, f: &mut Fields<'a>) -> Result<(), DecodeError> {
     match field {
-        Field::BlockHashes => {
-            let n = r.array_len()?;
-            let mut hashes = Vec::with_capacity(n);
-            for _ in 0..n {
-                hashes.push(read_hash(r)?);
-            }
-            f.block_hashes = Some(hashes);
-        }
+        Field::BlockHashes => f.block_hashes = Some(r.array(read_hash)?),
         Field::Parent => f.parent_block_hash = if r.try_nil()? { None } else { Some(read_hash(r)?) },
         Field::TokenIds => {
-            let n = r.array_len()?;
-            let mut tokens = Vec::with_capacity(n);
-            for _ in 0..n {
+            let token = |r: &mut Reader<'a>| {
                 let at = r.position();
-                let id = r.uint()?;
-                tokens.push(u32::try_from(id).map_err(|_| MsgpackError::Range(at))?);
-            }
-            f.token_ids = Some(tokens);
+                u32::try_from(r.uint()?).map_err(|_| MsgpackError::Range(at))
+            };
+            f.token_ids = Some(r.array(token)?);
         }
         Field::BlockSize => f.block_size = if r.try_nil()? { None } else { Some(r.uint()?) },
         Field::Medium => f.medium = if r.try_nil()? { None } else { Some(r.str()?) },
@@ -317,7 +303,7 @@ fn read_extra_keys<'a>(r: &mut Reader<'a>, f: &mut Fields<'a>) -> Result<(), Dec
     Ok(())
 }
 
-fn read_hash(r: &mut Reader<'_>) -> Result<EngineHash, DecodeError> {
+fn read_hash(r: &mut Reader<'_>) -> Result<EngineHash, MsgpackError> {
     if matches!(r.peek()?, 0xc4..=0xc6) {
         return Ok(EngineHash::from_bytes(r.bin()?));
     }

@@ -102,6 +102,19 @@ impl<'a> Reader<'a> {
         self.check_count(n)
     }
 
+    /// The array that follows, each element read by `item`.
+    pub fn array<T, E: From<MsgpackError>>(
+        &mut self,
+        mut item: impl FnMut(&mut Self) -> std::result::Result<T, E>,
+    ) -> std::result::Result<Vec<T>, E> {
+        let n = self.array_len()?;
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            out.push(item(self)?);
+        }
+        Ok(out)
+    }
+
     /// Length of the map that follows (entries, each at least two bytes).
     pub fn map_len(&mut self) -> Result<usize> {
         let marker = self.peek()?;

@@ -34,22 +34,13 @@ pub struct MessagesRequest {
     pub chat_template_kwargs: Option<Map<String, Value>>,
 }
 
-#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Deserialize, Clone, Copy, PartialEq, Eq, strum::IntoStaticStr)]
 #[serde(rename_all = "lowercase")]
+#[strum(serialize_all = "lowercase")]
 pub enum Role {
     User,
     Assistant,
     System,
-}
-
-impl Role {
-    fn name(self) -> &'static str {
-        match self {
-            Role::User => "user",
-            Role::Assistant => "assistant",
-            Role::System => "system",
-        }
-    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -237,7 +228,7 @@ impl MessagesRequest {
                 continue;
             }
             let mut converted = Map::new();
-            converted.insert("role".into(), message.role.name().into());
+            converted.insert("role".into(), <&str>::from(message.role).into());
             match &message.content {
                 Content::Text(text) => {
                     converted.insert("content".into(), text.as_str().into());

@@ -38,7 +38,7 @@ use candidates::fallbacks;
 use pods::PodState;
 
 /// One request, as the router needs it: its block chain (kvgate's own hashes) and sizes.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct RouteRequest<'a> {
     pub request_id: &'a str,
     pub chain: &'a [SequenceHash],
@@ -66,17 +66,7 @@ impl<'a> RouteRequest<'a> {
         prompt_tokens: u32,
         max_output_tokens: Option<u32>,
     ) -> Self {
-        Self {
-            request_id,
-            chain,
-            prompt_tokens,
-            max_output_tokens,
-            subset: None,
-            fallbacks: 0,
-            leave_headroom: false,
-            adapter: None,
-            model: None,
-        }
+        Self { request_id, chain, prompt_tokens, max_output_tokens, ..Self::default() }
     }
 }
 
