@@ -122,7 +122,8 @@ impl Shared {
         // passes text. A name shorter than 128 bytes serializes to valid UTF-8; a longer one
         // goes as the name (which a stray parse of it as a proto could misread).
         let name = &self.config.wasm.scorer_cluster;
-        let service = String::from_utf8(GrpcService::cluster(name).encode_to_vec()).unwrap_or_else(|_| name.clone());
+        let service = GrpcService { envoy_grpc: Some(EnvoyGrpc { cluster_name: name.clone() }) };
+        let service = String::from_utf8(service.encode_to_vec()).unwrap_or_else(|_| name.clone());
         match hostcalls::open_grpc_stream(&service, ROUTE_STREAM_SERVICE, ROUTE_STREAM_METHOD, vec![]) {
             Ok(token) => {
                 incr(self.metrics.route_stream_opened, 1);
@@ -178,12 +179,6 @@ struct GrpcService {
 struct EnvoyGrpc {
     #[prost(string, tag = "1")]
     cluster_name: String,
-}
-
-impl GrpcService {
-    fn cluster(name: &str) -> Self {
-        GrpcService { envoy_grpc: Some(EnvoyGrpc { cluster_name: name.to_string() }) }
-    }
 }
 
 struct Root {

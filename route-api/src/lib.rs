@@ -31,9 +31,11 @@ use serde::{Deserialize, Serialize};
 
 /// The APIs kvgate routes (vLLM's OpenAI-compatible ones, OpenAI's Responses and Anthropic's
 /// Messages), by request path.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, strum::IntoStaticStr)]
+#[strum(serialize_all = "lowercase")]
 pub enum Api {
     Completions,
+    #[strum(serialize = "chat")]
     ChatCompletions,
     /// Anthropic's Messages API (`/v1/messages`).
     Messages,
@@ -60,12 +62,7 @@ impl Api {
 
     /// Its name in metrics.
     pub fn label(self) -> &'static str {
-        match self {
-            Api::Completions => "completions",
-            Api::ChatCompletions => "chat",
-            Api::Messages => "messages",
-            Api::Responses => "responses",
-        }
+        self.into()
     }
 }
 

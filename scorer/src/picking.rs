@@ -137,7 +137,7 @@ impl PickingService for Picker {
 }
 
 /// The picking service (cheap to clone: every connection holds one).
-#[derive(Clone)]
+#[derive(Clone, derive_more::Constructor)]
 pub struct Picker {
     scorer: Arc<Scorer>,
 }
@@ -145,10 +145,6 @@ pub struct Picker {
 static GENERATED_IDS: AtomicU64 = AtomicU64::new(0);
 
 impl Picker {
-    pub fn new(scorer: Arc<Scorer>) -> Self {
-        Self { scorer }
-    }
-
     /// The API of a request path (`None`: the caller named none).
     fn api(path: Option<&str>) -> Result<Api, PickError> {
         match path.map(|path| (path, Api::from_path(path))) {

@@ -20,7 +20,7 @@ pub const PROMPT_KEY_BYTES: usize = 1024;
 
 /// The rules in force, in precedence order: a rule naming the model beats a catch-all, and
 /// among either kind the first listed wins.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, derive_more::Constructor)]
 pub struct ModelRewrites {
     rules: Vec<ModelRewriteRule>,
 }
@@ -39,10 +39,6 @@ pub struct Rewrite {
 }
 
 impl ModelRewrites {
-    pub fn new(rules: Vec<ModelRewriteRule>) -> Self {
-        Self { rules }
-    }
-
     pub fn is_empty(&self) -> bool {
         self.rules.is_empty()
     }

@@ -221,14 +221,13 @@ impl RequestFlow {
         }
         self.phase = Phase::Deciding;
         BodyNext::Call(RouteCall {
-            call: 0,
             request_id: self.request_id.clone(),
             api_path: self.api_path.clone(),
             objective: objective(),
             body,
-            reports: Vec::new(),
             trace_parent: self.trace_parent.take(),
             rewrites_model: true,
+            ..RouteCall::default()
         })
     }
 

@@ -163,16 +163,13 @@ impl KvPolicyConfig {
     }
 }
 
+#[derive(derive_more::Constructor)]
 pub struct KvPolicy {
     config: KvPolicyConfig,
     rng: StdRng,
 }
 
 impl KvPolicy {
-    pub fn new(config: KvPolicyConfig, rng: StdRng) -> Self {
-        Self { config, rng }
-    }
-
     /// Linear-equivalent prefill tokens of `n` uncached tokens after `cached`.
     fn prefill_tokens(&self, prompt: u64, cached: u64) -> f64 {
         let n = prompt.saturating_sub(cached) as f64;

@@ -6,14 +6,9 @@ use super::{Candidate, Decision, Policy, RouteInput};
 use rand::Rng;
 use rand::rngs::StdRng;
 
+#[derive(derive_more::Constructor)]
 pub struct PowerOfTwo {
     rng: StdRng,
-}
-
-impl PowerOfTwo {
-    pub fn new(rng: StdRng) -> Self {
-        Self { rng }
-    }
 }
 
 impl Policy for PowerOfTwo {

@@ -6,14 +6,9 @@
 use super::{Candidate, Decision, Policy, RouteInput, argmin_tie};
 use rand::rngs::StdRng;
 
+#[derive(derive_more::Constructor)]
 pub struct LongestPrefix {
     rng: StdRng,
-}
-
-impl LongestPrefix {
-    pub fn new(rng: StdRng) -> Self {
-        Self { rng }
-    }
 }
 
 impl Policy for LongestPrefix {

@@ -4,14 +4,9 @@ use super::{Candidate, Decision, Policy, RouteInput};
 use rand::Rng;
 use rand::rngs::StdRng;
 
+#[derive(derive_more::Constructor)]
 pub struct Random {
     rng: StdRng,
-}
-
-impl Random {
-    pub fn new(rng: StdRng) -> Self {
-        Self { rng }
-    }
 }
 
 impl Policy for Random {

@@ -8,14 +8,9 @@
 use super::{Candidate, Decision, Policy, RouteInput, argmin_tie, uncached_tokens};
 use rand::rngs::StdRng;
 
+#[derive(derive_more::Constructor)]
 pub struct TtftPolicy {
     rng: StdRng,
-}
-
-impl TtftPolicy {
-    pub fn new(rng: StdRng) -> Self {
-        Self { rng }
-    }
 }
 
 impl Policy for TtftPolicy {
