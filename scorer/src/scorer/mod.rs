@@ -20,7 +20,7 @@ mod view;
 
 pub use deciding::{Limits, PREPARE_ASIDE_BYTES, Pick, PickError, Prepared};
 pub use pod_health::{DownReason, Scrape};
-pub use view::{PodView, ReportedView};
+pub use view::PodView;
 
 use crate::admission::Queue;
 use crate::config::{Config, Role};

@@ -4,6 +4,7 @@ use super::Scorer;
 use crate::config::Role;
 use crate::engine_pages::PodAdapters;
 use kvgate_routing::index::PodIndexStats;
+use kvgate_routing::policy::ReportedLoad;
 use kvgate_routing::router::PrefillWaits;
 use serde::Serialize;
 
@@ -44,7 +45,7 @@ pub struct PodView {
     /// Tokens per KV block its engine states (its events, its metrics); one unlike the
     /// scorer's is an error in its log, and its cache is not indexed.
     pub block_size: Option<usize>,
-    pub reported: Option<ReportedView>,
+    pub reported: Option<ReportedLoad>,
     /// The LoRA adapters it runs and has waiting, and how many it holds at once (its last
     /// scrape's `vllm:lora_requests_info`).
     pub adapters: Option<PodAdapters>,
@@ -52,13 +53,6 @@ pub struct PodView {
     /// Absent until read (then it may be chosen for any).
     pub models: Option<Vec<String>>,
     pub index_stats: PodIndexStats,
-}
-
-#[derive(Serialize)]
-pub struct ReportedView {
-    pub running: f64,
-    pub waiting: f64,
-    pub kv_cache_usage: f64,
 }
 
 impl Scorer {
@@ -94,11 +88,7 @@ impl Scorer {
                     event_batches_stale: h.batches_stale,
                     event_decode_errors: h.decode_errors,
                     block_size: h.block_size,
-                    reported: core.router.reported_load(p.id).map(|r| ReportedView {
-                        running: r.running,
-                        waiting: r.waiting,
-                        kv_cache_usage: r.kv_cache_usage,
-                    }),
+                    reported: core.router.reported_load(p.id),
                     adapters: entry.adapters.clone(),
                     models: entry.models.clone(),
                     index_stats: core.router.index().stats(p.id),

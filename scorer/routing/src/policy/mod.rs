@@ -27,14 +27,15 @@ use rand::SeedableRng;
 use rand::rngs::StdRng;
 use serde::Deserialize;
 
-/// Load a pod reported itself (vLLM `/metrics`), when scraped.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+/// Load a pod reported itself (vLLM `/metrics`), when scraped (`/v1/pods` shows it).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
 pub struct ReportedLoad {
     pub running: f64,
     pub waiting: f64,
     /// 0–1.
     pub kv_cache_usage: f64,
     /// KV blocks the engine has (`vllm:cache_config_info{num_gpu_blocks}`), 0 if unknown.
+    #[serde(skip)]
     pub num_gpu_blocks: f64,
 }
 
@@ -102,10 +103,12 @@ pub trait Policy: Send {
     schemars::JsonSchema,
     strum::IntoStaticStr,
     strum::VariantNames,
+    smart_default::SmartDefault,
 )]
 #[serde(tag = "name", rename_all = "kebab-case", deny_unknown_fields)]
 #[strum(serialize_all = "kebab-case")]
 pub enum PolicyConfig {
+    #[default]
     Kv(KvPolicyConfig),
     Prefix,
     Ttft,
@@ -113,12 +116,6 @@ pub enum PolicyConfig {
     PowerOfTwo,
     RoundRobin,
     Random,
-}
-
-impl Default for PolicyConfig {
-    fn default() -> Self {
-        PolicyConfig::Kv(KvPolicyConfig::default())
-    }
 }
 
 impl PolicyConfig {

@@ -619,13 +619,10 @@ fn subset_hint(context: Option<&Metadata>) -> Result<Option<Vec<SocketAddr>>, St
     let Some(value) = hint.fields.get(SUBSET_KEY) else { return Ok(None) };
     let mut entries: Vec<String> = Vec::new();
     match &value.kind {
-        Some(Kind::ListValue(list)) => {
-            for v in &list.values {
-                if let Some(Kind::StringValue(s)) = &v.kind {
-                    entries.push(s.clone());
-                }
-            }
-        }
+        Some(Kind::ListValue(list)) => entries.extend(list.values.iter().filter_map(|v| match &v.kind {
+            Some(Kind::StringValue(s)) => Some(s.clone()),
+            _ => None,
+        })),
         Some(Kind::StringValue(s)) => entries.extend(s.split(',').map(|e| e.trim().to_string())),
         _ => return Err(format!("{SUBSET_KEY} is neither a list nor a string")),
     }
