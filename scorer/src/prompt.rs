@@ -2,8 +2,7 @@
 //! routing needs: the prompt's token ids as the engine
 //! will see them, the adapter and salt that seed its block hashes, and its output budget.
 
-use kvgate_route_api::Api;
-use kvgate_route_api::{NOT_AN_OBJECT, starts_as_object};
+use kvgate_route_api::{Api, NOT_AN_OBJECT, starts_as_object};
 use kvgate_tokenize::{ChatOptions, MessagesRequest, ResponsesRequest, Tokenizer};
 use serde::Deserialize;
 use serde_json::{Map, Value};

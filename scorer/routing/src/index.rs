@@ -114,10 +114,6 @@ pub struct PodIndexStats {
 /// Tiers of a pod's cache, in the order a request's prefix is matched.
 const TIERS: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Storage];
 
-fn tier_slot(tier: Tier) -> Option<usize> {
-    TIERS.iter().position(|t| *t == tier)
-}
-
 /// A pod's blocks in one tier.
 #[derive(Default)]
 struct PodBlocks {
@@ -338,7 +334,7 @@ impl KvIndex {
     fn indexed(&self, tier: Tier, group: u32) -> Option<Target> {
         match (tier, group) {
             (Tier::Gpu, 1..) => Some(Target::Group(group)),
-            _ => tier_slot(tier)
+            _ => (TIERS.iter().position(|t| *t == tier))
                 .filter(|&slot| slot == 0 || self.config.offload.max_blocks_per_pod > 0)
                 .map(Target::Tier),
         }

@@ -229,12 +229,6 @@ pub async fn run_model_rewrites(scorer: Arc<Scorer>, config: InferencePoolDiscov
     follow_pool_objects(scorer, config, ("InferenceModelRewrite", "inferencemodelrewrites"), read, apply).await
 }
 
-/// The pool's resource, for the dynamic API.
-fn pool_resource() -> ApiResource {
-    let gvk = GroupVersionKind::gvk("inference.networking.k8s.io", "v1", "InferencePool");
-    ApiResource::from_gvk_with_plural(&gvk, "inferencepools")
-}
-
 type PodEvents = BoxStream<'static, Result<Event<Pod>, watcher::Error>>;
 
 fn watch_pods(client: &Client, namespace: &str, spec: &PoolSpec) -> PodEvents {
@@ -253,7 +247,9 @@ async fn next_pod_event(events: &mut Option<PodEvents>) -> Option<Result<Event<P
 pub async fn run(scorer: Arc<Scorer>, config: InferencePoolDiscovery) {
     let source = format!("inference_pool:{}/{}", config.namespace, config.name);
     let client = kubernetes::client(&scorer, config.api_server.as_ref(), &source).await;
-    let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), &config.namespace, &pool_resource());
+    let pool = GroupVersionKind::gvk("inference.networking.k8s.io", "v1", "InferencePool");
+    let pool = ApiResource::from_gvk_with_plural(&pool, "inferencepools");
+    let pools: Api<DynamicObject> = Api::namespaced_with(client.clone(), &config.namespace, &pool);
     let by_name = watcher::Config::default().fields(&format!("metadata.name={}", config.name));
     let mut pool_events = watcher::watcher(pools, by_name).default_backoff().boxed();
     let mut spec: Option<PoolSpec> = None;

@@ -151,7 +151,7 @@ impl Tokenizer {
             Kind::Hf { chat: None, .. } => Err(TokenizeError::Request(
                 "this tokenizer has no chat template (no chat_template in tokenizer_config.json)".into(),
             )),
-            Kind::Fallback => fallback_render_chat(messages, options),
+            Kind::Fallback => fallback_chat_template().render(messages, options),
         }
     }
 
@@ -241,10 +241,6 @@ fn fnv1a64(bytes: &[u8]) -> u64 {
 }
 
 /// ChatML: `<|im_start|>{role}\n{content}<|im_end|>\n` per message, then the assistant header.
-fn fallback_render_chat(messages: &[Value], options: &ChatOptions) -> Result<String, TokenizeError> {
-    fallback_chat_template().render(messages, options)
-}
-
 fn fallback_chat_template() -> &'static ChatTemplate {
     const CHATML: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
                           {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
