@@ -7,6 +7,9 @@ use crate::hash::SequenceHash;
 use crate::pod_set::{PodId, PodSet};
 use crate::policy::{Candidate, ReportedLoad};
 use xxhash_rust::xxh3::xxh3_64;
+
+/// One pod as the router knows it (a removed pod keeps its role, kind of index and key).
+#[derive(Default)]
 pub(super) struct PodState {
     pub(super) role: Role,
     pub(super) precise: bool,
@@ -61,16 +64,7 @@ impl Router {
     pub fn add_pod(&mut self, role: Role, precise: bool) -> PodId {
         let id = PodId(self.pods.len() as u32);
         let key = xxh3_64(&(id.index() as u64).to_le_bytes());
-        self.pods.push(PodState {
-            role,
-            precise,
-            present: true,
-            healthy: true,
-            reported: None,
-            adapters: PodAdapters::default(),
-            key,
-            models: None,
-        });
+        self.pods.push(PodState { role, precise, present: true, healthy: true, key, ..PodState::default() });
         id
     }
 
@@ -91,11 +85,7 @@ impl Router {
     /// (index entries, bookings, reported load), until [`Router::restore_pod`].
     pub fn remove_pod(&mut self, pod: PodId) {
         let state = &mut self.pods[pod.index()];
-        state.present = false;
-        state.healthy = false;
-        state.reported = None;
-        state.adapters = PodAdapters::default();
-        state.models = None;
+        *state = PodState { role: state.role, precise: state.precise, key: state.key, ..PodState::default() };
         self.index.clear_pod(pod);
         self.approx.clear_pod(pod);
         self.load.clear_pod(pod);
