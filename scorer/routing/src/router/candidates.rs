@@ -16,14 +16,9 @@ pub(super) fn fallbacks(candidates: &[Candidate], decision: &Decision, n: usize)
     let len = candidates.len();
     let mut order: Vec<usize> = (1..len).map(|k| (decision.chosen + k) % len).collect();
     // Stable: unscored candidates keep their turn order, after every scored one.
-    order.sort_by(|&a, &b| {
-        match (decision.costs.get(a).copied().flatten(), decision.costs.get(b).copied().flatten()) {
-            (Some(x), Some(y)) => x.total_cmp(&y),
-            (Some(_), None) => std::cmp::Ordering::Less,
-            (None, Some(_)) => std::cmp::Ordering::Greater,
-            (None, None) => std::cmp::Ordering::Equal,
-        }
-    });
+    // Pods the policy did not score go after every scored one (NaN is above +∞ in total order).
+    let cost = |i: usize| decision.costs.get(i).copied().flatten().unwrap_or(f64::NAN);
+    order.sort_by(|&a, &b| cost(a).total_cmp(&cost(b)));
     order.into_iter().take(n).map(|i| candidates[i].pod).collect()
 }
 
@@ -108,5 +103,21 @@ impl Router {
             .collect();
         self.adapters_in_flight = in_flight;
         candidates
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::test_support::candidate;
+
+    #[test]
+    fn fallbacks_go_by_cost_with_unscored_pods_last() {
+        let candidates: Vec<Candidate> = (0..5).map(|p| candidate(p, 0, 0, 0)).collect();
+        let costs = vec![Some(3.0), None, Some(1.0), Some(f64::INFINITY), Some(2.0)];
+        let decision = Decision { chosen: 0, costs };
+        assert_eq!(fallbacks(&candidates, &decision, 4), [2, 4, 3, 1].map(PodId));
+        assert_eq!(fallbacks(&candidates, &decision, 2), [2, 4].map(PodId));
+        assert!(fallbacks(&candidates, &decision, 0).is_empty());
     }
 }
