@@ -47,15 +47,9 @@ impl PodSet {
 
 /// A component's state of each pod, by id: grown on first use, so that no table has to be
 /// kept in step with another, and a pod is registered in one place only (the router).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct PodMap<T> {
     items: Vec<T>,
-}
-
-impl<T> Default for PodMap<T> {
-    fn default() -> Self {
-        Self { items: Vec::new() }
-    }
 }
 
 impl<T: Default> PodMap<T> {
@@ -94,9 +88,7 @@ impl<T: Default> PodMap<T> {
 impl FromIterator<PodId> for PodSet {
     fn from_iter<T: IntoIterator<Item = PodId>>(iter: T) -> Self {
         let mut set = PodSet::default();
-        for pod in iter {
-            set.insert(pod);
-        }
+        iter.into_iter().for_each(|pod| set.insert(pod));
         set
     }
 }
