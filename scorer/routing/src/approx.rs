@@ -56,10 +56,7 @@ impl ApproxIndex {
     /// Forgets blocks whose TTL has passed.
     pub fn expire(&mut self, now: f64) {
         for (i, routes) in self.pods.values_mut().enumerate() {
-            while let Some(&(h, at)) = routes.order.front() {
-                if at > now {
-                    break;
-                }
+            while let Some(&(h, at)) = routes.order.front().filter(|(_, at)| *at <= now) {
                 routes.order.pop_front();
                 if routes.expires.get(&h) == Some(&at) {
                     routes.expires.remove(&h);
