@@ -227,15 +227,16 @@ fn raise_exception(message: String) -> Result<JValue, JError> {
     Err(JError::new(ErrorKind::InvalidOperation, message))
 }
 
-/// `strftime_now(fmt)` as HF registers it (Llama 3 templates print today's date), in UTC.
+/// `strftime_now(fmt)` as HF registers it (Llama 3 templates print today's date).
 fn strftime_now(format: String) -> Result<JValue, JError> {
-    strftime(&format, jiff::Timestamp::now())
+    Ok(JValue::from(strftime(&format, jiff::Timestamp::now().as_second())))
 }
 
-fn strftime(format: &str, at: jiff::Timestamp) -> Result<JValue, JError> {
-    let text =
-        jiff::fmt::strtime::format(format, at).map_err(|e| JError::new(ErrorKind::InvalidOperation, e.to_string()))?;
-    Ok(JValue::from(text))
+/// In UTC; a format with a directive jiff does not know is left as written (a template is
+/// not failed for its date).
+fn strftime(format: &str, unix_secs: i64) -> String {
+    let at = jiff::Timestamp::from_second(unix_secs).unwrap_or_default().to_zoned(jiff::tz::TimeZone::UTC);
+    jiff::fmt::strtime::format(format, &at).unwrap_or_else(|_| format.to_string())
 }
 
 #[cfg(test)]
@@ -246,8 +247,13 @@ mod tests {
     #[test]
     fn strftime_formats_a_known_date() {
         // 2024-07-26 13:05:09 UTC
-        let at = jiff::Timestamp::from_second(1_721_999_109).unwrap();
-        assert_eq!(strftime("%d %b %Y %H:%M:%S %B %%", at).unwrap().as_str(), Some("26 Jul 2024 13:05:09 July %"));
+        assert_eq!(strftime("%d %b %Y %H:%M:%S %B %%", 1_721_999_109), "26 Jul 2024 13:05:09 July %");
+    }
+
+    #[test]
+    fn strftime_takes_more_directives_and_leaves_an_unknown_one_as_written() {
+        assert_eq!(strftime("%A %a %j %I %p %Z", 1_721_999_109), "Friday Fri 208 01 PM UTC");
+        assert_eq!(strftime("%Y %J", 1_721_999_109), "%Y %J");
     }
 
     #[test]
