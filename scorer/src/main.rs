@@ -94,13 +94,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
     let listen = config.listen;
     let admin_listen = config.admin.listen;
-    let mut scorer = Scorer::new(config, tokenizers);
-    if let Some(traces) = &scorer.config.traces {
-        let ttl = Duration::from_secs_f64(scorer.config.load.request_ttl_seconds);
-        scorer.traces = Some(Traces::start(traces, ttl).context("traces")?);
-        tracing::info!(endpoint = ?traces.otlp_endpoint, sample_ratio = traces.sample_ratio, "exporting decision spans over OTLP");
+    let mut traces = None;
+    if let Some(section) = &config.traces {
+        let ttl = Duration::from_secs_f64(config.load.request_ttl_seconds);
+        traces = Some(Arc::new(Traces::start(section, ttl).context("traces")?));
+        tracing::info!(endpoint = ?section.otlp_endpoint, sample_ratio = section.sample_ratio, "exporting decision spans over OTLP");
     }
-    let scorer = Arc::new(scorer);
+    let scorer = Arc::new(Scorer::new(config, tokenizers));
+    let picker = Picker::new(scorer.clone(), traces.clone());
 
     // The configured pods' tasks run for good.
     for (p, &id) in scorer.config.pods.iter().zip(scorer.static_pods()) {
@@ -133,13 +134,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let credentials = kvgate_scorer::sync::NatsCredentials::read(&sync)?;
         tokio::spawn(kvgate_scorer::sync::run(scorer.clone(), sync, credentials));
     }
-    let expiring = scorer.clone();
+    let (expiring, expiring_spans) = (scorer.clone(), traces.clone());
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             tick.tick().await;
             expiring.expire();
-            if let Some(traces) = &expiring.traces {
+            if let Some(traces) = &expiring_spans {
                 traces.expire();
             }
         }
@@ -169,7 +170,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         // Its own thread and single-threaded runtime: a gateway multiplexes every request on
         // one HTTP/2 connection, whose frames and streams are then handled on one thread
         // without handing each message to another (measured: less CPU per request).
-        let picker = Picker::new(scorer.clone());
+        let picker = picker.clone();
         let (stopped, finish) = (stopped(), scorer.config.shutdown.finish());
         epp_thread = Some(std::thread::Builder::new().name("kvgate-epp".into()).spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build();
@@ -208,8 +209,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     kvgate_scorer::serve::serve(
         listener,
         unix,
-        kvgate_scorer::serve::api_router(scorer.clone()),
-        Picker::new(scorer.clone()),
+        kvgate_scorer::serve::api_router(scorer.clone(), picker.clone()),
+        picker,
         threads,
         stopped(),
     )
@@ -221,9 +222,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(path) = &scorer.config.route_socket_path {
         let _ = std::fs::remove_file(path);
     }
-    if scorer.traces.is_some() {
-        let exporting = scorer.clone();
-        let _ = tokio::task::spawn_blocking(move || exporting.traces.as_ref().map(Traces::shutdown)).await;
+    if let Some(traces) = traces {
+        let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
     }
     tracing::info!("kvgate-scorer stopped");
     Ok(())

@@ -10,6 +10,7 @@
 
 use crate::metrics::Metrics;
 use crate::scorer::{Limits, Scorer};
+use crate::traces::Traces;
 use bytes::Bytes;
 use kvgate_route_api::{Api, ErrorBody, HEADER_API_PATH, LifecycleReport, Refusal, Refused};
 use std::net::SocketAddr;
@@ -61,7 +62,7 @@ impl PickingService for Picker {
     /// waiting for room while every pod is saturated (with `admission`).
     async fn pick(&self, request: PickRequest<'_>) -> Result<Pick, PickError> {
         let scorer = &self.scorer;
-        let span = scorer.traces.as_ref().map(|traces| traces.pick(request.trace_parent));
+        let span = self.traces.as_ref().map(|traces| traces.pick(request.trace_parent));
         let booking = match request.booking {
             Some(id) if !id.is_empty() => id.to_string(),
             _ => format!("kvgate-scorer-{}", GENERATED_IDS.fetch_add(1, Ordering::Relaxed)),
@@ -101,7 +102,7 @@ impl PickingService for Picker {
             Ok(_) => {}
             Err(e) => scorer.metrics.route_errors.with_label_values(&[&e.refused().status().to_string()]).inc(),
         }
-        if let (Some(traces), Some(span)) = (&scorer.traces, span) {
+        if let (Some(traces), Some(span)) = (&self.traces, span) {
             traces.decided(span, &booking, model.as_deref(), &decided);
         }
         decided
@@ -110,7 +111,7 @@ impl PickingService for Picker {
     /// One lifecycle event of a booking (the picker's exchange reads them from the responses
     /// it relays); false if it named no booking.
     fn report(&self, report: &LifecycleReport) -> bool {
-        if let Some(traces) = &self.scorer.traces {
+        if let Some(traces) = &self.traces {
             traces.reports(std::slice::from_ref(report));
         }
         self.scorer.report(report)
@@ -119,7 +120,7 @@ impl PickingService for Picker {
     /// The gateway reports that `address` served the booking's request (its retries may have
     /// moved it off the pick): the booking follows.
     fn served(&self, booking: &str, address: SocketAddr) {
-        if let Some(traces) = &self.scorer.traces {
+        if let Some(traces) = &self.traces {
             traces.served(booking, address);
         }
         self.scorer.served(booking, address)
@@ -140,6 +141,8 @@ impl PickingService for Picker {
 #[derive(Clone, derive_more::Constructor)]
 pub struct Picker {
     scorer: Arc<Scorer>,
+    /// The decisions' spans (with `traces`; started by the process, in its runtime).
+    traces: Option<Arc<Traces>>,
 }
 
 static GENERATED_IDS: AtomicU64 = AtomicU64::new(0);
@@ -156,7 +159,7 @@ impl Picker {
 
     /// Applies a proxy's batch of lifecycle reports; returns how many named no booking.
     pub fn report_batch(&self, reports: &[LifecycleReport]) -> usize {
-        if let Some(traces) = &self.scorer.traces {
+        if let Some(traces) = &self.traces {
             traces.reports(reports);
         }
         self.scorer.lifecycle(reports)

@@ -40,8 +40,7 @@ const MAX_FRAME_BYTES: u32 = 1 << 20;
 
 /// The app on `listen`: the HTTP API's picking calls, the route stream (same port, HTTP/2),
 /// and the admin endpoints unless `admin.listen` moves them (the probes stay).
-pub fn api_router(scorer: Arc<Scorer>) -> Router {
-    let picker = Picker::new(scorer.clone());
+pub fn api_router(scorer: Arc<Scorer>, picker: Picker) -> Router {
     let probes_only = scorer.config.admin.listen.is_some();
     http::routes(picker.clone())
         .route_service(kvgate_route_api::ROUTE_STREAM_PATH, route_stream::service(picker))

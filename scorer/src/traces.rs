@@ -14,7 +14,7 @@
 //! Never the prompt: only counts and names. Without `traces:` nothing here runs.
 
 use crate::config::TracesSection;
-use crate::picking::{Pick, PickError};
+use crate::scorer::{Pick, PickError};
 use ahash::AHashMap;
 use kvgate_route_api::{LifecycleEvent, LifecycleReport};
 use opentelemetry::propagation::{Extractor, TextMapPropagator};

@@ -165,8 +165,6 @@ pub struct Scorer {
     /// The model rewrites in force: the pool's InferenceModelRewrites' (with
     /// `discovery.inference_pool.inference_model_rewrites`), then the configuration's.
     rewrites: RwLock<ModelRewrites>,
-    /// The decisions' spans (with `traces`; started by the process, in its runtime).
-    pub traces: Option<crate::traces::Traces>,
 }
 
 /// Why the scorer is not ready: `/readyz` answers 503 with it, the picker's gRPC health says
@@ -211,7 +209,6 @@ impl Scorer {
             readiness_changed: tokio::sync::Notify::new(),
             pool_objectives: RwLock::default(),
             rewrites: RwLock::new(ModelRewrites::new(config.model_rewrites.clone())),
-            traces: None,
             config,
         };
         scorer.static_pods = (scorer.config.pods.iter())
