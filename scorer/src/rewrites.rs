@@ -39,10 +39,6 @@ pub struct Rewrite {
 }
 
 impl ModelRewrites {
-    pub fn is_empty(&self) -> bool {
-        self.rules.is_empty()
-    }
-
     /// The rule for `model`: the first naming it, else the first catch-all.
     fn rule(&self, model: &str) -> Option<(&ModelRewriteRule, bool)> {
         let named = self.rules.iter().find(|r| r.matches.iter().any(|m| m == model)).map(|r| (r, true));
