@@ -27,10 +27,13 @@ licenses:
 build:
 	$(CARGO) build --workspace --release
 
+# Formatting, clippy (the wasm target too), and the fuzz targets (their own crate, fuzzed by
+# `make fuzz` on nightly) still compiling.
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p kvgate-filter --target wasm32-wasip1 -- -D warnings
+	$(CARGO) check --quiet --manifest-path tests/fuzz/Cargo.toml --bins
 
 # The generated reference pages (docs/configuration.md, docs/metrics.md), from the code.
 docs:

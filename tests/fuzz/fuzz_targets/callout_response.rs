@@ -31,7 +31,7 @@ fuzz_target!(|data: &[u8]| {
     let original = br#"{"prompt": "x", "stream": true, "max_tokens": 9}"#;
     if let Ok(answer) = RouteAnswer::decode(data) {
         let mut flow = RequestFlow::default();
-        flow.request_headers(&config, &mut Null, Some("POST"), "/v1/completions", false, || None, || "id".into());
+        flow.request_headers(&config, &mut Null, Some("POST"), "/v1/completions", false, |_| None, || "id".into());
         let call = flow.request_body(&mut Null, true, || original.to_vec(), || None);
         assert!(matches!(call, BodyNext::Call(_)));
         flow.answer(&config, &mut Null, Ok(&answer));
@@ -40,7 +40,7 @@ fuzz_target!(|data: &[u8]| {
         flow.response_body(&mut Null, true, || data.to_vec());
         flow.complete(&mut Null);
     }
-    let _ = kvgate_route_api::completion_tokens(data);
+    let _ = kvgate_route_api::Usage::of(data);
     let _ = lifecycle::decode_leg_body(original, data);
     let _ = lifecycle::prefill_leg_body(data);
 });
