@@ -451,6 +451,11 @@ impl LoadTracker {
         chain.partition_point(|h| blocks.contains_key(h))
     }
 
+    /// Requests in flight on `pod` whose prompts hold `block`.
+    pub fn inflight_sharing(&self, pod: PodId, block: SequenceHash) -> u32 {
+        self.pods.get(pod).and_then(|p| p.shared_blocks.get(&block)).copied().unwrap_or(0)
+    }
+
     /// Applies a lifecycle report.
     pub fn report(&mut self, key: &BookingKey, event: Lifecycle, now: f64) -> Result<PodId, UnknownRequest> {
         let Some(req) = self.requests.get_mut(key) else {
@@ -864,8 +869,10 @@ mod tests {
         );
         // 10 distinct prompt blocks, no partials, 1 + 1 output blocks.
         assert_eq!(t.load(a, 0.0).decode_blocks, 12.0);
+        assert_eq!((t.inflight_sharing(a, long[0]), t.inflight_sharing(a, long[9])), (2, 1), "the group: both");
         t.report(&k("x"), Lifecycle::Cancelled, 0.0).unwrap();
         assert_eq!(t.load(a, 0.0).decode_blocks, 7.0);
+        assert_eq!((t.inflight_sharing(a, long[0]), t.inflight_sharing(a, long[9])), (1, 0));
     }
 
     /// Chained block hashes of a prompt made of `groups` (each group's tokens a run of 4).

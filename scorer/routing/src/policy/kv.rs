@@ -18,7 +18,8 @@
 //! home (of the pods caching most of it, the one with the fewest requests in flight), where
 //! another copy of the prefix is capacity, not waste: pods with more than
 //! `balance_abs_threshold` fewer requests in flight than a piled-up home (and
-//! `balance_rel_threshold` times fewer), and pods with at most half as many while the
+//! `balance_rel_threshold` times fewer) while at least `balance_group_share` of the home's
+//! requests are the prompt's own group, and pods with at most half as many while the
 //! home's requests hold more blocks than its KV cache has — it cannot keep its traffic
 //! cached anyway (live, the sessions of three system prompts stayed on one such pod at
 //! 400 ms TTFT beside idle pods, a fresh prefill there being charged four times over).
@@ -129,6 +130,12 @@ pub struct KvPolicyConfig {
     /// The factor of the pile-up guard (see `balance_abs_threshold`).
     #[default(1.5)]
     pub balance_rel_threshold: f64,
+    /// The pile-up guard counts a pile-up only when the prompt's prefix group (the requests
+    /// sharing its first block) holds at least this share of the home's requests in flight:
+    /// another copy of the prefix then takes the group's overflow. A home piled up by many
+    /// groups is not relieved by copying one of them. 0 = any pile-up.
+    #[default(0.5)]
+    pub balance_group_share: f64,
     /// Drop pods reporting at least this many waiting requests.
     pub max_waiting: Option<f64>,
     /// Drop pods reporting at least this KV-cache usage (0–1).
@@ -156,6 +163,8 @@ impl KvPolicyConfig {
             "balance_rel_threshold",
             &format!("{factor} must be a factor >= 1"),
         )?;
+        let share = self.balance_group_share;
+        check((0.0..=1.0).contains(&share), "balance_group_share", &format!("{share} must be a fraction (0-1)"))?;
         if let Some(usage) = self.max_kv_usage {
             check((0.0..=1.0).contains(&usage), "max_kv_usage", &format!("{usage} must be a fraction (0-1)"))?;
         }
@@ -202,8 +211,11 @@ impl KvPolicy {
     }
 
     /// Whether `c` takes the overflow of the prompt's `home` at the price of its prefill
-    /// alone (no miss charge): the home has piled up — more than `balance_abs_threshold`
-    /// requests in flight above `c`, and `balance_rel_threshold` times as many — or its
+    /// alone (no miss charge): the prompt's group has piled up there — the home has more
+    /// than `balance_abs_threshold` requests in flight above `c`, `balance_rel_threshold`
+    /// times as many, and at least `balance_group_share` of them are the group's (a home
+    /// piled up by many groups is not relieved by copying one: under KV-capacity pressure on
+    /// 64 pods such copies moved groups between pods and evicted them) — or its
     /// requests hold more blocks than its KV cache has (it cannot keep this prefix's traffic
     /// cached anyway) and `c` has at most half its requests in flight. Both are judged
     /// against the home, not the fleet: on 64 pods some pod is always far busier than the
@@ -213,6 +225,7 @@ impl KvPolicy {
         let piled_up = self.config.balance_abs_threshold.is_some_and(|abs| {
             at_home.saturating_sub(here) > abs
                 && f64::from(at_home) > self.config.balance_rel_threshold * f64::from(here)
+                && f64::from(home.group_inflight) >= self.config.balance_group_share * f64::from(at_home)
         });
         let overflowing =
             home.reported.is_some_and(|r| r.num_gpu_blocks > 0.0 && home.load.decode_blocks >= r.num_gpu_blocks)
@@ -474,10 +487,25 @@ mod tests {
         let cold = candidate(1, 0, 2, 0);
         assert_eq!(p.select(&INPUT, &[hot, cold]).chosen, 0, "28 more in flight is not a pile-up (abs 32)");
         hot.load.inflight_requests = 60;
+        hot.group_inflight = 30;
         let d = p.select(&INPUT, &[hot, cold]);
         assert_eq!(d.chosen, 1, "imbalanced: misses cost only their prefill, and pod 0's queue is longer");
         let sticky = policy(KvPolicyConfig { balance_abs_threshold: None, ..Default::default() });
         assert!(sticky.cost(&INPUT, &hot) < sticky.cost(&INPUT, &cold), "without the guard the miss charge keeps it");
+    }
+
+    #[test]
+    fn a_home_piled_up_by_other_groups_keeps_the_prompts_group() {
+        let mut p = policy(KvPolicyConfig::default());
+        // 60 in flight at the home, 29 of them the prompt's group: copying its prefix to pod 1
+        // would relieve the home of less than half its pile and evict there.
+        let home = Candidate { group_inflight: 29, ..candidate(0, 992, 60, 2000) };
+        let cold = candidate(1, 0, 2, 0);
+        let d = p.select(&INPUT, &[home, cold]);
+        assert_eq!(d.chosen, 0);
+        assert_eq!(d.costs[1], Some(p.cost(&INPUT, &cold)), "pod 1 is charged the miss");
+        let mut any_pile = policy(KvPolicyConfig { balance_group_share: 0.0, ..Default::default() });
+        assert_eq!(any_pile.select(&INPUT, &[home, cold]).chosen, 1, "counting any pile-up, pod 1 relieves it");
     }
 
     #[test]

@@ -65,6 +65,9 @@ pub struct Candidate {
     /// latest choices still send a new prefix to the same pod. 0 when the prompt has no
     /// full block (ties broken at random).
     pub tie_rank: u64,
+    /// Requests in flight on the pod whose prompts share this one's first block (its prefix
+    /// group); counted where the pod holds some of the prompt, 0 elsewhere.
+    pub group_inflight: u32,
     /// How the pod stands for the request's LoRA adapter.
     pub adapter: AdapterFit,
 }
@@ -204,6 +207,7 @@ pub(crate) mod test_support {
             reported: None,
             slowness: 1.0,
             tie_rank: 0,
+            group_inflight: 0,
             adapter: AdapterFit::Unlimited,
         }
     }

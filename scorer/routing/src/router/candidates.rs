@@ -97,6 +97,11 @@ impl Router {
                     reported: self.pods[p.index()].reported,
                     slowness: self.load.slowness(p),
                     tie_rank: tie_rank(p),
+                    // Only a pod holding the prompt can be its home, whose group is asked for.
+                    group_inflight: match first_block {
+                        Some(&b) if cached > 0 => self.load.inflight_sharing(p, b),
+                        _ => 0,
+                    },
                     adapter,
                 }
             })

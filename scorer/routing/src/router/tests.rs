@@ -224,6 +224,24 @@ fn routes_a_repeated_prefix_back_and_books_until_done() {
 }
 
 #[test]
+fn the_homes_group_counts_the_requests_in_flight_that_share_the_prompts_first_block() {
+    let mut r = router(u32::MAX);
+    let _pods = [r.add_pod(Role::Both, false), r.add_pod(Role::Both, false)];
+    let (shared, other) = (chain(1, 512), chain(2, 512));
+    let mut question = shared[..16].to_vec();
+    question.extend(chain(3, 256));
+    let home = r.route(&RouteRequest::new("a", &shared, 512, Some(8)), 0.0).unwrap().decode.pod;
+    r.route(&RouteRequest::new("b", &shared, 512, Some(8)), 0.0).unwrap();
+    let d = r.route(&RouteRequest::new("q", &question, 768, Some(8)), 0.0).unwrap();
+    assert_eq!(d.decode.pod, home, "the shared blocks in flight count as cached there");
+    let group = |d: &Routed| d.candidates.iter().map(|c| (c.pod, c.group_inflight)).collect::<Vec<_>>();
+    assert!(group(&d).contains(&(home, 2)), "{:?}", group(&d));
+    assert!(group(&d).iter().all(|&(p, n)| p == home || n == 0));
+    let elsewhere = r.route(&RouteRequest::new("o", &other, 512, Some(8)), 0.0).unwrap();
+    assert!(group(&elsewhere).iter().all(|&(_, n)| n == 0), "no pod holds its group");
+}
+
+#[test]
 fn disaggregates_above_the_threshold_and_skips_unhealthy_pods() {
     let mut r = router(256);
     let prefill = r.add_pod(Role::Prefill, false);
