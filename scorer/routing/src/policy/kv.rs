@@ -273,7 +273,7 @@ impl KvPolicy {
 impl Policy for KvPolicy {
     fn select(&mut self, input: &RouteInput, candidates: &[Candidate]) -> Decision {
         let all_busy = candidates.iter().all(|c| self.busy(c));
-        let home = home(candidates);
+        let home = home(candidates).map(|h| &candidates[h]);
         let second_slot = second_slot_seconds(input, candidates);
         let costs: Vec<Option<f64>> = candidates
             .iter()
@@ -312,11 +312,10 @@ fn second_slot_seconds(input: &RouteInput, candidates: &[Candidate]) -> f64 {
 /// copy: once a second pod relieves the first, a third copy is worth it only when the
 /// second piles up too (judged against the busiest copy, a 64-pod burst kept copying its
 /// prefixes: p90 524 ms at twice its size, against 275 ms).
-fn home(candidates: &[Candidate]) -> Option<&Candidate> {
-    candidates
-        .iter()
-        .filter(|c| c.cached_tokens > 0)
-        .max_by_key(|c| (c.cached_tokens, std::cmp::Reverse(c.load.inflight_requests)))
+pub(crate) fn home(candidates: &[Candidate]) -> Option<usize> {
+    (0..candidates.len())
+        .filter(|&i| candidates[i].cached_tokens > 0)
+        .max_by_key(|&i| (candidates[i].cached_tokens, std::cmp::Reverse(candidates[i].load.inflight_requests)))
 }
 
 /// Samples index i with probability ∝ exp(−(cost_i − min)/(max − min)/temperature).

@@ -12,6 +12,7 @@ mod random;
 mod round_robin;
 mod ttft;
 
+pub(crate) use kv::home;
 pub use kv::{KvPolicy, KvPolicyConfig, PrefillEstimate};
 pub use least_loaded::LeastLoaded;
 pub use power_of_two::PowerOfTwo;
@@ -66,7 +67,7 @@ pub struct Candidate {
     /// full block (ties broken at random).
     pub tie_rank: u64,
     /// Requests in flight on the pod whose prompts share this one's first block (its prefix
-    /// group); counted where the pod holds some of the prompt, 0 elsewhere.
+    /// group); counted at the prompt's [`home`] only (the pile-up guard's question), 0 elsewhere.
     pub group_inflight: u32,
     /// How the pod stands for the request's LoRA adapter.
     pub adapter: AdapterFit,

@@ -5,7 +5,7 @@
 use super::{RouteRequest, Router};
 use crate::index::TieredMatch;
 use crate::pod_set::{PodId, PodSet};
-use crate::policy::{AdapterFit, Candidate, Decision};
+use crate::policy::{AdapterFit, Candidate, Decision, home};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 /// Up to `n` candidates after the chosen one, best first: those the policy scored by
 /// ascending cost, then the unscored in turn after the chosen one (round robin's order).
@@ -52,7 +52,7 @@ impl Router {
             first_block.map_or(0, |b| xxh3_64_with_seed(&self.pods[p.index()].key.to_le_bytes(), b.0).max(1))
         };
         let mut in_flight = std::mem::take(&mut self.adapters_in_flight);
-        let candidates = pods
+        let mut candidates = pods
             .iter()
             .map(|&p| {
                 let adapter = match request.adapter {
@@ -97,16 +97,15 @@ impl Router {
                     reported: self.pods[p.index()].reported,
                     slowness: self.load.slowness(p),
                     tie_rank: tie_rank(p),
-                    // Only a pod holding the prompt can be its home, whose group is asked for.
-                    group_inflight: match first_block {
-                        Some(&b) if cached > 0 => self.load.inflight_sharing(p, b),
-                        _ => 0,
-                    },
+                    group_inflight: 0,
                     adapter,
                 }
             })
-            .collect();
+            .collect::<Vec<_>>();
         self.adapters_in_flight = in_flight;
+        if let (Some(&block), Some(h)) = (first_block, home(&candidates)) {
+            candidates[h].group_inflight = self.load.inflight_sharing(candidates[h].pod, block);
+        }
         candidates
     }
 }
