@@ -134,7 +134,7 @@ pub struct KvPolicyConfig {
     /// sharing its first block) holds at least this share of the home's requests in flight:
     /// another copy of the prefix then takes the group's overflow. A home piled up by many
     /// groups is not relieved by copying one of them. 0 = any pile-up.
-    #[default(0.5)]
+    #[default(0.35)]
     pub balance_group_share: f64,
     /// Drop pods reporting at least this many waiting requests.
     pub max_waiting: Option<f64>,
@@ -496,9 +496,9 @@ mod tests {
     #[test]
     fn a_home_piled_up_by_other_groups_keeps_the_prompts_group() {
         let mut p = policy(KvPolicyConfig::default());
-        // 60 in flight at the home, 29 of them the prompt's group: copying its prefix to pod 1
-        // would relieve the home of less than half its pile and evict there.
-        let home = Candidate { group_inflight: 29, ..candidate(0, 992, 60, 2000) };
+        // 60 in flight at the home, 20 of them the prompt's group (under 0.35): copying its
+        // prefix to pod 1 would relieve the home of a third of its pile and evict there.
+        let home = Candidate { group_inflight: 20, ..candidate(0, 992, 60, 2000) };
         let cold = candidate(1, 0, 2, 0);
         let d = p.select(&INPUT, &[home, cold]);
         assert_eq!(d.chosen, 0);
