@@ -19,7 +19,7 @@ use kvgate_routing::router::PrefillWaits;
 use kvgate_sim::cache::{CacheChange, HashKeys};
 use kvgate_sim::engine::{Engine, EngineConfig, KvTransfer, NewRequest, RequestId, StepResult};
 use std::cmp::Ordering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 
 /// Where one request goes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -153,6 +153,11 @@ pub struct ClusterConfig {
     pub scrape_interval: f64,
     /// What clients ask for as `max_tokens` ([`crate::workload::Params::max_tokens`]).
     pub max_tokens_asked: Option<usize>,
+    /// Clients keep this many requests in flight, as `kvgate-live-bench`'s do: every
+    /// session's first turn waits in one queue in session order, and each answered turn's
+    /// successor joins the back of it; start and think times are ignored. `None`: sessions
+    /// start at their start times (an open loop).
+    pub in_flight: Option<usize>,
 }
 
 /// The engines' hash seed (vLLM's `PYTHONHASHSEED`) in every simulated cluster: routers
@@ -189,7 +194,7 @@ impl ClusterConfig {
                 None => reference.clone(),
             })
             .collect();
-        Self { roles, engines, scrape_interval: 1.0, max_tokens_asked: None }
+        Self { roles, engines, scrape_interval: 1.0, max_tokens_asked: None, in_flight: None }
     }
 
     /// The pods that decode (all but the prefill pool).
@@ -313,6 +318,14 @@ struct Pod {
     requests: HashMap<RequestId, (usize, Leg)>,
 }
 
+/// Clients with a bounded number of requests in flight ([`ClusterConfig::in_flight`]).
+struct ClosedLoop {
+    limit: usize,
+    in_flight: usize,
+    /// Turns waiting to be sent: (session, turn).
+    waiting: VecDeque<(usize, usize)>,
+}
+
 /// One turn in flight.
 struct Live {
     session: usize,
@@ -333,6 +346,7 @@ struct Sim<'a> {
     /// Per session, the tokens of its conversation so far (prefix + turns + answers).
     history: Vec<Vec<u32>>,
     open_sessions: usize,
+    closed_loop: Option<ClosedLoop>,
     scrape_interval: f64,
     max_tokens_asked: Option<usize>,
 }
@@ -354,6 +368,7 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
         records: Vec::new(),
         history: workload.sessions.iter().map(|s: &Session| s.prefix.clone()).collect(),
         open_sessions: workload.sessions.iter().filter(|s| !s.turns.is_empty()).count(),
+        closed_loop: config.in_flight.map(|limit| ClosedLoop { limit, in_flight: 0, waiting: VecDeque::new() }),
         scrape_interval: config.scrape_interval,
         max_tokens_asked: config.max_tokens_asked,
     };
@@ -363,9 +378,13 @@ pub fn run(workload: &Workload, config: &ClusterConfig, router: &mut dyn Cluster
     let mut signals = Vec::new();
     for (i, s) in workload.sessions.iter().enumerate() {
         if !s.turns.is_empty() {
-            sim.schedule(s.start, Event::Arrive { session: i, turn: 0 });
+            match &mut sim.closed_loop {
+                Some(clients) => clients.waiting.push_back((i, 0)),
+                None => sim.schedule(s.start, Event::Arrive { session: i, turn: 0 }),
+            }
         }
     }
+    sim.send_waiting(0.0);
     while let Some(Scheduled { at, event, .. }) = sim.queue.pop() {
         match event {
             Event::Arrive { session, turn } => sim.arrive(session, turn, at),
@@ -587,13 +606,38 @@ impl Sim<'_> {
         }
     }
 
-    /// A turn ended: the session's next turn follows after its think time.
+    /// Closed loop: sends waiting turns while fewer than the limit are in flight.
+    fn send_waiting(&mut self, now: f64) {
+        let Some(clients) = &mut self.closed_loop else { return };
+        let mut due = Vec::new();
+        while clients.in_flight < clients.limit
+            && let Some(next) = clients.waiting.pop_front()
+        {
+            clients.in_flight += 1;
+            due.push(next);
+        }
+        for (session, turn) in due {
+            self.schedule(now, Event::Arrive { session, turn });
+        }
+    }
+
+    /// A turn ended: the session's next turn follows after its think time (closed loop: it
+    /// joins the back of the queue).
     fn turn_over(&mut self, id: usize, now: f64) {
         let (session, turn) = (self.live[id].session, self.live[id].turn);
         let output = std::mem::take(&mut self.live[id].output);
         self.history[session].extend_from_slice(&output);
         self.live[id].prompt = Vec::new();
         let turns = &self.workload.sessions[session].turns;
+        if let Some(clients) = &mut self.closed_loop {
+            clients.in_flight -= 1;
+            match turn + 1 < turns.len() {
+                true => clients.waiting.push_back((session, turn + 1)),
+                false => self.open_sessions -= 1,
+            }
+            self.send_waiting(now);
+            return;
+        }
         if turn + 1 < turns.len() {
             self.schedule(now + turns[turn + 1].think, Event::Arrive { session, turn: turn + 1 });
         } else {

@@ -122,6 +122,7 @@ pub fn build(name: &str, p: &Params) -> Option<Workload> {
         "unique-long" => unique_long(&mut g, p),
         "burst" => burst(&mut g, p, 0.0),
         "burst-100ms" => burst(&mut g, p, 0.1),
+        "live" => live(&mut g, p),
         "capacity" => capacity(&mut g, p),
         "tiered" => tiered(&mut g, p),
         "heterogeneous" => heterogeneous(&mut g, p),
@@ -248,6 +249,45 @@ fn questions(g: &mut Gen, docs: &[Vec<u32>], n: usize, rate: f64) -> Vec<Session
         let doc = docs[g.zipf(docs.len(), 0.8)].clone();
         (doc, turn(g.text_between(20, 80), g.between(50, 150)))
     })
+}
+
+/// `kvgate-live-bench`'s mix in virtual time (not among [`NAMES`]): per 4 pods, 48 chat
+/// sessions of 6 turns over 6 system prompts of 1,750 tokens and 240 questions over 8
+/// documents of 3,200 tokens (the sizes its Qwen3-tokenized texts have), in one shuffled
+/// order, 24-token answers, on pods of 1,500 blocks — less than the prefixes take. Jobs start
+/// as a Poisson stream; run with `--in-flight 24` (as that benchmark's clients) they queue
+/// instead, each session's next turn behind everything already waiting.
+fn live(g: &mut Gen, p: &Params) -> Workload {
+    let systems: Vec<Vec<u32>> = (0..6).map(|_| g.text(1750)).collect();
+    let documents: Vec<Vec<u32>> = (0..8).map(|_| g.text(3200)).collect();
+    let (chats, questions) = (scaled(p, 12 * p.pods), scaled(p, 60 * p.pods));
+    let mut jobs: Vec<Option<usize>> = (0..chats).map(Some).chain((0..questions).map(|_| None)).collect();
+    for i in (1..jobs.len()).rev() {
+        jobs.swap(i, g.rng.random_range(0..=i));
+    }
+    let mut jobs = jobs.into_iter();
+    let rate = 9.0 * p.pods as f64 * p.load;
+    let sessions = poisson(g, chats + questions, rate, |g| match jobs.next().flatten() {
+        Some(chat) => {
+            let turns = (0..6).map(|_| Turn { user: g.text_between(150, 190), max_tokens: 24, think: 0.0 }).collect();
+            (systems[chat % systems.len()].clone(), turns)
+        }
+        None => (documents[g.between(0, documents.len() - 1)].clone(), turn(g.text_between(30, 50), 24)),
+    });
+    Workload {
+        name: "live",
+        description: format!(
+            "{chats} chat sessions × 6 turns over 6 shared 1,750-token system prompts and {questions} questions over 8 shared 3,200-token documents, shuffled, 24 output tokens, pods of 1,500 blocks; Poisson {rate} jobs/s"
+        ),
+        sessions,
+        num_blocks: 1500,
+        prefill_pods: 0,
+        offload_blocks: 0,
+        unlike: Vec::new(),
+        max_loras: 0,
+        lora_load_ms: 0.0,
+        sliding_window: None,
+    }
 }
 
 /// Groups of questions about long shared documents (RAG, code review, …).
@@ -546,6 +586,26 @@ mod tests {
             build("chat", &Params { seed: 4, ..p }).unwrap().sessions[0].turns[0].user,
             build("chat", &p).unwrap().sessions[0].turns[0].user
         );
+    }
+
+    #[test]
+    fn the_live_mix_is_the_live_benchmarks_sessions_and_questions_on_small_caches() {
+        let p = Params { seed: 1, pods: 4, scale: 1.0, load: 1.0, max_tokens: None };
+        let w = build("live", &p).unwrap();
+        let chats: Vec<&Session> = w.sessions.iter().filter(|s| s.turns.len() == 6).collect();
+        let questions: Vec<&Session> = w.sessions.iter().filter(|s| s.turns.len() == 1).collect();
+        assert_eq!((chats.len(), questions.len(), w.requests()), (48, 240, 528));
+        let distinct = |sessions: &[&Session]| {
+            sessions.iter().map(|s| s.prefix.as_slice()).collect::<std::collections::HashSet<_>>().len()
+        };
+        assert_eq!((distinct(&chats), distinct(&questions)), (6, 8), "6 system prompts, 8 documents");
+        assert!(chats.iter().all(|s| s.prefix.len() == 1750) && questions.iter().all(|s| s.prefix.len() == 3200));
+        assert!(w.sessions.iter().flat_map(|s| &s.turns).all(|t| t.max_tokens == 24 && t.think == 0.0));
+        assert_eq!(w.num_blocks, 1500);
+        // Shuffled: chats are spread through the order, not bunched at its start.
+        let first_half = w.sessions[..w.sessions.len() / 2].iter().filter(|s| s.turns.len() == 6).count();
+        assert!((12..=36).contains(&first_half), "{first_half} of 48 chats in the first half");
+        assert!(!NAMES.contains(&"live"), "a diagnostic, not one of `all`");
     }
 
     #[test]

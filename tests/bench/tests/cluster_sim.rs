@@ -222,3 +222,43 @@ fn pods_known_to_be_slow_are_spared_from_the_first_request() {
     assert!(known.0 < learned.0, "requests on the slow pods: known {known:?}, learned {learned:?}");
     assert!(known.1 < 0.7 * learned.1, "prompt tokens computed there: known {known:?}, learned {learned:?}");
 }
+
+#[test]
+fn clients_holding_requests_in_flight_send_the_next_turn_only_as_an_answer_ends() {
+    // kvgate-live-bench's clients: at most `limit` requests in flight, every session's first
+    // turn queued at t = 0, each next turn behind what already waits.
+    let params = Params { seed: 2, pods: 4, scale: 0.15, load: 1.0, max_tokens: None };
+    let w = workload::build("live", &params).unwrap();
+    let limit = 6;
+    let config = ClusterConfig { in_flight: Some(limit), ..ClusterConfig::for_workload(&w, params.pods) };
+    let mut r = routers::build("kv", &config.roles, 2).unwrap();
+    let result = run(&w, &config, r.as_mut());
+    assert_eq!(result.requests.len(), w.requests(), "every turn of every session ran");
+    let finished: Vec<f64> = result.requests.iter().map(|r| r.finished.expect("finished")).collect();
+    // Ends before starts at one instant: a slot is freed, then taken.
+    let mut edges: Vec<(f64, i32)> = result.requests.iter().map(|r| (r.arrival, 1)).collect();
+    edges.extend(finished.iter().map(|&t| (t, -1)));
+    edges.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let mut in_flight = 0;
+    let mut peak = 0;
+    for (_, step) in edges {
+        in_flight += step;
+        peak = peak.max(in_flight);
+    }
+    assert_eq!(peak, limit as i32, "the clients keep exactly their limit in flight");
+    let at_start = result.requests.iter().filter(|r| r.arrival == 0.0).count();
+    assert_eq!(at_start, limit, "the first {limit} requests go out at once");
+    for r in result.requests.iter().filter(|r| r.arrival > 0.0) {
+        assert!(finished.contains(&r.arrival), "a request at {} s was sent as an answer ended", r.arrival);
+    }
+    // Start times no longer matter: the open loop's schedule is not this one.
+    let open = run(
+        &w,
+        &ClusterConfig::for_workload(&w, params.pods),
+        routers::build("kv", &config.roles, 2).unwrap().as_mut(),
+    );
+    assert_ne!(
+        open.requests.iter().map(|r| r.arrival).collect::<Vec<_>>(),
+        result.requests.iter().map(|r| r.arrival).collect::<Vec<_>>()
+    );
+}

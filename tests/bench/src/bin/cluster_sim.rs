@@ -43,8 +43,9 @@ const REFINE_STEPS: usize = 2;
 )]
 struct Args {
     /// Comma-separated workloads, or `all`: chat, documents, unique-long, burst, capacity,
-    /// tiered, heterogeneous, pd-mixed, adapters; also (not in `all`) burst-100ms, the burst spread
-    /// evenly over 100 ms.
+    /// tiered, heterogeneous, pd-mixed, adapters, hybrid; also (not in `all`) burst-100ms, the
+    /// burst spread evenly over 100 ms, and live, `kvgate-live-bench`'s mix (with
+    /// `--in-flight 24`, as its clients send it).
     #[arg(long, default_value = "all")]
     workloads: String,
     /// Routers (space-separated), or `all`: kv, prefix, ttft, least-loaded, power-of-two,
@@ -96,6 +97,11 @@ struct Args {
     /// `@informed` kvgate with the true one. Unset: clients ask for exactly what they get.
     #[arg(long)]
     max_tokens: Option<usize>,
+    /// Clients keep this many requests in flight instead of arriving at the workload's rate
+    /// (as `kvgate-live-bench`'s do): every session's first turn queues in session order, each
+    /// next turn behind everything already waiting. Not with --sweep.
+    #[arg(long)]
+    in_flight: Option<usize>,
     /// Also each router's requests, TTFT and prefill work per pod: a table per workload and
     /// in the JSON (one load: not with --sweep).
     #[arg(long)]
@@ -109,17 +115,26 @@ fn list<'a>(arg: &'a str, all: &[&'a str]) -> Vec<&'a str> {
     if arg == "all" { all.to_vec() } else { arg.split(',').map(str::trim).filter(|s| !s.is_empty()).collect() }
 }
 
-/// One router on one workload, its seeds (`params.seed`, +1, …) pooled: the figures and
-/// the mean load offered.
-fn simulate(workload_name: &str, router: &str, params: &Params, seeds: u64) -> (Summary, f64) {
+/// One router on one workload, its seeds (`params.seed`, +1, …) pooled, clients keeping
+/// `in_flight` requests in flight if given: the figures and the mean load offered.
+fn simulate(
+    workload_name: &str,
+    router: &str,
+    params: &Params,
+    seeds: u64,
+    in_flight: Option<usize>,
+) -> (Summary, f64) {
     let mut pooled: Option<RunResult> = None;
     let mut offered = 0.0;
     let mut decode_pods = Vec::new();
     for seed in params.seed..params.seed + seeds {
         let w = workload::build(workload_name, &Params { seed, ..*params }).expect("checked before");
         offered += w.offered() / seeds as f64;
-        let config =
-            ClusterConfig { max_tokens_asked: params.max_tokens, ..ClusterConfig::for_workload(&w, params.pods) };
+        let config = ClusterConfig {
+            max_tokens_asked: params.max_tokens,
+            in_flight,
+            ..ClusterConfig::for_workload(&w, params.pods)
+        };
         decode_pods = config.decode_pods();
         let mut r = routers::build(router, &config.roles, seed).expect("checked before");
         let result = run(&w, &config, r.as_mut());
@@ -166,13 +181,18 @@ fn main() -> anyhow::Result<()> {
     anyhow::ensure!(args.pods >= 2, "--pods must be at least 2");
     anyhow::ensure!(args.seeds >= 1, "--seeds must be at least 1");
     anyhow::ensure!(!args.per_pod || args.sweep.is_empty(), "--per-pod reports one load: leave out --sweep");
+    anyhow::ensure!(
+        args.in_flight.is_none() || args.sweep.is_empty(),
+        "--in-flight sets the load itself: leave out --sweep"
+    );
+    anyhow::ensure!(args.in_flight != Some(0), "--in-flight must be at least 1");
     let params =
         Params { seed: args.seed, pods: args.pods, scale: args.scale, load: args.load, max_tokens: args.max_tokens };
     // Every workload with its routers, checked before anything runs.
     let mut plan: Vec<(Workload, Vec<String>)> = Vec::new();
     for name in list(&args.workloads, &NAMES) {
         let w = workload::build(name, &params)
-            .with_context(|| format!("unknown workload {name:?} (known: {NAMES:?} and burst-100ms)"))?;
+            .with_context(|| format!("unknown workload {name:?} (known: {NAMES:?}, burst-100ms and live)"))?;
         println!("{:<12} {:>6} requests  {}", w.name, w.requests(), w.description);
         let all = args.routers == ["all"];
         let mut names: Vec<String> = if all { routers().map(String::from).collect() } else { args.routers.clone() };
@@ -207,7 +227,7 @@ fn compare(args: &Args, params: &Params, plan: &[(Workload, Vec<String>)]) -> an
     let done = Mutex::new(0);
     let summaries = parallel(jobs, args.threads, |(workload_name, name)| {
         let t0 = Instant::now();
-        let (mut summary, _) = simulate(workload_name, name, params, args.seeds);
+        let (mut summary, _) = simulate(workload_name, name, params, args.seeds, args.in_flight);
         if !args.per_pod {
             // Kept only when asked: at 64 pods they would be most of the results file.
             summary.per_pod.clear();
@@ -295,7 +315,7 @@ fn sweep(args: &Args, params: &Params, plan: &[(Workload, Vec<String>)]) -> anyh
     };
     let run_point = |workload: &str, router: &str, load: f64| {
         let t0 = Instant::now();
-        let (mut summary, offered) = simulate(workload, router, &at(workload, load), args.seeds);
+        let (mut summary, offered) = simulate(workload, router, &at(workload, load), args.seeds, None);
         summary.per_pod.clear();
         println!(
             "{workload:<12} {router:<20} load {load:>5.2}× ({offered:>7.1} offered)  p90 TTFT {:>9.1} ms  ({:.1} s wall)",

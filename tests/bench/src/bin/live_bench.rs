@@ -246,12 +246,16 @@ fn clock_ticks() -> f64 {
 }
 
 /// One request of the workload: a chat session's turns run in order, each re-sending the
-/// conversation so far; document questions stand alone.
+/// conversation so far; document questions stand alone. `prefix` numbers the shared text
+/// it starts with: the system prompts, then the documents.
 #[derive(Clone)]
 enum Job {
-    Session { system: String, turns: Vec<String> },
-    Question { document: String, question: String },
+    Session { prefix: usize, system: String, turns: Vec<String> },
+    Question { prefix: usize, document: String, question: String },
 }
+
+/// Shared texts the jobs start with: 6 system prompts and 8 documents.
+const PREFIXES: usize = 14;
 
 fn jobs(args: &Args) -> Vec<Job> {
     let mut rng = StdRng::seed_from_u64(args.seed);
@@ -262,6 +266,7 @@ fn jobs(args: &Args) -> Vec<Job> {
         (0..8).map(|i| format!("Document {i}. {}", text(&format!("clause{i}y"), 650))).collect();
     let mut jobs: Vec<Job> = (0..args.sessions)
         .map(|s| Job::Session {
+            prefix: s % systems.len(),
             system: systems[s % systems.len()].clone(),
             turns: (0..6).map(|t| format!("User {s}, question {t}: {}", text(&format!("q{s}t{t}"), 25))).collect(),
         })
@@ -269,6 +274,7 @@ fn jobs(args: &Args) -> Vec<Job> {
     for q in 0..args.questions {
         let d = rng.random_range(0..documents.len());
         jobs.push(Job::Question {
+            prefix: systems.len() + d,
             document: documents[d].clone(),
             question: format!("Question {q} about it: {}", text(&format!("ask{q}"), 15)),
         });
@@ -295,13 +301,20 @@ struct LiveResult {
     wall_s: f64,
     /// Requests each pod answered (`x-kvgate-pod`), in pod order.
     requests_per_pod: Vec<usize>,
+    /// Prompt tokens each pod computed (prompt less cached, as its answers report them): a
+    /// pod evicting what its own requests come back for computes far more than its share.
+    computed_tokens_per_pod: Vec<u64>,
+    /// Over the 14 shared prefixes, the mean number of pods that answered requests starting
+    /// with one (1: each kept on one pod).
+    pods_per_prefix: f64,
     /// TTFT p90 of every run of this router (this result is the median one).
     ttft_p90_runs_ms: Vec<f64>,
 }
 
 const MAX_TOKENS: u64 = 24;
 
-async fn run_workload(url: &str, jobs: &[Job], concurrency: usize) -> (Vec<Measured>, Duration) {
+/// Every request measured, with the shared prefix its job starts with.
+async fn run_workload(url: &str, jobs: &[Job], concurrency: usize) -> (Vec<(usize, Measured)>, Duration) {
     let client = reqwest::Client::new();
     let gate = Arc::new(Semaphore::new(concurrency));
     let total: usize = jobs.iter().map(|j| if let Job::Session { turns, .. } = j { turns.len() } else { 1 }).sum();
@@ -320,7 +333,7 @@ async fn run_workload(url: &str, jobs: &[Job], concurrency: usize) -> (Vec<Measu
             };
             let mut out = Vec::new();
             match job {
-                Job::Session { system, turns } => {
+                Job::Session { prefix, system, turns } => {
                     let mut history = system;
                     for turn in turns {
                         history.push_str(&format!("\nUser: {turn}\nAssistant:"));
@@ -329,15 +342,15 @@ async fn run_workload(url: &str, jobs: &[Job], concurrency: usize) -> (Vec<Measu
                         let _permit = gate.acquire().await.expect("semaphore");
                         let m = send(&client, &url, &body).await;
                         history.push_str(&m.text);
-                        out.push(m);
+                        out.push((prefix, m));
                         progress(&done);
                     }
                 }
-                Job::Question { document, question } => {
+                Job::Question { prefix, document, question } => {
                     let body = json!({"model": MODEL, "prompt": format!("{document}\n{question}\nAnswer:"),
                                       "max_tokens": MAX_TOKENS, "stream": true, "stream_options": {"include_usage": true}});
                     let _permit = gate.acquire().await.expect("semaphore");
-                    out.push(send(&client, &url, &body).await);
+                    out.push((prefix, send(&client, &url, &body).await));
                     progress(&done);
                 }
             }
@@ -354,6 +367,30 @@ async fn run_workload(url: &str, jobs: &[Job], concurrency: usize) -> (Vec<Measu
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// Where a run's requests went, per pod (in pod order) and per shared prefix.
+struct Placement {
+    requests: Vec<usize>,
+    computed_tokens: Vec<u64>,
+    pods_per_prefix: f64,
+}
+
+impl Placement {
+    fn of(measured: &[(usize, Measured)], pods: &[Sim]) -> Self {
+        let pod_of = |m: &Measured| pods.iter().position(|p| m.pod.as_deref() == Some(p.pod_id.as_str()));
+        let (mut requests, mut computed_tokens) = (vec![0; pods.len()], vec![0; pods.len()]);
+        let mut served: Vec<std::collections::BTreeSet<usize>> = vec![Default::default(); PREFIXES];
+        for (prefix, m) in measured {
+            let Some(pod) = pod_of(m) else { continue };
+            requests[pod] += 1;
+            computed_tokens[pod] += m.prompt_tokens.saturating_sub(m.cached_tokens);
+            served[*prefix].insert(pod);
+        }
+        let used: Vec<usize> = served.iter().map(|pods| pods.len()).filter(|&n| n > 0).collect();
+        let pods_per_prefix = if used.is_empty() { 0.0 } else { used.iter().sum::<usize>() as f64 / used.len() as f64 };
+        Self { requests, computed_tokens, pods_per_prefix }
+    }
 }
 
 /// Every router's median run, and the failed requests over all runs.
@@ -388,8 +425,10 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
         let gateway = start(kind, &pods, &args.kvgate_policy).await?;
         let cpu_before: f64 = gateway.pids.iter().map(|&p| cpu_seconds(p, ticks)).sum();
         print!("    requests done:");
-        let (mut measured, wall) = run_workload(&gateway.url, &jobs, args.concurrency).await;
+        let (measured, wall) = run_workload(&gateway.url, &jobs, args.concurrency).await;
         let cpu = gateway.pids.iter().map(|&p| cpu_seconds(p, ticks)).sum::<f64>() - cpu_before;
+        let placement = Placement::of(&measured, &pods);
+        let mut measured: Vec<Measured> = measured.into_iter().map(|(_, m)| m).collect();
         let ok: Vec<&mut Measured> = measured.iter_mut().filter(|m| m.status == 200).collect();
         let mut ttft: Vec<Duration> = ok.iter().map(|m| m.ttft).collect();
         let mut total: Vec<Duration> = ok.iter().map(|m| m.total).collect();
@@ -408,20 +447,21 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
             prefix_hit_rate: if prompt > 0 { cached as f64 / prompt as f64 } else { 0.0 },
             router_cpu_s: cpu,
             wall_s: wall.as_secs_f64(),
-            requests_per_pod: pods
-                .iter()
-                .map(|p| measured.iter().filter(|m| m.pod.as_deref() == Some(p.pod_id.as_str())).count())
-                .collect(),
+            requests_per_pod: placement.requests,
+            computed_tokens_per_pod: placement.computed_tokens,
+            pods_per_prefix: placement.pods_per_prefix,
             ttft_p90_runs_ms: Vec::new(),
         };
         println!(
-            "    TTFT p50 {:.1} ms, p90 {:.1} ms; hits {:.1} %; {} errors; router CPU {:.2} s; per pod {:?}",
+            "    TTFT p50 {:.1} ms, p90 {:.1} ms; hits {:.1} %; {} errors; router CPU {:.2} s; per pod {:?}, computed {:?}; {:.1} pods per prefix",
             r.ttft_p50_ms,
             r.ttft_p90_ms,
             r.prefix_hit_rate * 100.0,
             r.errors,
             r.router_cpu_s,
-            r.requests_per_pod
+            r.requests_per_pod,
+            r.computed_tokens_per_pod,
+            r.pods_per_prefix
         );
         runs[k].push(r);
     }
@@ -529,7 +569,7 @@ async fn main() -> anyhow::Result<()> {
     let mut md = format!(
         "Live side by side: {requests} requests, {} in flight, {} simulated pods ({} KV blocks, time scale {}) per router; {:.0} s wall in all.\n\n\
          The run with the median TTFT p90 of {} runs per router (interleaved) is shown; `p90 of each run` gives the spread.\n\n\
-         | router | TTFT p50 | TTFT p90 | p90 of each run | latency p50 | latency p90 | req/s | output tok/s | prefix hits | requests per pod | errors | router CPU (s) |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         | router | TTFT p50 | TTFT p90 | p90 of each run | latency p50 | latency p90 | req/s | output tok/s | prefix hits | requests per pod | prompt tokens computed per pod | pods per prefix | errors | router CPU (s) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         args.concurrency,
         args.pods,
         args.num_blocks,
@@ -539,7 +579,7 @@ async fn main() -> anyhow::Result<()> {
     );
     for r in &quality {
         md.push_str(&format!(
-            "| {} | {:.1} ms | {:.1} ms | {} | {:.1} ms | {:.1} ms | {:.1} | {:.0} | {:.1} % | {:?} | {} | {:.2} |\n",
+            "| {} | {:.1} ms | {:.1} ms | {} | {:.1} ms | {:.1} ms | {:.1} | {:.0} | {:.1} % | {:?} | {:?} | {:.1} | {} | {:.2} |\n",
             r.label,
             r.ttft_p50_ms,
             r.ttft_p90_ms,
@@ -550,6 +590,8 @@ async fn main() -> anyhow::Result<()> {
             r.output_tokens_per_s,
             r.prefix_hit_rate * 100.0,
             r.requests_per_pod,
+            r.computed_tokens_per_pod,
+            r.pods_per_prefix,
             r.errors,
             r.router_cpu_s
         ));
