@@ -109,6 +109,9 @@ pub struct PodIndexStats {
     pub offload_removed_blocks: u64,
     /// Offloaded blocks named only by an engine hash no tier of the pod knows: not indexed.
     pub unresolved_offloads: u64,
+    /// GPU stores of blocks the pod had evicted lately (not loaded back from an offload
+    /// tier): computed again. Growing fast, the pod's cache cannot hold what is sent to it.
+    pub recomputed_blocks: u64,
 }
 
 /// Tiers of a pod's cache, in the order a request's prefix is matched.
@@ -200,6 +203,67 @@ struct PodCache {
     /// The kind of each of its KV-cache groups, by group (as its events announced them).
     kinds: Vec<GroupKind>,
     stats: PodIndexStats,
+    evictions: Evictions,
+}
+
+/// The blocks a pod's GPU cache evicted lately, to see it compute them again: a pod whose
+/// stores are largely recomputations thrashes — its cache cannot hold the traffic sent to
+/// it ([`KvIndex::recompute_share`]).
+#[derive(Default)]
+struct Evictions {
+    /// Evicted blocks' sequence hashes, each in the slot its hash picks (a later eviction
+    /// landing there takes the slot): allocated at the pod's first eviction.
+    slots: Box<[u64]>,
+    /// GPU stores in the current window, and those of them recomputing a remembered block
+    /// (both halved when the window fills: a decaying average).
+    stored: f64,
+    recomputed: f64,
+}
+
+impl Evictions {
+    const SLOTS: usize = 4096;
+    const WINDOW: f64 = 1024.0;
+    /// Fewer stores than this say nothing yet.
+    const MIN_STORES: f64 = 64.0;
+
+    fn slot(block: SequenceHash) -> usize {
+        (block.0 % Self::SLOTS as u64) as usize
+    }
+
+    fn evicted(&mut self, block: SequenceHash) {
+        if self.slots.is_empty() {
+            self.slots = vec![0; Self::SLOTS].into_boxed_slice();
+        }
+        self.slots[Self::slot(block)] = block.0;
+    }
+
+    /// A GPU store of `block`; `loaded` says whether it came back from an offload tier (a
+    /// load, not a computation). Whether it computed again a block evicted lately.
+    fn stored(&mut self, block: SequenceHash, loaded: impl FnOnce() -> bool) -> bool {
+        let slot = self.slots.get_mut(Self::slot(block)).filter(|held| **held == block.0 && block.0 != 0);
+        let recomputed = match slot {
+            Some(held) => {
+                *held = 0;
+                !loaded()
+            }
+            None => false,
+        };
+        self.stored += 1.0;
+        self.recomputed += f64::from(u8::from(recomputed));
+        if self.stored >= Self::WINDOW {
+            self.stored /= 2.0;
+            self.recomputed /= 2.0;
+        }
+        recomputed
+    }
+
+    fn recompute_share(&self) -> f64 {
+        if self.stored < Self::MIN_STORES { 0.0 } else { self.recomputed / self.stored }
+    }
+
+    fn memory_bytes(&self) -> usize {
+        self.slots.len() * size_of::<u64>()
+    }
 }
 
 impl PodCache {
@@ -321,9 +385,20 @@ impl KvIndex {
     /// Bytes the index holds in its tables, from their capacities: hash-map slots (key,
     /// value and a control byte each) and order queues.
     pub fn memory_bytes(&self) -> usize {
-        let pods: usize =
-            self.pods.iter().flat_map(|(_, p)| p.tiers.iter().chain(&p.groups)).map(PodBlocks::memory_bytes).sum();
+        let pods: usize = self
+            .pods
+            .iter()
+            .map(|(_, p)| {
+                p.tiers.iter().chain(&p.groups).map(PodBlocks::memory_bytes).sum::<usize>() + p.evictions.memory_bytes()
+            })
+            .sum();
         pods + self.holders.iter().chain(&self.group_holders).map(BlockHolders::memory_bytes).sum::<usize>()
+    }
+
+    /// The share of `pod`'s recent GPU stores that computed again a block it had evicted
+    /// lately (0–1; 0 until it has stored a few dozen blocks).
+    pub fn recompute_share(&self, pod: PodId) -> f64 {
+        self.pods.get(pod).map_or(0.0, |p| p.evictions.recompute_share())
     }
 
     pub fn stats(&self, pod: PodId) -> PodIndexStats {
@@ -360,6 +435,7 @@ impl KvIndex {
                                 cache.stats.removed_blocks += 1;
                                 if let (Some(seq), Target::Tier(0)) = (gone, target) {
                                     self.evicted.push(seq);
+                                    cache.evictions.evicted(seq);
                                 }
                             }
                         }
@@ -426,6 +502,11 @@ impl KvIndex {
             for (i, &engine) in stored.block_hashes.iter().enumerate() {
                 parent = chain(parent, &stored.token_ids[i * block_size..(i + 1) * block_size]);
                 cache.blocks(target).insert(holders, pod, engine, parent);
+                if target == Target::Tier(0) {
+                    let tiers = &cache.tiers;
+                    let loaded = || tiers[1..].iter().any(|tier| tier.by_engine.contains_key(&engine));
+                    cache.stats.recomputed_blocks += u64::from(cache.evictions.stored(parent, loaded));
+                }
             }
             match target {
                 Target::Tier(1..) => cache.stats.offloaded_blocks += n,
@@ -470,6 +551,7 @@ impl KvIndex {
             group.clear(holders, pod);
         }
         cache.kinds.clear();
+        cache.evictions = Evictions::default();
     }
 
     /// Whether `pod` announced blocks of more than one KV-cache group, or of layers other
@@ -633,6 +715,42 @@ mod tests {
         idx.apply(pods[1], &batch(vec![removed(&[99])]));
         assert_eq!(idx.stats(pods[1]).unknown_removals, 1);
         assert_eq!(idx.stats(pods[0]).removed_blocks, 1);
+    }
+
+    #[test]
+    fn a_pod_computing_again_what_it_evicted_is_seen_thrashing_and_loads_do_not_count() {
+        // One block, T[..4], stored and evicted over and over.
+        let (mut idx, pods) = index(2, 100_000);
+        let (gpu, cpu) = (pods[0], pods[1]);
+        let round = |idx: &mut KvIndex, pod: PodId, offload: bool| {
+            let mut events = vec![stored(&[10], None, &T[..4])];
+            if offload {
+                events.push(offloaded(&[10], Tier::Cpu));
+            }
+            events.push(removed(&[10]));
+            idx.apply(pod, &batch(events));
+        };
+        // Fresh blocks every store: nothing computed twice.
+        for n in 0..100 {
+            idx.apply(gpu, &batch(vec![stored(&[1000 + n], None, &[n as u32 + 100, 0, 0, 0])]));
+        }
+        assert_eq!(idx.recompute_share(gpu), 0.0);
+        // The same block stored, evicted, stored again: each store after the first recomputes.
+        for _ in 0..100 {
+            round(&mut idx, gpu, false);
+        }
+        assert_eq!(idx.stats(gpu).recomputed_blocks, 99);
+        let share = idx.recompute_share(gpu);
+        assert!((0.45..0.55).contains(&share), "99 of 200 stores: {share}");
+        // Kept in host memory when evicted: stored back on the GPU is a load, not a recompute.
+        for _ in 0..100 {
+            round(&mut idx, cpu, true);
+        }
+        assert_eq!((idx.stats(cpu).recomputed_blocks, idx.recompute_share(cpu)), (0, 0.0));
+        // A cleared cache starts over.
+        idx.clear_pod(gpu);
+        assert_eq!(idx.recompute_share(gpu), 0.0);
+        assert!(idx.memory_bytes() > 0);
     }
 
     #[test]

@@ -22,7 +22,11 @@
 //! requests are the prompt's own group, and pods with at most half as many while the
 //! home's requests hold more blocks than its KV cache has — it cannot keep its traffic
 //! cached anyway (live, the sessions of three system prompts stayed on one such pod at
-//! 400 ms TTFT beside idle pods, a fresh prefill there being charged four times over).
+//! 400 ms TTFT beside idle pods, a fresh prefill there being charged four times over) — or
+//! while the home thrashes: at least `thrashing_share` of its recent stores compute again
+//! blocks it evicted lately (live, one pod holding four system prompts' sessions recomputed
+//! most of what it stored while the others recomputed nothing), for pods thrashing at most
+//! half as much with fewer requests in flight.
 //! Both compare a pod with the home, not the fleet's busiest with its idlest: on 64 pods
 //! that gap is always wide, and waiving every miss then cost the capacity workload its
 //! partition (p90 7.8 s against 0.55 s at 1.5× its rate). `decode_read_weight` charges the
@@ -136,6 +140,12 @@ pub struct KvPolicyConfig {
     /// groups is not relieved by copying one of them. 0 = any pile-up.
     #[default(0.35)]
     pub balance_group_share: f64,
+    /// A home thrashes when at least this share of its recent GPU stores compute again
+    /// blocks it evicted lately (its cache cannot hold the traffic sent to it): then pods
+    /// thrashing at most half as much, with fewer requests in flight, take its requests at
+    /// the price of their prefill alone (no miss charge). `None` = off.
+    #[default(Some(0.3))]
+    pub thrashing_share: Option<f64>,
     /// Drop pods reporting at least this many waiting requests.
     pub max_waiting: Option<f64>,
     /// Drop pods reporting at least this KV-cache usage (0–1).
@@ -165,6 +175,13 @@ impl KvPolicyConfig {
         )?;
         let share = self.balance_group_share;
         check((0.0..=1.0).contains(&share), "balance_group_share", &format!("{share} must be a fraction (0-1)"))?;
+        if let Some(share) = self.thrashing_share {
+            check(
+                share > 0.0 && share <= 1.0,
+                "thrashing_share",
+                &format!("{share} must be a fraction (0-1], or null"),
+            )?;
+        }
         if let Some(usage) = self.max_kv_usage {
             check((0.0..=1.0).contains(&usage), "max_kv_usage", &format!("{usage} must be a fraction (0-1)"))?;
         }
@@ -217,9 +234,10 @@ impl KvPolicy {
     /// piled up by many groups is not relieved by copying one: under KV-capacity pressure on
     /// 64 pods such copies moved groups between pods and evicted them) — or its
     /// requests hold more blocks than its KV cache has (it cannot keep this prefix's traffic
-    /// cached anyway) and `c` has at most half its requests in flight. Both are judged
-    /// against the home, not the fleet: on 64 pods some pod is always far busier than the
-    /// idlest, which says nothing about where this prompt should go.
+    /// cached anyway) and `c` has at most half its requests in flight — or the home thrashes
+    /// (`thrashing_share`) and `c`, with fewer requests in flight, thrashes at most half as
+    /// much. All are judged against the home, not the fleet: on 64 pods some pod is always
+    /// far busier than the idlest, which says nothing about where this prompt should go.
     fn relieves(&self, home: &Candidate, c: &Candidate) -> bool {
         let (at_home, here) = (home.load.inflight_requests, c.load.inflight_requests);
         let piled_up = self.config.balance_abs_threshold.is_some_and(|abs| {
@@ -230,7 +248,10 @@ impl KvPolicy {
         let overflowing =
             home.reported.is_some_and(|r| r.num_gpu_blocks > 0.0 && home.load.decode_blocks >= r.num_gpu_blocks)
                 && 2 * here <= at_home;
-        piled_up || overflowing
+        let thrashing = self.config.thrashing_share.is_some_and(|share| {
+            home.recompute_share >= share && 2.0 * c.recompute_share <= home.recompute_share && here < at_home
+        });
+        piled_up || overflowing || thrashing
     }
 
     /// `second_slot_seconds`: what taking another adapter slot for the request's adapter
@@ -505,6 +526,30 @@ mod tests {
         assert_eq!(d.costs[1], Some(p.cost(&INPUT, &cold)), "pod 1 is charged the miss");
         let mut any_pile = policy(KvPolicyConfig { balance_group_share: 0.0, ..Default::default() });
         assert_eq!(any_pile.select(&INPUT, &[home, cold]).chosen, 1, "counting any pile-up, pod 1 relieves it");
+    }
+
+    #[test]
+    fn a_thrashing_home_hands_its_requests_to_a_pod_that_is_not() {
+        let mut p = policy(KvPolicyConfig::default());
+        // The home holds the prompt but 60 % of what it stores recomputes blocks it evicted;
+        // pod 1 holds nothing, recomputes nothing and has fewer requests in flight.
+        let home = Candidate { recompute_share: 0.6, ..candidate(0, 992, 10, 1200) };
+        let calm = candidate(1, 0, 4, 0);
+        let d = p.select(&INPUT, &[home, calm]);
+        assert_eq!(d.chosen, 1, "its prefill alone beats the home's queue");
+        assert_eq!(d.costs[1], Some(p.cost_with(&INPUT, &calm, 0.0, 0.0)), "pod 1 is not charged the miss");
+        // A home under the share, a pod thrashing over half as much, or one as busy: charged.
+        let charged = [
+            (Candidate { recompute_share: 0.1, ..home }, calm),
+            (home, Candidate { recompute_share: 0.35, ..calm }),
+            (home, candidate(1, 0, 10, 0)),
+        ];
+        for (home, other) in charged {
+            let d = p.select(&INPUT, &[home, other]);
+            assert_eq!((d.chosen, d.costs[1]), (0, Some(p.cost(&INPUT, &other))));
+        }
+        let mut off = policy(KvPolicyConfig { thrashing_share: None, ..Default::default() });
+        assert_eq!(off.select(&INPUT, &[home, calm]).chosen, 0, "off: the miss keeps the prompt home");
     }
 
     #[test]

@@ -69,6 +69,9 @@ pub struct Candidate {
     /// Requests in flight on the pod whose prompts share this one's first block (its prefix
     /// group); counted at the prompt's [`home`] only (the pile-up guard's question), 0 elsewhere.
     pub group_inflight: u32,
+    /// The share of the pod's recent GPU stores that computed again a block it had evicted
+    /// lately ([`crate::index::KvIndex::recompute_share`]): high, its cache thrashes.
+    pub recompute_share: f64,
     /// How the pod stands for the request's LoRA adapter.
     pub adapter: AdapterFit,
 }
@@ -209,6 +212,7 @@ pub(crate) mod test_support {
             slowness: 1.0,
             tie_rank: 0,
             group_inflight: 0,
+            recompute_share: 0.0,
             adapter: AdapterFit::Unlimited,
         }
     }

@@ -98,6 +98,7 @@ impl Router {
                     slowness: self.load.slowness(p),
                     tie_rank: tie_rank(p),
                     group_inflight: 0,
+                    recompute_share: self.index.recompute_share(p),
                     adapter,
                 }
             })
