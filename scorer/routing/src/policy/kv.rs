@@ -27,7 +27,7 @@
 //! blocks it evicted lately (live, one pod holding four system prompts' sessions recomputed
 //! most of what it stored while the others recomputed nothing), for pods thrashing at most
 //! half as much with fewer requests in flight.
-//! Both compare a pod with the home, not the fleet's busiest with its idlest: on 64 pods
+//! All three compare a pod with the home, not the fleet's busiest with its idlest: on 64 pods
 //! that gap is always wide, and waiving every miss then cost the capacity workload its
 //! partition (p90 7.8 s against 0.55 s at 1.5× its rate). `decode_read_weight` charges the
 //! per-sequence context each decode step reads (a prefix shared by ten sequences is held
