@@ -326,6 +326,18 @@ struct ClosedLoop {
     waiting: VecDeque<(usize, usize)>,
 }
 
+impl ClosedLoop {
+    /// The next waiting turn, counted in flight, while fewer than the limit are.
+    fn next(&mut self) -> Option<(usize, usize)> {
+        if self.in_flight >= self.limit {
+            return None;
+        }
+        let next = self.waiting.pop_front()?;
+        self.in_flight += 1;
+        Some(next)
+    }
+}
+
 /// One turn in flight.
 struct Live {
     session: usize,
@@ -608,15 +620,7 @@ impl Sim<'_> {
 
     /// Closed loop: sends waiting turns while fewer than the limit are in flight.
     fn send_waiting(&mut self, now: f64) {
-        let Some(clients) = &mut self.closed_loop else { return };
-        let mut due = Vec::new();
-        while clients.in_flight < clients.limit
-            && let Some(next) = clients.waiting.pop_front()
-        {
-            clients.in_flight += 1;
-            due.push(next);
-        }
-        for (session, turn) in due {
+        while let Some((session, turn)) = self.closed_loop.as_mut().and_then(ClosedLoop::next) {
             self.schedule(now, Event::Arrive { session, turn });
         }
     }

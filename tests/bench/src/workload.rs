@@ -34,7 +34,7 @@ pub struct Session {
 }
 
 /// A named workload and how the cluster should be set up for it.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct Workload {
     pub name: &'static str,
     pub description: String,
@@ -233,12 +233,7 @@ fn chat(g: &mut Gen, p: &Params) -> Workload {
         ),
         sessions,
         num_blocks: 26_000,
-        prefill_pods: 0,
-        offload_blocks: 0,
-        unlike: Vec::new(),
-        max_loras: 0,
-        lora_load_ms: 0.0,
-        sliding_window: None,
+        ..Workload::default()
     }
 }
 
@@ -281,12 +276,7 @@ fn live(g: &mut Gen, p: &Params) -> Workload {
         ),
         sessions,
         num_blocks: 1500,
-        prefill_pods: 0,
-        offload_blocks: 0,
-        unlike: Vec::new(),
-        max_loras: 0,
-        lora_load_ms: 0.0,
-        sliding_window: None,
+        ..Workload::default()
     }
 }
 
@@ -304,12 +294,7 @@ fn documents(g: &mut Gen, p: &Params) -> Workload {
         ),
         sessions,
         num_blocks: 26_000,
-        prefill_pods: 0,
-        offload_blocks: 0,
-        unlike: Vec::new(),
-        max_loras: 0,
-        lora_load_ms: 0.0,
-        sliding_window: None,
+        ..Workload::default()
     }
 }
 
@@ -327,12 +312,7 @@ fn unique_long(g: &mut Gen, p: &Params) -> Workload {
         ),
         sessions,
         num_blocks: 26_000,
-        prefill_pods: 0,
-        offload_blocks: 0,
-        unlike: Vec::new(),
-        max_loras: 0,
-        lora_load_ms: 0.0,
-        sliding_window: None,
+        ..Workload::default()
     }
 }
 
@@ -364,12 +344,7 @@ fn burst(g: &mut Gen, p: &Params, span: f64) -> Workload {
         },
         sessions,
         num_blocks: 26_000,
-        prefill_pods: 0,
-        offload_blocks: 0,
-        unlike: Vec::new(),
-        max_loras: 0,
-        lora_load_ms: 0.0,
-        sliding_window: None,
+        ..Workload::default()
     }
 }
 
@@ -389,12 +364,7 @@ fn capacity(g: &mut Gen, p: &Params) -> Workload {
         ),
         sessions,
         num_blocks,
-        prefill_pods: 0,
-        offload_blocks: 0,
-        unlike: Vec::new(),
-        max_loras: 0,
-        lora_load_ms: 0.0,
-        sliding_window: None,
+        ..Workload::default()
     }
 }
 
@@ -428,12 +398,8 @@ fn tiered(g: &mut Gen, p: &Params) -> Workload {
         ),
         sessions,
         num_blocks,
-        prefill_pods: 0,
         offload_blocks,
-        unlike: Vec::new(),
-        max_loras: 0,
-        lora_load_ms: 0.0,
-        sliding_window: None,
+        ..Workload::default()
     }
 }
 
@@ -458,12 +424,8 @@ fn heterogeneous(g: &mut Gen, p: &Params) -> Workload {
         ),
         sessions,
         num_blocks,
-        prefill_pods: 0,
-        offload_blocks: 0,
         unlike,
-        max_loras: 0,
-        lora_load_ms: 0.0,
-        sliding_window: None,
+        ..Workload::default()
     }
 }
 
@@ -486,11 +448,7 @@ fn pd_mixed(g: &mut Gen, p: &Params) -> Workload {
         sessions,
         num_blocks: 26_000,
         prefill_pods: (p.pods / 4).max(1),
-        offload_blocks: 0,
-        unlike: Vec::new(),
-        max_loras: 0,
-        lora_load_ms: 0.0,
-        sliding_window: None,
+        ..Workload::default()
     }
 }
 
@@ -519,12 +477,9 @@ fn adapters(g: &mut Gen, p: &Params) -> Workload {
         ),
         sessions,
         num_blocks: 26_000,
-        prefill_pods: 0,
-        offload_blocks: 0,
-        unlike: Vec::new(),
         max_loras: 2,
         lora_load_ms: 30.0,
-        sliding_window: None,
+        ..Workload::default()
     }
 }
 
@@ -553,12 +508,8 @@ fn hybrid(g: &mut Gen, p: &Params) -> Workload {
         ),
         sessions,
         num_blocks: 26_000 / 8,
-        prefill_pods: 0,
-        offload_blocks: 0,
-        unlike: Vec::new(),
-        max_loras: 0,
-        lora_load_ms: 0.0,
         sliding_window: Some(window),
+        ..Workload::default()
     }
 }
 
