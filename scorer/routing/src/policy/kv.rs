@@ -27,6 +27,10 @@
 //! blocks it evicted lately (live, one pod holding four system prompts' sessions recomputed
 //! most of what it stored while the others recomputed nothing), for pods thrashing at most
 //! half as much with fewer requests in flight.
+//! A prompt no pod holds `new_prompt_share` of starts a new prefix group: its miss is
+//! charged at each pod's cache fill (indexed blocks over KV capacity), so the group's home
+//! is the pod holding the fewest other groups rather than whichever was least busy at that
+//! instant (the capacity workload's busiest pod had taken 1.24× the mean of requests).
 //! All three compare a pod with the home, not the fleet's busiest with its idlest: on 64 pods
 //! that gap is always wide, and waiving every miss then cost the capacity workload its
 //! partition (p90 7.8 s against 0.55 s at 1.5× its rate). `decode_read_weight` charges the
@@ -67,6 +71,11 @@ use rand::Rng;
 use rand::rngs::StdRng;
 use serde::Deserialize;
 use smart_default::SmartDefault;
+
+/// The fill from which a cache counts as full for a new prompt's miss charge: past it, fills
+/// differ by the engine's churn, not by room (at 64 pods with host-memory tiers, steering
+/// new prompts by those differences cost 3.5 % of goodput).
+const FULL_CACHE: f64 = 0.9;
 
 /// How prefill work is estimated.
 #[derive(Clone, Copy, Debug, Default, Deserialize, serde::Serialize, PartialEq, Eq, schemars::JsonSchema)]
@@ -146,6 +155,13 @@ pub struct KvPolicyConfig {
     /// the price of their prefill alone (no miss charge). `None` = off.
     #[default(Some(0.3))]
     pub thrashing_share: Option<f64>,
+    /// A prompt of which no pod caches this share is new (its prefix group has no home yet):
+    /// its miss charge is then scaled on each pod by how full its cache is (indexed blocks
+    /// over KV capacity; 90 % counts as full), so the group's home becomes the pod holding
+    /// the least — the fewest other groups — rather than whichever was least busy at that
+    /// instant. `None` = the charge is flat there too.
+    #[default(Some(0.3))]
+    pub new_prompt_share: Option<f64>,
     /// Drop pods reporting at least this many waiting requests.
     pub max_waiting: Option<f64>,
     /// Drop pods reporting at least this KV-cache usage (0–1).
@@ -180,6 +196,13 @@ impl KvPolicyConfig {
                 share > 0.0 && share <= 1.0,
                 "thrashing_share",
                 &format!("{share} must be a fraction (0-1], or null"),
+            )?;
+        }
+        if let Some(share) = self.new_prompt_share {
+            check(
+                (0.0..=1.0).contains(&share),
+                "new_prompt_share",
+                &format!("{share} must be a fraction (0-1), or null"),
             )?;
         }
         if let Some(usage) = self.max_kv_usage {
@@ -225,6 +248,12 @@ impl KvPolicy {
     /// Cost of sending the request to `c` (judged alone: no other pod runs its adapter).
     pub fn cost(&self, input: &RouteInput, c: &Candidate) -> f64 {
         self.cost_with(input, c, self.config.miss_weight, 0.0)
+    }
+
+    /// Whether the prompt is new to the fleet: no pod credits `new_prompt_share` of it.
+    fn is_new(&self, input: &RouteInput, candidates: &[Candidate]) -> bool {
+        let best = candidates.iter().map(Candidate::credited_tokens).max().unwrap_or(0);
+        self.config.new_prompt_share.is_some_and(|share| f64::from(best) < share * f64::from(input.prompt_tokens))
     }
 
     /// Whether `c` takes the overflow of the prompt's `home` at the price of its prefill
@@ -296,11 +325,18 @@ impl Policy for KvPolicy {
         let all_busy = candidates.iter().all(|c| self.busy(c));
         let home = home(candidates).map(|h| &candidates[h]);
         let second_slot = second_slot_seconds(input, candidates);
+        let new = self.is_new(input, candidates);
         let costs: Vec<Option<f64>> = candidates
             .iter()
             .map(|c| {
                 let relieves = home.is_some_and(|h| self.relieves(h, c));
-                let miss_weight = if relieves { 0.0 } else { self.config.miss_weight };
+                let miss_weight = match c.reported {
+                    _ if relieves => 0.0,
+                    Some(r) if new && r.num_gpu_blocks > 0.0 => {
+                        self.config.miss_weight * (c.pod_blocks as f64 / r.num_gpu_blocks / FULL_CACHE).min(1.0)
+                    }
+                    _ => self.config.miss_weight,
+                };
                 (all_busy || !self.busy(c)).then(|| self.cost_with(input, c, miss_weight, second_slot))
             })
             .collect();
@@ -550,6 +586,30 @@ mod tests {
         }
         let mut off = policy(KvPolicyConfig { thrashing_share: None, ..Default::default() });
         assert_eq!(off.select(&INPUT, &[home, calm]).chosen, 0, "off: the miss keeps the prompt home");
+    }
+
+    #[test]
+    fn a_new_prefix_goes_to_the_emptier_cache_not_the_momentarily_quieter_pod() {
+        let capacity = |blocks| Some(ReportedLoad { num_gpu_blocks: blocks, ..Default::default() });
+        // No pod caches the prompt. Pod 0 has a shorter queue but a cache 90 % full (full, for
+        // this charge: the homes of many groups); pod 1 is a little busier and holds a tenth.
+        let full = Candidate { pod_blocks: 900, reported: capacity(1000.0), ..candidate(0, 0, 2, 200) };
+        let empty = Candidate { pod_blocks: 100, reported: capacity(1000.0), ..candidate(1, 0, 3, 500) };
+        let mut p = policy(KvPolicyConfig::default());
+        let d = p.select(&INPUT, &[full, empty]);
+        assert_eq!(d.chosen, 1);
+        assert_eq!(
+            d.costs[1],
+            Some(p.cost_with(&INPUT, &empty, 3.0 * (100.0 / 1000.0 / FULL_CACHE), 0.0)),
+            "the miss charged at the cache's fill"
+        );
+        let mut flat = policy(KvPolicyConfig { new_prompt_share: None, ..Default::default() });
+        assert_eq!(flat.select(&INPUT, &[full, empty]).chosen, 0, "off: the quieter pod, whatever it holds");
+        // Once a pod caches the share, the prompt's group has a home: the charge is flat.
+        let holder = Candidate { cached_tokens: 320, ..full };
+        let d = p.select(&INPUT, &[holder, empty]);
+        assert_eq!(d.costs[1], Some(p.cost(&INPUT, &empty)));
+        assert_eq!(d.chosen, 0);
     }
 
     #[test]
