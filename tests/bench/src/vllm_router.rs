@@ -17,6 +17,12 @@
 //!
 //! There is no load term beyond that fallback: a worker with the longest match takes every
 //! request for its prefix however busy it is.
+//!
+//! This is the rule of the router's earlier source. The PyPI release the live benchmark runs
+//! (0.1.17) decides by a cost that trades load against prefill instead: with six requests in
+//! flight on the pod caching a prompt, it computes the prompt afresh on an idle pod
+//! (`tests/tools/vllm_router_probe.py`; docs/benchmarks.md, "The real vllm-router balances
+//! load"). Figures of this rule are not figures of that release.
 
 use ahash::AHashMap;
 use kvgate_sim::cache::{CacheChange, EngineBlockHash, HashKeys, hash_blocks, root_hash};

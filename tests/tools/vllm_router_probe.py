@@ -1,0 +1,104 @@
+"""How the real vllm-router's `kv_aware` places a shared prefix under load.
+
+Starts three `kvgate-sim` pods (KV events on) and `vllm-router --policy kv_aware` fed their
+events, all on loopback ports the OS picks; warms one pod with a prompt, then sends twelve
+requests sharing its prefix at once (300 output tokens each, so they stay in flight) and
+prints which pod took each, with the router's own decisions from its debug log.
+
+    .kvgate/venv/bin/python tests/tools/vllm_router_probe.py
+
+Needs `cargo build --release -p kvgate-sim` and the project's venv (`make setup`).
+"""
+
+import collections
+import json
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENIZER = ROOT / ".kvgate/tokenizers/qwen3/tokenizer.json"
+MODEL = "Qwen/Qwen3-8B"
+PREFIX = "You are a helpful assistant who answers questions about the history of shipping. " * 60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_pod(name: str) -> tuple[subprocess.Popen, dict]:
+    pod = subprocess.Popen(
+        [ROOT / "target/release/kvgate-sim", "--listen", "127.0.0.1:0", "--pod-id", name,
+         "--tokenizer", TOKENIZER, "--model", MODEL, "--time-scale", "0.5", "--num-blocks", "1500",
+         "--kv-events-endpoint", "tcp://127.0.0.1:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    sockets = {}
+    while len(sockets) < 2:
+        line = pod.stdout.readline()
+        if not line:
+            sys.exit(f"{name} exited before saying its sockets")
+        if m := re.match(r"listening (\S+) (\S+)", line):
+            sockets[m.group(1)] = m.group(2)
+    return pod, sockets
+
+
+def main() -> None:
+    pods = [start_pod(f"pod-{i}") for i in range(3)]
+    urls = ["http://" + s["http"].removeprefix("http://") for _, s in pods]
+    port = free_port()
+    args = [ROOT / ".kvgate/venv/bin/vllm-router", "--host", "127.0.0.1", "--port", str(port),
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+            "--policy", "kv_aware", "--kv-event-model", MODEL, "--kv-event-block-size", "16",
+            "--log-level", "debug", "--worker-startup-timeout-secs", "30", "--worker-urls", *urls]
+    for url, (_, s) in zip(urls, pods):
+        args += ["--kv-event-source", f"{url}={s['kv-events']}"]
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log")
+    router = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(60):
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.5)
+        time.sleep(2)
+
+        def send(question: str, max_tokens: int, out: list) -> None:
+            body = {"model": MODEL, "prompt": PREFIX + question, "max_tokens": max_tokens, "ignore_eos": True}
+            req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"content-type": "application/json"})
+            out.append(urllib.request.urlopen(req, timeout=60).headers.get("x-kvgate-pod"))
+
+        warm: list = []
+        send(" warm", 4, warm)
+        time.sleep(1.5)  # the pod's KV events reach the router
+        print(f"warm-up request: {warm[0]}")
+        taken: list = []
+        threads = [threading.Thread(target=send, args=(f" Q{k}: year {1800 + k}?", 300, taken)) for k in range(12)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        print("12 requests sharing its prefix, at once:", dict(collections.Counter(taken)))
+        log.seek(0)
+        decisions = [re.sub(r"\x1b\[[0-9;]*m", "", line).split("outcome=", 1)[1].strip()
+                     for line in log if "KV prefix decision" in line]
+        print("the router's decisions:", *decisions, sep="\n  ")
+    finally:
+        router.terminate()
+        for pod, _ in pods:
+            pod.terminate()
+
+
+if __name__ == "__main__":
+    main()
