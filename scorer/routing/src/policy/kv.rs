@@ -27,16 +27,17 @@
 //! blocks it evicted lately (live, one pod holding four system prompts' sessions recomputed
 //! most of what it stored while the others recomputed nothing), for pods thrashing at most
 //! half as much with fewer requests in flight.
+//! All three compare a pod with the home, not the fleet's busiest with its idlest: on 64 pods
+//! that gap is always wide, and waiving every miss then cost the capacity workload its
+//! partition (p90 7.8 s against 0.55 s at 1.5× its rate).
 //! A prompt no pod holds `new_prompt_share` of starts a new prefix group: its miss is
 //! charged at each pod's cache fill (indexed blocks over KV capacity), so the group's home
 //! is the pod holding the fewest other groups rather than whichever was least busy at that
 //! instant (the capacity workload's busiest pod had taken 1.24× the mean of requests).
-//! All three compare a pod with the home, not the fleet's busiest with its idlest: on 64 pods
-//! that gap is always wide, and waiving every miss then cost the capacity workload its
-//! partition (p90 7.8 s against 0.55 s at 1.5× its rate). `decode_read_weight` charges the
-//! per-sequence context each decode step reads (a prefix shared by ten sequences is held
-//! once but read ten times), which sets the pod's step time. `overflow_weight` charges the blocks a request
-//! would need beyond the pod's KV capacity (`num_gpu_blocks` from its metrics): an engine
+//! `decode_read_weight` charges the per-sequence context each decode step reads (a prefix
+//! shared by ten sequences is held once but read ten times), which sets the pod's step
+//! time. `overflow_weight` charges the blocks a request would need beyond the pod's KV
+//! capacity (`num_gpu_blocks` from its metrics): an engine
 //! admits a request only when its blocks fit, so past capacity it waits for requests in
 //! flight to finish, or preempts them. Defaults come from the cluster simulator
 //! (`make bench-cluster`): see docs/benchmarks.md for what each term buys.
