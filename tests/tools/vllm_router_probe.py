@@ -52,7 +52,7 @@ def start_pod(name: str) -> tuple[subprocess.Popen, dict]:
 
 def main() -> None:
     pods = [start_pod(f"pod-{i}") for i in range(3)]
-    urls = ["http://" + s["http"].removeprefix("http://") for _, s in pods]
+    urls = [f"http://{s['http']}" for _, s in pods]
     port = free_port()
     args = [ROOT / ".kvgate/venv/bin/vllm-router", "--host", "127.0.0.1", "--port", str(port),
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
@@ -70,7 +70,9 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.5)
-        time.sleep(2)
+        else:
+            sys.exit("vllm-router did not answer /health within 30 s")
+        time.sleep(2)  # its event subscriptions connect
 
         def send(question: str, max_tokens: int, out: list) -> None:
             body = {"model": MODEL, "prompt": PREFIX + question, "max_tokens": max_tokens, "ignore_eos": True}
