@@ -160,7 +160,8 @@ pub struct KvPolicyConfig {
     /// its miss charge is then scaled on each pod by how full its cache is (indexed blocks
     /// over KV capacity; 90 % counts as full), so the group's home becomes the pod holding
     /// the least — the fewest other groups — rather than whichever was least busy at that
-    /// instant. `None` = the charge is flat there too.
+    /// instant. Only while every pod states its KV capacity (`num_gpu_blocks`): one that
+    /// does not makes the charge flat on all. `None` = the charge is flat there too.
     #[default(Some(0.3))]
     pub new_prompt_share: Option<f64>,
     /// Drop pods reporting at least this many waiting requests.
@@ -251,10 +252,15 @@ impl KvPolicy {
         self.cost_with(input, c, self.config.miss_weight, 0.0)
     }
 
-    /// Whether the prompt is new to the fleet: no pod credits `new_prompt_share` of it.
-    fn is_new(&self, input: &RouteInput, candidates: &[Candidate]) -> bool {
+    /// Whether the prompt's miss is charged at each pod's cache fill: no pod credits
+    /// `new_prompt_share` of it (it is new to the fleet), and every pod states its KV
+    /// capacity. The charge compares fills, so one pod of unknown capacity (not yet scraped,
+    /// or an engine that does not say) makes it flat on all: charged in full there and at
+    /// its fill elsewhere, that pod would be passed over for no fault of its cache.
+    fn charges_at_fill(&self, input: &RouteInput, candidates: &[Candidate]) -> bool {
         let best = candidates.iter().map(Candidate::credited_tokens).max().unwrap_or(0);
         self.config.new_prompt_share.is_some_and(|share| f64::from(best) < share * f64::from(input.prompt_tokens))
+            && candidates.iter().all(|c| c.reported.is_some_and(|r| r.num_gpu_blocks > 0.0))
     }
 
     /// Whether `c` takes the overflow of the prompt's `home` at the price of its prefill
@@ -326,14 +332,14 @@ impl Policy for KvPolicy {
         let all_busy = candidates.iter().all(|c| self.busy(c));
         let home = home(candidates).map(|h| &candidates[h]);
         let second_slot = second_slot_seconds(input, candidates);
-        let new = self.is_new(input, candidates);
+        let at_fill = self.charges_at_fill(input, candidates);
         let costs: Vec<Option<f64>> = candidates
             .iter()
             .map(|c| {
                 let relieves = home.is_some_and(|h| self.relieves(h, c));
                 let miss_weight = match c.reported {
                     _ if relieves => 0.0,
-                    Some(r) if new && r.num_gpu_blocks > 0.0 => {
+                    Some(r) if at_fill => {
                         self.config.miss_weight * (c.pod_blocks as f64 / r.num_gpu_blocks / FULL_CACHE).min(1.0)
                     }
                     _ => self.config.miss_weight,
@@ -611,6 +617,13 @@ mod tests {
         let d = p.select(&INPUT, &[holder, empty]);
         assert_eq!(d.costs[1], Some(p.cost(&INPUT, &empty)));
         assert_eq!(d.chosen, 0);
+        // A pod whose capacity is not known yet (its first scrape has not come back) makes
+        // the charge flat everywhere: not full there and nothing on the pod that reported.
+        let unscraped = Candidate { reported: None, ..candidate(1, 0, 2, 200) };
+        let idle_empty = Candidate { pod_blocks: 0, ..empty };
+        let d = p.select(&INPUT, &[idle_empty, unscraped]);
+        assert_eq!(d.costs, vec![Some(p.cost(&INPUT, &idle_empty)), Some(p.cost(&INPUT, &unscraped))]);
+        assert_eq!(d.chosen, 1, "the quieter pod, as with the rule off");
     }
 
     #[test]
