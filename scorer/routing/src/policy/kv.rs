@@ -22,7 +22,9 @@
 //! requests are the prompt's own group, and pods with at most half as many while the
 //! home's requests hold more blocks than its KV cache has — it cannot keep its traffic
 //! cached anyway (live, the sessions of three system prompts stayed on one such pod at
-//! 400 ms TTFT beside idle pods, a fresh prefill there being charged four times over) — or
+//! 400 ms TTFT beside idle pods, a fresh prefill there being charged four times over),
+//! unless it offloads to a host-memory or storage tier, which loads back what its GPU
+//! evicts (the cluster simulator's `tiered`: p90 103 → 93 ms at its base rate) — or
 //! while the home thrashes: at least `thrashing_share` of its recent stores compute again
 //! blocks it evicted lately (live, one pod holding four system prompts' sessions recomputed
 //! most of what it stored while the others recomputed nothing), for pods thrashing at most
@@ -270,7 +272,8 @@ impl KvPolicy {
     /// piled up by many groups is not relieved by copying one: under KV-capacity pressure on
     /// 64 pods such copies moved groups between pods and evicted them) — or its
     /// requests hold more blocks than its KV cache has (it cannot keep this prefix's traffic
-    /// cached anyway) and `c` has at most half its requests in flight — or the home thrashes
+    /// cached anyway, unless it [`offloads`](Candidate::offloads) to another tier and loads
+    /// it back) and `c` has at most half its requests in flight — or the home thrashes
     /// (`thrashing_share`) and `c`, with fewer requests in flight, thrashes at most half as
     /// much. All are judged against the home, not the fleet: on 64 pods some pod is always
     /// far busier than the idlest, which says nothing about where this prompt should go.
@@ -281,9 +284,9 @@ impl KvPolicy {
                 && f64::from(at_home) > self.config.balance_rel_threshold * f64::from(here)
                 && f64::from(home.group_inflight) >= self.config.balance_group_share * f64::from(at_home)
         });
-        let overflowing =
-            home.reported.is_some_and(|r| r.num_gpu_blocks > 0.0 && home.load.decode_blocks >= r.num_gpu_blocks)
-                && 2 * here <= at_home;
+        let overflowing = !home.offloads
+            && home.reported.is_some_and(|r| r.num_gpu_blocks > 0.0 && home.load.decode_blocks >= r.num_gpu_blocks)
+            && 2 * here <= at_home;
         let thrashing = self.config.thrashing_share.is_some_and(|share| {
             home.recompute_share >= share && 2.0 * c.recompute_share <= home.recompute_share && here < at_home
         });
@@ -540,6 +543,12 @@ mod tests {
         let costs = p.select(&input, &[home, busy]).costs;
         assert_eq!(costs[1], Some(p.cost_with(&input, &busy, 3.0, 0.0)));
         assert!(costs[1].unwrap() > p.cost_with(&input, &busy, 0.0, 0.0));
+        // A home that offloads to host memory loads back what its GPU evicts: it keeps the
+        // prefix, and the idle pod is charged the miss.
+        let offloading = Candidate { offloads: true, ..home };
+        let d = p.select(&input, &[offloading, idle]);
+        assert_eq!(d.costs[1], Some(p.cost_with(&input, &idle, 3.0, 0.0)));
+        assert_eq!(d.chosen, 0);
     }
 
     #[test]

@@ -72,6 +72,9 @@ pub struct Candidate {
     /// The share of the pod's recent GPU stores that computed again a block it had evicted
     /// lately ([`crate::index::KvIndex::recompute_share`]): high, its cache thrashes.
     pub recompute_share: f64,
+    /// The pod's KV connector offloads blocks to another tier (host memory, storage): what
+    /// its GPU cache evicts is loaded back from there, not computed again.
+    pub offloads: bool,
     /// How the pod stands for the request's LoRA adapter.
     pub adapter: AdapterFit,
 }
@@ -213,6 +216,7 @@ pub(crate) mod test_support {
             tie_rank: 0,
             group_inflight: 0,
             recompute_share: 0.0,
+            offloads: false,
             adapter: AdapterFit::Unlimited,
         }
     }

@@ -99,6 +99,7 @@ impl Router {
                     tie_rank: tie_rank(p),
                     group_inflight: 0,
                     recompute_share: self.index.recompute_share(p),
+                    offloads: self.index.pod_offloaded_blocks(p) > 0,
                     adapter,
                 }
             })
