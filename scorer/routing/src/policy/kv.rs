@@ -627,7 +627,7 @@ mod tests {
         assert_eq!(d.costs[1], Some(p.cost(&INPUT, &empty)));
         assert_eq!(d.chosen, 0);
         // A pod whose capacity is not known yet (its first scrape has not come back) makes
-        // the charge flat everywhere: not full there and nothing on the pod that reported.
+        // the charge flat on every pod: the empty pod that reported pays the full miss too.
         let unscraped = Candidate { reported: None, ..candidate(1, 0, 2, 200) };
         let idle_empty = Candidate { pod_blocks: 0, ..empty };
         let d = p.select(&INPUT, &[idle_empty, unscraped]);
