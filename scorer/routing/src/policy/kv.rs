@@ -202,11 +202,12 @@ impl KvPolicyConfig {
                 &format!("{share} must be a fraction (0-1], or null"),
             )?;
         }
+        // 0 would make no prompt new: the rule silently off, which `null` says plainly.
         if let Some(share) = self.new_prompt_share {
             check(
-                (0.0..=1.0).contains(&share),
+                share > 0.0 && share <= 1.0,
                 "new_prompt_share",
-                &format!("{share} must be a fraction (0-1), or null"),
+                &format!("{share} must be a fraction (0-1], or null"),
             )?;
         }
         if let Some(usage) = self.max_kv_usage {
@@ -602,6 +603,20 @@ mod tests {
         }
         let mut off = policy(KvPolicyConfig { thrashing_share: None, ..Default::default() });
         assert_eq!(off.select(&INPUT, &[home, calm]).chosen, 0, "off: the miss keeps the prompt home");
+    }
+
+    #[test]
+    fn a_share_that_would_turn_a_rule_off_unsaid_is_refused() {
+        let with = |thrashing, new_prompt| KvPolicyConfig {
+            thrashing_share: thrashing,
+            new_prompt_share: new_prompt,
+            ..Default::default()
+        };
+        assert!(with(Some(0.3), Some(0.3)).validate().is_ok());
+        assert!(with(None, None).validate().is_ok(), "null: off, said plainly");
+        for (thrashing, new_prompt) in [(Some(0.0), None), (None, Some(0.0)), (None, Some(1.5))] {
+            assert!(with(thrashing, new_prompt).validate().is_err(), "{thrashing:?} {new_prompt:?}");
+        }
     }
 
     #[test]
