@@ -20,7 +20,7 @@
 use crate::adapters::{AdapterId, AdapterLoad};
 use crate::hash::SequenceHash;
 use crate::pod_set::{PodId, PodMap};
-use crate::speed::{PodSpeeds, SpeedConfig, SpeedView};
+use crate::speed::{PodSpeeds, Prefill, SpeedConfig, SpeedView};
 use crate::validate::{Invalid, check, non_negative, positive};
 use ahash::{AHashMap, AHashSet};
 use serde::Deserialize;
@@ -195,6 +195,9 @@ struct Inflight {
     first_token_at: Option<f64>,
     adapter: Option<AdapterId>,
     booked_at: f64,
+    /// Requests in flight on its pod when it was booked (besides it): the sequences its
+    /// prefill shares the engine's steps with.
+    booked_beside: u32,
     expires_at: f64,
     /// Where the request sits in its pod's `inflight` and `decode` lists.
     slot: usize,
@@ -359,6 +362,7 @@ impl LoadTracker {
             first_token_at: None,
             adapter: booking.adapter,
             booked_at: now,
+            booked_beside: self.inflight_on(booking.pod),
             expires_at: now + self.config.request_ttl_seconds,
             slot: 0,
         };
@@ -375,6 +379,7 @@ impl LoadTracker {
         let (id, mut req) = self.remove(key).ok_or_else(|| UnknownRequest::of(key))?;
         let from = req.pod;
         req.pod = pod;
+        req.booked_beside = self.inflight_on(pod);
         req.set_cached(cached_tokens);
         self.insert(id, req);
         Ok(from)
@@ -458,6 +463,9 @@ impl LoadTracker {
 
     /// Applies a lifecycle report.
     pub fn report(&mut self, key: &BookingKey, event: Lifecycle, now: f64) -> Result<PodId, UnknownRequest> {
+        // The engine evicted part of the cache the request was booked with: its prefill
+        // computed more than it was booked for.
+        let credit_evicted = event != Lifecycle::Cancelled && self.booked_credit(key).is_some_and(|c| c.evicted);
         let Some(req) = self.requests.get_mut(key) else {
             let Some(&(pod, _)) = self.ended_with_pod.get(key) else {
                 return Err(UnknownRequest::of(key));
@@ -475,7 +483,13 @@ impl LoadTracker {
             Lifecycle::Cancelled => false,
         };
         if prefilled && req.first_token_at.is_none() {
-            self.speeds.prefill_done(pod, req.booked_at, req.prefill_tokens, now);
+            let prefill = Prefill {
+                booked_at: req.booked_at,
+                tokens: req.prefill_tokens,
+                beside: req.booked_beside,
+                credit_evicted,
+            };
+            self.speeds.prefill_done(pod, prefill, now);
         }
         match event {
             Lifecycle::FirstToken => {
@@ -702,9 +716,15 @@ impl LoadTracker {
         self.prefill_seconds(pod, self.pods.get(pod).map_or(0, |state| state.queued_prefill_tokens))
     }
 
-    /// Predicted seconds for `pod` to prefill `tokens` ([`PodSpeeds::prefill_seconds`]).
+    /// Predicted seconds for `pod` to prefill `tokens` beside its requests in flight
+    /// ([`PodSpeeds::prefill_seconds`]).
     pub fn prefill_seconds(&self, pod: PodId, tokens: u64) -> Option<f64> {
-        self.speeds.prefill_seconds(pod, tokens)
+        self.speeds.prefill_seconds(pod, tokens, self.inflight_on(pod))
+    }
+
+    /// Requests in flight on `pod`.
+    fn inflight_on(&self, pod: PodId) -> u32 {
+        self.pods.get(pod).map_or(0, |state| state.inflight.len() as u32)
     }
 
     /// The pod's learned speed, applied or not.

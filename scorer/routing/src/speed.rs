@@ -8,13 +8,20 @@
 //! shared with many decoding sequences, a thrashing cache) a pod looks slower than it is:
 //! learning from those turned a loaded pod "slow", routed its prefixes away and broke cache
 //! affinity (the cluster simulator's capacity workload collapsed past its knee).
-//! Under sustained load a pod keeps what it learned when it had room.
+//! Under sustained load a pod keeps what it learned when it had room. Nor does a prefill
+//! teach whose credited cache the engine evicted after its booking (it computed more than
+//! it was booked for), and a sample is held at [`OUTLIER_FACTOR`] times what the pod's
+//! learned speed predicts: an engine that holds a prefill back for KV room takes a second
+//! over a 20 ms prefill, and a few such samples had made pods of one GPU type look up to
+//! 2.3× apart on 64 pods under load.
 //!
 //! Two decayed fits turn samples into a comparison:
 //!
-//! - the **fleet**'s time per prefill, `y ≈ a + b·x`, least squares over every pod's samples
-//!   (the intercept is the fixed cost of a step and of reporting: short prefills are not
-//!   taken for slow ones);
+//! - the **fleet**'s time per prefill, `y ≈ a + b·x + c·d`, least squares over every pod's
+//!   samples, `d` the requests in flight on the pod at the booking (the sequences its steps
+//!   are shared with: a prefill beside thirty decoding sequences is not a slow pod's); the
+//!   intercept is the fixed cost of a step and of reporting: short prefills are not taken
+//!   for slow ones. While `d` has not varied, the line in `x`;
 //! - per **pod**, the ratio of the seconds it took to the seconds the fleet fit predicted for
 //!   the same samples: its **slowness** (1 = the fleet's average speed, 2 = half as fast),
 //!   shrunk toward 1 by `prior_samples` pseudo-samples so a handful of reports cannot swing
@@ -43,6 +50,11 @@ use crate::pod_set::{PodId, PodMap};
 use crate::validate::{Invalid, check};
 use serde::Deserialize;
 use smart_default::SmartDefault;
+
+/// A prefill sample counts as at most this many times what the pod's learned speed
+/// predicts for it ([`PodSpeeds::prefill_done`]); a pod truly slower than that is learned
+/// over a few samples, each raising its slowness by up to this factor.
+const OUTLIER_FACTOR: f64 = 3.0;
 
 /// How pod speeds are learned.
 #[derive(Clone, Copy, Debug, Deserialize, PartialEq, schemars::JsonSchema, SmartDefault)]
@@ -83,35 +95,51 @@ impl SpeedConfig {
     }
 }
 
-/// Exponentially decayed sums for a least-squares line `y = a + b·x`.
+/// Exponentially decayed sums for a least-squares plane `y = a + b·x + c·d`: the seconds
+/// of a prefill of `x` tokens beside `d` requests in flight on its pod.
 #[derive(Clone, Copy, Debug, Default)]
-struct Line {
+struct Fit {
     n: f64,
     sx: f64,
+    sd: f64,
     sy: f64,
     sxx: f64,
+    sdd: f64,
+    sxd: f64,
     sxy: f64,
+    sdy: f64,
 }
 
-impl Line {
-    fn add(&mut self, x: f64, y: f64, keep: f64) {
-        *self = Line {
+impl Fit {
+    fn add(&mut self, x: f64, d: f64, y: f64, keep: f64) {
+        *self = Fit {
             n: self.n * keep + 1.0,
             sx: self.sx * keep + x,
+            sd: self.sd * keep + d,
             sy: self.sy * keep + y,
             sxx: self.sxx * keep + x * x,
+            sdd: self.sdd * keep + d * d,
+            sxd: self.sxd * keep + x * d,
             sxy: self.sxy * keep + x * y,
+            sdy: self.sdy * keep + d * y,
         };
     }
 
-    /// Predicted `y` at `x`: the fitted line, kept non-negative in both coefficients (a
-    /// degenerate fit — every `x` alike — predicts the mean `y`).
-    fn predict(&self, x: f64) -> f64 {
-        let (mean_x, mean_y) = (self.sx / self.n, self.sy / self.n);
-        let var_x = self.sxx / self.n - mean_x * mean_x;
-        let slope =
-            if var_x > 1e-9 * mean_x * mean_x { ((self.sxy / self.n - mean_x * mean_y) / var_x).max(0.0) } else { 0.0 };
-        (mean_y - slope * mean_x).max(0.0) + slope * x
+    /// Predicted `y` at `x` tokens beside `d` requests: the fitted plane, its coefficients
+    /// kept non-negative. While `d` has not varied (or the plane would make more requests
+    /// in flight faster), the line in `x` alone; while `x` has not varied either, the mean.
+    fn predict(&self, x: f64, d: f64) -> f64 {
+        let mean = |sum: f64| sum / self.n;
+        let (mx, md, my) = (mean(self.sx), mean(self.sd), mean(self.sy));
+        let (vxx, vdd, vxd) = (mean(self.sxx) - mx * mx, mean(self.sdd) - md * md, mean(self.sxd) - mx * md);
+        let (cxy, cdy) = (mean(self.sxy) - mx * my, mean(self.sdy) - md * my);
+        let varies = |v: f64, m: f64| v > 1e-9 * m * m.max(1.0);
+        let det = vxx * vdd - vxd * vxd;
+        let plane = (varies(vxx, mx) && varies(vdd, md) && det > 1e-6 * vxx * vdd)
+            .then(|| ((cxy * vdd - cdy * vxd) / det, (cdy * vxx - cxy * vxd) / det))
+            .filter(|&(b, c)| b >= 0.0 && c >= 0.0);
+        let (b, c) = plane.unwrap_or_else(|| (if varies(vxx, mx) { (cxy / vxx).max(0.0) } else { 0.0 }, 0.0));
+        (my - b * mx - c * md).max(0.0) + b * x + c * d
     }
 }
 
@@ -133,6 +161,28 @@ struct PodSpeed {
     declared: f64,
 }
 
+/// A prefill that finished ([`PodSpeeds::prefill_done`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Prefill {
+    /// When it was booked on its pod.
+    pub booked_at: f64,
+    /// The uncached prompt tokens it was booked to compute.
+    pub tokens: u64,
+    /// Requests in flight on the pod at its booking, besides it.
+    pub beside: u32,
+    /// The engine evicted part of the cache it was booked with: it computed more than
+    /// `tokens`.
+    pub credit_evicted: bool,
+}
+
+impl Prefill {
+    /// `tokens` booked at `booked_at` on an idle pod, its cache kept.
+    #[cfg(test)]
+    fn alone(booked_at: f64, tokens: u64) -> Self {
+        Self { booked_at, tokens, beside: 0, credit_evicted: false }
+    }
+}
+
 /// A pod's learned speed, for `/v1/pods` and metrics.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SpeedView {
@@ -152,7 +202,7 @@ pub struct PodSpeeds {
     /// The decayed count of `prior_samples` reports, `(1 − keepⁿ) / (1 − keep)`: the decode
     /// reports a pod needs before its decode speed is used.
     decode_reports_needed: f64,
-    fleet: Line,
+    fleet: Fit,
     pods: PodMap<PodSpeed>,
     /// Whether the learned slownesses span more than `alike_spread` (updated per sample).
     unlike: bool,
@@ -162,31 +212,39 @@ impl PodSpeeds {
     pub fn new(config: SpeedConfig) -> Self {
         let keep = 1.0 - 1.0 / config.window_samples;
         let decode_reports_needed = (1.0 - keep.powf(config.prior_samples.max(1.0))) / (1.0 - keep) - 1e-9;
-        Self { config, keep, decode_reports_needed, fleet: Line::default(), pods: PodMap::default(), unlike: false }
+        Self { config, keep, decode_reports_needed, fleet: Fit::default(), pods: PodMap::default(), unlike: false }
     }
 
-    /// A prefill of `tokens` uncached tokens, booked on `pod` at `booked_at`, finished at
-    /// `now`.
-    pub fn prefill_done(&mut self, pod: PodId, booked_at: f64, tokens: u64, now: f64) {
+    /// `prefill` on `pod` finished at `now`.
+    pub fn prefill_done(&mut self, pod: PodId, prefill: Prefill, now: f64) {
+        let Prefill { booked_at, tokens, beside, credit_evicted } = prefill;
         let keep = self.keep;
-        let state = self.pods.get_mut(pod);
         if tokens == 0 {
             return; // Nothing computed there (its KV came from a prefill pod).
         }
+        let learned = self.fleet.n >= self.config.prior_samples.max(2.0);
+        let slowness = self.pods.get(pod).map_or(1.0, |p| self.learned_slowness(p));
+        let state = self.pods.get_mut(pod);
         // Only a prefill that had the pod to itself from its booking teaches: one queued
         // behind others measures the queue, and a pod under load looks slower than it is.
         let queued = booked_at < state.busy_until;
         state.busy_until = state.busy_until.max(now);
-        if queued || now < booked_at {
+        if queued || credit_evicted || now < booked_at {
             return;
         }
-        let (x, y) = (tokens as f64, now - booked_at);
-        if self.fleet.n >= self.config.prior_samples.max(2.0) {
+        let (x, d) = (tokens as f64, f64::from(beside));
+        let predicted = self.fleet.predict(x, d);
+        // A sample far slower than the pod's learned speed predicts is held at
+        // `OUTLIER_FACTOR` times it: a prefill the engine held back (no KV room for it, a
+        // preemption) takes many times its compute, and one such second among tens of
+        // milliseconds made a pod of a uniform fleet look twice as slow for seconds.
+        let y = if learned { (now - booked_at).min(OUTLIER_FACTOR * slowness * predicted) } else { now - booked_at };
+        if learned {
             state.observed = state.observed * keep + y;
-            state.expected = state.expected * keep + self.fleet.predict(x);
+            state.expected = state.expected * keep + predicted;
             state.samples = state.samples * keep + 1.0;
         }
-        self.fleet.add(x, y, keep);
+        self.fleet.add(x, d, y, keep);
         self.judge_spread();
     }
 
@@ -252,12 +310,14 @@ impl PodSpeeds {
         }
     }
 
-    /// Predicted seconds for `pod` to prefill `tokens` uncached tokens: the fleet's fit times
-    /// the pod's slowness as applied; `None` until the fleet has taught the fit
-    /// (`prior_samples` first tokens).
-    pub fn prefill_seconds(&self, pod: PodId, tokens: u64) -> Option<f64> {
+    /// Predicted seconds for `pod` to prefill `tokens` uncached tokens beside `beside`
+    /// requests in flight: the fleet's fit times the pod's slowness as applied; `None` until
+    /// the fleet has taught the fit (`prior_samples` first tokens).
+    pub fn prefill_seconds(&self, pod: PodId, tokens: u64, beside: u32) -> Option<f64> {
         let learned = self.fleet.n >= self.config.prior_samples.max(2.0);
-        learned.then(|| if tokens == 0 { 0.0 } else { self.fleet.predict(tokens as f64) * self.slowness(pod) })
+        learned.then(|| {
+            if tokens == 0 { 0.0 } else { self.fleet.predict(tokens as f64, f64::from(beside)) * self.slowness(pod) }
+        })
     }
 
     /// Seconds taken ÷ seconds the fleet fit predicted, with `prior_samples` samples that
@@ -307,7 +367,7 @@ mod tests {
             let pod = i % slowness.len();
             let tokens = sizes[rng.random_range(0..sizes.len())];
             let secs = prefill_secs(tokens, slowness[pod], 0.3, rng);
-            speeds.prefill_done(PodId(pod as u32), *t, tokens, *t + secs);
+            speeds.prefill_done(PodId(pod as u32), Prefill::alone(*t, tokens), *t + secs);
             *t += 1.0;
         }
     }
@@ -347,15 +407,62 @@ mod tests {
         for i in 0..600 {
             let (pod, tokens) = if i % 2 == 0 { (0, 16) } else { (1, 4000) };
             // Mix in both sizes on a third pod so the fleet fit sees the whole range.
-            speeds.prefill_done(PodId(pod), t, tokens, t + prefill_secs(tokens, 1.0, 0.2, &mut rng));
+            speeds.prefill_done(PodId(pod), Prefill::alone(t, tokens), t + prefill_secs(tokens, 1.0, 0.2, &mut rng));
             let mixed = if i % 3 == 0 { 16 } else { 4000 };
-            speeds.prefill_done(PodId(2), t, mixed, t + prefill_secs(mixed, 1.0, 0.2, &mut rng));
+            speeds.prefill_done(PodId(2), Prefill::alone(t, mixed), t + prefill_secs(mixed, 1.0, 0.2, &mut rng));
             t += 1.0;
         }
         for (pod, s) in slowness(&speeds, 3).into_iter().enumerate() {
             assert!((s - 1.0).abs() < 0.15, "pod {pod}: {s}");
             assert_eq!(speeds.slowness(PodId(pod as u32)), 1.0, "alike pods");
         }
+    }
+
+    #[test]
+    fn a_prefill_held_back_by_its_engine_does_not_make_a_pod_slow() {
+        // Four pods of one type; once the fleet is under load, one prefill in twenty on pod 1
+        // waits a second for KV room.
+        let mut speeds = learner(SpeedConfig::default());
+        let (mut rng, mut t) = (StdRng::seed_from_u64(13), 0.0);
+        for i in 0..400 {
+            let pod = i % 4;
+            let tokens = [50, 100, 400][rng.random_range(0..3)];
+            let mut secs = prefill_secs(tokens, 1.0, 0.2, &mut rng);
+            if i >= 100 && pod == 1 && i % 20 == 1 {
+                secs += 1.0;
+            }
+            speeds.prefill_done(PodId(pod as u32), Prefill::alone(t, tokens), t + secs);
+            t += 1.0;
+        }
+        let s = slowness(&speeds, 4);
+        assert!(s[1] < 1.4, "pod 1 looks {}x slower ({s:?})", s[1]);
+        assert_eq!(speeds.slowness(PodId(1)), 1.0, "alike pods: {s:?}");
+        // A prefill whose credited cache was evicted computed more than it was booked for.
+        let before = speeds.view(PodId(2));
+        speeds.prefill_done(PodId(2), Prefill { credit_evicted: true, ..Prefill::alone(t, 100) }, t + 0.5);
+        assert_eq!(speeds.view(PodId(2)), before, "it teaches nothing");
+    }
+
+    #[test]
+    fn requests_in_flight_beside_a_prefill_are_not_taken_for_a_slow_pod() {
+        // Same hardware; each step also serves the pod's decoding sequences, so a prefill
+        // beside `d` of them takes (1 + d/40) times as long. Pod 1 always has 30–40 in
+        // flight, pods 0 and 2 up to 20.
+        let mut speeds = learner(SpeedConfig::default());
+        let (mut rng, mut t) = (StdRng::seed_from_u64(17), 0.0);
+        for i in 0..900 {
+            let pod = i % 3;
+            let beside = if pod == 1 { rng.random_range(30..=40) } else { rng.random_range(0..=20) };
+            let tokens = [50, 200, 1000][rng.random_range(0..3)];
+            let secs = prefill_secs(tokens, 1.0, 0.1, &mut rng) * (1.0 + f64::from(beside) / 40.0);
+            speeds.prefill_done(PodId(pod as u32), Prefill { beside, ..Prefill::alone(t, tokens) }, t + secs);
+            t += 1.0;
+        }
+        let s = slowness(&speeds, 3);
+        assert!(s[1] < 1.15, "pod 1 looks {}x slower ({s:?})", s[1]);
+        // The fit predicts a loaded pod's prefill longer than an idle one's.
+        let (idle, loaded) = (speeds.prefill_seconds(PodId(0), 1000, 0), speeds.prefill_seconds(PodId(0), 1000, 40));
+        assert!(loaded.unwrap() > 1.3 * idle.unwrap(), "{idle:?} {loaded:?}");
     }
 
     #[test]
@@ -367,7 +474,7 @@ mod tests {
         // Pod 1 gets ten 1000-token requests at once: each finishes 46 ms after the previous
         // one. Counted from their bookings they would look up to ten times slower.
         for k in 1..=10 {
-            speeds.prefill_done(PodId(1), t, 1000, t + 0.046 * f64::from(k));
+            speeds.prefill_done(PodId(1), Prefill::alone(t, 1000), t + 0.046 * f64::from(k));
         }
         let after = speeds.view(PodId(1));
         let keep = 1.0 - 1.0 / SpeedConfig::default().window_samples;
