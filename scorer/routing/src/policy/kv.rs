@@ -28,8 +28,10 @@
 //! while the home thrashes: at least `thrashing_share` of its recent stores compute again
 //! blocks it evicted lately (live, one pod holding four system prompts' sessions recomputed
 //! most of what it stored while the others recomputed nothing), for pods thrashing at most
-//! half as much with fewer requests in flight.
-//! All three compare a pod with the home, not the fleet's busiest with its idlest: on 64 pods
+//! half as much with fewer requests in flight — or while the home is 1.75 times slower
+//! than the pod (`SLOWER_HOME`; learned speeds: a mixed fleet's first prefixes land before
+//! its speeds are known, and the charge had kept them on the slow pods).
+//! All of them compare a pod with the home, not the fleet's busiest with its idlest: on 64 pods
 //! that gap is always wide, and waiving every miss then cost the capacity workload its
 //! partition (p90 7.8 s against 0.55 s at 1.5× its rate).
 //! A prompt no pod holds `new_prompt_share` of starts a new prefix group: its miss is
@@ -79,6 +81,15 @@ use smart_default::SmartDefault;
 /// differ by the engine's churn, not by room (at 64 pods with host-memory tiers, steering
 /// new prompts by those differences cost 3.5 % of goodput).
 const FULL_CACHE: f64 = 0.9;
+
+/// A home this many times slower than a pod (in slowness as applied: learned or declared)
+/// gives its requests to that pod at the price of their prefill alone: the prefix group
+/// then answers at the faster pod's speed, where the miss charge had kept it on whichever
+/// pod it reached before the fleet's speeds were learned. Past the speed learner's
+/// `alike_spread` (1.5) by a margin: under load a fleet of one pod type can learn
+/// slownesses 1.5 apart for a while (the cluster simulator's capacity workload at twice its
+/// rate), and relieving on that noise cost it 4 % of goodput.
+const SLOWER_HOME: f64 = 1.75;
 
 /// How prefill work is estimated.
 #[derive(Clone, Copy, Debug, Default, Deserialize, serde::Serialize, PartialEq, Eq, schemars::JsonSchema)]
@@ -276,8 +287,9 @@ impl KvPolicy {
     /// cached anyway, unless it [`offloads`](Candidate::offloads) to another tier and loads
     /// it back) and `c` has at most half its requests in flight — or the home thrashes
     /// (`thrashing_share`) and `c`, with fewer requests in flight, thrashes at most half as
-    /// much. All are judged against the home, not the fleet: on 64 pods some pod is always
-    /// far busier than the idlest, which says nothing about where this prompt should go.
+    /// much — or the home is [`SLOWER_HOME`] times slower than `c`. All are judged against
+    /// the home, not the fleet: on 64 pods some pod is always far busier than the idlest,
+    /// which says nothing about where this prompt should go.
     fn relieves(&self, home: &Candidate, c: &Candidate) -> bool {
         let (at_home, here) = (home.load.inflight_requests, c.load.inflight_requests);
         let piled_up = self.config.balance_abs_threshold.is_some_and(|abs| {
@@ -291,7 +303,8 @@ impl KvPolicy {
         let thrashing = self.config.thrashing_share.is_some_and(|share| {
             home.recompute_share >= share && 2.0 * c.recompute_share <= home.recompute_share && here < at_home
         });
-        piled_up || overflowing || thrashing
+        let slower = home.slowness >= SLOWER_HOME * c.slowness;
+        piled_up || overflowing || thrashing || slower
     }
 
     /// `second_slot_seconds`: what taking another adapter slot for the request's adapter
@@ -549,6 +562,31 @@ mod tests {
         let offloading = Candidate { offloads: true, ..home };
         let d = p.select(&input, &[offloading, idle]);
         assert_eq!(d.costs[1], Some(p.cost_with(&input, &idle, 3.0, 0.0)));
+        assert_eq!(d.chosen, 0);
+    }
+
+    #[test]
+    fn a_slower_home_gives_its_prefix_to_a_faster_pod_once_the_wait_there_is_longer() {
+        let mut p = policy(KvPolicyConfig::default());
+        // The home caches the prompt and has 960 tokens of prefill queued; pod 1 is idle and
+        // caches nothing. Of one speed, the home wins: a miss on pod 1 is charged 3× over.
+        let home = candidate(0, 992, 4, 960);
+        let idle = candidate(1, 0, 0, 0);
+        assert_eq!(p.select(&INPUT, &[home, idle]).chosen, 0);
+        // Twice as slow, the home waits 2 × (960 + 8) tokens' time; the faster pod computes
+        // the whole prompt in less, and is not charged the miss.
+        let (slow, fast) = (Candidate { slowness: 1.4, ..home }, Candidate { slowness: 0.7, ..idle });
+        let d = p.select(&INPUT, &[slow, fast]);
+        assert_eq!(d.chosen, 1);
+        assert_eq!(d.costs[1], Some(p.cost_with(&INPUT, &fast, 0.0, 0.0)));
+        // An idle slower home still answers sooner than a fresh prefill: it keeps the prefix.
+        let idle_slow = Candidate { slowness: 1.4, ..candidate(0, 992, 0, 0) };
+        assert_eq!(p.select(&INPUT, &[idle_slow, fast]).chosen, 0);
+        // Less than 1.75× slower (1.64×: past the speed learner's alike spread, as noise
+        // under load can be): the miss is charged as before, and the home keeps it.
+        let a_bit_slower = Candidate { slowness: 1.15, ..home };
+        let d = p.select(&INPUT, &[a_bit_slower, fast]);
+        assert_eq!(d.costs[1], Some(p.cost(&INPUT, &fast)));
         assert_eq!(d.chosen, 0);
     }
 
