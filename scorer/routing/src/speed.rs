@@ -13,7 +13,7 @@
 //! it was booked for), and a sample is held at [`OUTLIER_FACTOR`] times what the pod's
 //! learned speed predicts: an engine that holds a prefill back for KV room takes a second
 //! over a 20 ms prefill, and a few such samples had made pods of one GPU type look up to
-//! 2.3× apart on 64 pods under load.
+//! 2.4× apart on 64 pods under load.
 //!
 //! Two decayed fits turn samples into a comparison:
 //!

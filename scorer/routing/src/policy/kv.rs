@@ -87,8 +87,8 @@ const FULL_CACHE: f64 = 0.9;
 /// then answers at the faster pod's speed, where the miss charge had kept it on whichever
 /// pod it reached before the fleet's speeds were learned. Past the speed learner's
 /// `alike_spread` (1.5) by a margin: under load a fleet of one pod type can learn
-/// slownesses 1.5 apart for a while (the cluster simulator's capacity workload at twice its
-/// rate), and relieving on that noise cost it 4 % of goodput.
+/// slownesses 1.5 apart for a moment (64 pods of the cluster simulator's capacity
+/// workload), and relieving from 1.5 on cost it 3.5 % of goodput.
 const SLOWER_HOME: f64 = 1.75;
 
 /// How prefill work is estimated.
