@@ -230,6 +230,18 @@ struct PodState {
 }
 
 impl Inflight {
+    /// Prompt tokens it was booked with as cached on its pod.
+    fn credited_tokens(&self) -> u32 {
+        self.prompt_tokens - self.prefill_tokens.min(u64::from(self.prompt_tokens)) as u32
+    }
+
+    /// Whether the engine of its pod (`state`) evicted a block of its credited prefix since
+    /// the booking.
+    fn credit_evicted(&self, state: Option<&PodState>, block_size: usize) -> bool {
+        let mut credited = self.prompt_blocks.iter().take((self.credited_tokens() as usize).div_ceil(block_size));
+        state.is_some_and(|p| !p.evicted_blocks.is_empty() && credited.any(|b| p.evicted_blocks.contains(b)))
+    }
+
     /// The prefill still to compute when `cached` of the prompt's tokens are cached.
     fn set_cached(&mut self, cached: u32) {
         let prompt = u64::from(self.prompt_tokens);
@@ -404,13 +416,8 @@ impl LoadTracker {
     /// and whether the engine has evicted any block of that credit since.
     pub fn booked_credit(&self, key: &BookingKey) -> Option<Credit> {
         let r = self.requests.get(key)?;
-        let tokens = r.prompt_tokens - r.prefill_tokens.min(u64::from(r.prompt_tokens)) as u32;
-        let credited = r.prompt_blocks.iter().take((tokens as usize).div_ceil(self.block_size));
-        let evicted = self
-            .pods
-            .get(r.pod)
-            .is_some_and(|p| !p.evicted_blocks.is_empty() && credited.clone().any(|b| p.evicted_blocks.contains(b)));
-        Some(Credit { pod: r.pod, tokens, evicted, prompt_tokens: r.prompt_tokens })
+        let evicted = r.credit_evicted(self.pods.get(r.pod), self.block_size);
+        Some(Credit { pod: r.pod, tokens: r.credited_tokens(), evicted, prompt_tokens: r.prompt_tokens })
     }
 
     /// The prompt blocks (shared, not copied) and size of a booked request.
@@ -463,9 +470,6 @@ impl LoadTracker {
 
     /// Applies a lifecycle report.
     pub fn report(&mut self, key: &BookingKey, event: Lifecycle, now: f64) -> Result<PodId, UnknownRequest> {
-        // The engine evicted part of the cache the request was booked with: its prefill
-        // computed more than it was booked for.
-        let credit_evicted = event != Lifecycle::Cancelled && self.booked_credit(key).is_some_and(|c| c.evicted);
         let Some(req) = self.requests.get_mut(key) else {
             let Some(&(pod, _)) = self.ended_with_pod.get(key) else {
                 return Err(UnknownRequest::of(key));
@@ -487,7 +491,9 @@ impl LoadTracker {
                 booked_at: req.booked_at,
                 tokens: req.prefill_tokens,
                 beside: req.booked_beside,
-                credit_evicted,
+                // The engine evicted part of the cache it was booked with: its prefill
+                // computed more than it was booked for.
+                credit_evicted: req.credit_evicted(self.pods.get(pod), self.block_size),
             };
             self.speeds.prefill_done(pod, prefill, now);
         }

@@ -222,8 +222,6 @@ impl PodSpeeds {
         if tokens == 0 {
             return; // Nothing computed there (its KV came from a prefill pod).
         }
-        let learned = self.fleet.n >= self.config.prior_samples.max(2.0);
-        let slowness = self.pods.get(pod).map_or(1.0, |p| self.learned_slowness(p));
         let state = self.pods.get_mut(pod);
         // Only a prefill that had the pod to itself from its booking teaches: one queued
         // behind others measures the queue, and a pod under load looks slower than it is.
@@ -232,6 +230,8 @@ impl PodSpeeds {
         if queued || credit_evicted || now < booked_at {
             return;
         }
+        let learned = self.fleet.n >= self.config.prior_samples.max(2.0);
+        let slowness = self.pods.get(pod).map_or(1.0, |p| self.learned_slowness(p));
         let (x, d) = (tokens as f64, f64::from(beside));
         let predicted = self.fleet.predict(x, d);
         // A sample far slower than the pod's learned speed predicts is held at
@@ -239,6 +239,7 @@ impl PodSpeeds {
         // preemption) takes many times its compute, and one such second among tens of
         // milliseconds made a pod of a uniform fleet look twice as slow for seconds.
         let y = if learned { (now - booked_at).min(OUTLIER_FACTOR * slowness * predicted) } else { now - booked_at };
+        let state = self.pods.get_mut(pod);
         if learned {
             state.observed = state.observed * keep + y;
             state.expected = state.expected * keep + predicted;
