@@ -728,6 +728,12 @@ impl LoadTracker {
         self.speeds.prefill_seconds(pod, tokens, self.inflight_on(pod))
     }
 
+    /// Tokens of prefill a first token's fixed time is worth at the fleet's average speed
+    /// ([`PodSpeeds::fixed_prefill_tokens`]; 0 until learned).
+    pub fn fixed_prefill_tokens(&self) -> f64 {
+        self.speeds.fixed_prefill_tokens().unwrap_or(0.0)
+    }
+
     /// Requests in flight on `pod`.
     fn inflight_on(&self, pod: PodId) -> u32 {
         self.pods.get(pod).map_or(0, |state| state.inflight.len() as u32)

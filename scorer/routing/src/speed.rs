@@ -125,10 +125,16 @@ impl Fit {
         };
     }
 
-    /// Predicted `y` at `x` tokens beside `d` requests: the fitted plane, its coefficients
-    /// kept non-negative. While `d` has not varied (or the plane would make more requests
-    /// in flight faster), the line in `x` alone; while `x` has not varied either, the mean.
+    /// Predicted `y` at `x` tokens beside `d` requests: the fitted plane.
     fn predict(&self, x: f64, d: f64) -> f64 {
+        let (a, b, c) = self.coefficients();
+        a + b * x + c * d
+    }
+
+    /// The plane's `(a, b, c)`, kept non-negative. While `d` has not varied (or the plane
+    /// would make more requests in flight faster), the line in `x` alone (`c` = 0); while
+    /// `x` has not varied either, the mean (`b` = 0).
+    fn coefficients(&self) -> (f64, f64, f64) {
         let mean = |sum: f64| sum / self.n;
         let (mx, md, my) = (mean(self.sx), mean(self.sd), mean(self.sy));
         let (vxx, vdd, vxd) = (mean(self.sxx) - mx * mx, mean(self.sdd) - md * md, mean(self.sxd) - mx * md);
@@ -139,7 +145,7 @@ impl Fit {
             .then(|| ((cxy * vdd - cdy * vxd) / det, (cdy * vxx - cxy * vxd) / det))
             .filter(|&(b, c)| b >= 0.0 && c >= 0.0);
         let (b, c) = plane.unwrap_or_else(|| (if varies(vxx, mx) { (cxy / vxx).max(0.0) } else { 0.0 }, 0.0));
-        (my - b * mx - c * md).max(0.0) + b * x + c * d
+        ((my - b * mx - c * md).max(0.0), b, c)
     }
 }
 
@@ -206,13 +212,23 @@ pub struct PodSpeeds {
     pods: PodMap<PodSpeed>,
     /// Whether the learned slownesses span more than `alike_spread` (updated per sample).
     unlike: bool,
+    /// [`Self::fixed_prefill_tokens`], updated per sample (read at every decision).
+    fixed_prefill_tokens: Option<f64>,
 }
 
 impl PodSpeeds {
     pub fn new(config: SpeedConfig) -> Self {
         let keep = 1.0 - 1.0 / config.window_samples;
         let decode_reports_needed = (1.0 - keep.powf(config.prior_samples.max(1.0))) / (1.0 - keep) - 1e-9;
-        Self { config, keep, decode_reports_needed, fleet: Fit::default(), pods: PodMap::default(), unlike: false }
+        Self {
+            config,
+            keep,
+            decode_reports_needed,
+            fleet: Fit::default(),
+            pods: PodMap::default(),
+            unlike: false,
+            fixed_prefill_tokens: None,
+        }
     }
 
     /// `prefill` on `pod` finished at `now`.
@@ -246,6 +262,8 @@ impl PodSpeeds {
             state.samples = state.samples * keep + 1.0;
         }
         self.fleet.add(x, d, y, keep);
+        let (a, b, _) = self.fleet.coefficients();
+        self.fixed_prefill_tokens = (self.fleet.n >= self.config.prior_samples.max(2.0) && b > 0.0).then(|| a / b);
         self.judge_spread();
     }
 
@@ -319,6 +337,15 @@ impl PodSpeeds {
         learned.then(|| {
             if tokens == 0 { 0.0 } else { self.fleet.predict(tokens as f64, f64::from(beside)) * self.slowness(pod) }
         })
+    }
+
+    /// Tokens of prefill the fixed part of a first token's time is worth on a pod of the
+    /// fleet's average speed: the fleet fit's intercept (the base cost of the steps a
+    /// request waits through, and of reporting) over its seconds per token. A slower pod
+    /// takes longer over it too, however short the prompt. `None` until the fleet has
+    /// taught the fit, or while its prefills have not varied in size.
+    pub fn fixed_prefill_tokens(&self) -> Option<f64> {
+        self.fixed_prefill_tokens
     }
 
     /// Seconds taken ÷ seconds the fleet fit predicted, with `prior_samples` samples that
@@ -397,6 +424,18 @@ mod tests {
             assert!((learned / expected - 1.0).abs() < 0.12, "pod {pod}: {learned} vs {expected} ({s:?})");
             assert_eq!(speeds.slowness(PodId(pod as u32)), learned, "unlike pods: applied");
         }
+    }
+
+    #[test]
+    fn a_first_tokens_fixed_time_is_learned_in_tokens_of_prefill() {
+        // Every prefill takes 6 ms plus 40 µs a token: the fixed part is worth 150 tokens,
+        // on pods of any speed.
+        let mut speeds = learner(SpeedConfig::default());
+        let (mut rng, mut t) = (StdRng::seed_from_u64(19), 0.0);
+        assert_eq!(speeds.fixed_prefill_tokens(), None, "nothing learned yet");
+        feed(&mut speeds, &[1.0, 2.0, 1.0, 2.0], &[16, 100, 400], 200, &mut t, &mut rng);
+        let fixed = speeds.fixed_prefill_tokens().expect("learned");
+        assert!((fixed / 150.0 - 1.0).abs() < 0.15, "{fixed} tokens");
     }
 
     #[test]

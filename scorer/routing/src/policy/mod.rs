@@ -87,6 +87,13 @@ pub struct RouteInput {
     /// Seconds the request holds its LoRA adapter's slot (its expected decode; 0 without an
     /// adapter).
     pub slot_seconds: f64,
+    /// Tokens of prefill the fixed part of a first token's time is worth on a pod of the
+    /// fleet's average speed (the base cost of the steps it waits through, learned:
+    /// [`crate::speed::PodSpeeds::fixed_prefill_tokens`]; 0 until then). Policies that
+    /// compare pods in time add it to each pod's work before scaling by its slowness: on a
+    /// fleet of one speed it is the same everywhere, on a mixed one a slower pod takes
+    /// longer over it, however short the prompt.
+    pub fixed_prefill_tokens: f64,
 }
 
 /// A policy's choice: the index of the chosen candidate and, per candidate, the cost it was
@@ -221,7 +228,8 @@ pub(crate) mod test_support {
         }
     }
 
-    pub const INPUT: RouteInput = RouteInput { prompt_tokens: 1000, block_size: 16, slot_seconds: 0.0 };
+    pub const INPUT: RouteInput =
+        RouteInput { prompt_tokens: 1000, block_size: 16, slot_seconds: 0.0, fixed_prefill_tokens: 0.0 };
 
     /// How often each candidate index is chosen over `n` selections.
     pub fn histogram(policy: &mut dyn Policy, candidates: &[Candidate], n: usize) -> Vec<usize> {

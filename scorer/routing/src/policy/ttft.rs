@@ -1,9 +1,10 @@
 //! `ttft` — the seed's queue-workload estimate: the pod where this request's first token
 //! comes soonest, if a pod works through its queued prefill before this request's own:
-//! `queued prefill tokens + uncached tokens of this request` (linear tokens), with the pod's
-//! reported waiting queue as a tie-breaker; tokens are scaled by the pod's learned slowness
-//! ([`crate::speed`]), so a slower pod's queue counts for longer. No decode term: it optimises time to first token
-//! only.
+//! `queued prefill tokens + uncached tokens of this request + fixed` (linear tokens; `fixed`
+//! the tokens a first token's fixed time is worth, [`RouteInput::fixed_prefill_tokens`]),
+//! with the pod's reported waiting queue as a tie-breaker; tokens are scaled by the pod's
+//! learned slowness ([`crate::speed`]), so a slower pod's queue counts for longer. No decode
+//! term: it optimises time to first token only.
 
 use super::{Candidate, Decision, Policy, RouteInput, argmin_tie, uncached_tokens};
 use rand::rngs::StdRng;
@@ -19,7 +20,9 @@ impl Policy for TtftPolicy {
             .iter()
             .map(|c| {
                 let waiting = c.reported.map_or(0.0, |r| r.waiting);
-                let tokens = c.load.queued_prefill_tokens as f64 + f64::from(uncached_tokens(input, c));
+                let tokens = c.load.queued_prefill_tokens as f64
+                    + f64::from(uncached_tokens(input, c))
+                    + input.fixed_prefill_tokens;
                 Some(tokens * c.slowness + waiting * 1e-3)
             })
             .collect();

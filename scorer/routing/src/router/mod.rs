@@ -183,7 +183,12 @@ impl Router {
         }
         let prefillers = self.eligible(|r| r == Role::Prefill, None, request.model);
         let slot_seconds = request.adapter.map_or(0.0, |_| self.load.output_seconds(request.max_output_tokens));
-        let input = RouteInput { prompt_tokens: request.prompt_tokens, block_size: self.block_size, slot_seconds };
+        let input = RouteInput {
+            prompt_tokens: request.prompt_tokens,
+            block_size: self.block_size,
+            slot_seconds,
+            fixed_prefill_tokens: self.load.fixed_prefill_tokens(),
+        };
         let mut direct = self.candidates(&decoders, request, now, None);
         if let Some(admission) = &self.admission {
             // Only pods with room; none: the request waits (the scorer's admission queue).
