@@ -54,6 +54,7 @@ pub struct Metrics {
     pub inflight_requests: GaugeVec,
     pub queued_prefill_tokens: GaugeVec,
     pub pod_slowness: GaugeVec,
+    pub fixed_prefill_tokens: prometheus::Gauge,
     pub pod_healthy: GaugeVec,
     pub prefix_hit_ratio: CounterVec,
     pub sync: SyncMetrics,
@@ -330,6 +331,14 @@ impl Metrics {
                 "pod_slowness",
                 "Prefill time relative to the fleet's average (1 = average), learned from first tokens.",
                 &["pod"],
+            ),
+            fixed_prefill_tokens: r.add(
+                "gauge",
+                prometheus::Gauge::new(
+                    "fixed_prefill_tokens",
+                    "Tokens of prefill a first token's fixed time (the base cost of the steps it waits through) \
+                     is worth at the fleet's average speed, learned from first tokens (0 until then).",
+                ),
             ),
             pod_healthy: r.gauges("pod_healthy", "1 if the pod can be chosen.", &["pod"]),
             prefix_hit_ratio: r.add("counter", CounterVec::new(

@@ -448,6 +448,9 @@ async fn a_slower_pod_is_learned_from_first_tokens_and_avoided() {
     assert!(slow["slowness_samples"].as_f64().unwrap() >= 3.0, "{slow}");
     // Idle pods, no cache: the work is the same, the time is not.
     assert!(served[0] > served[1], "{served:?}");
+    let metrics = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
+    let fixed_prefill_tokens: Option<f64> =
+        metrics.lines().find_map(|l| l.strip_prefix("kvgate_fixed_prefill_tokens ")).and_then(|v| v.parse().ok());
     for i in 0..5 {
         let body = json!({"prompt": text(&format!("fresh{i}y"), 300), "max_tokens": 1});
         let (_, d) = scorer.route("/v1/completions", &format!("after-{i}"), &body, true).await;
@@ -459,6 +462,11 @@ async fn a_slower_pod_is_learned_from_first_tokens_and_avoided() {
     }
     let metrics = reqwest::get(format!("{}/metrics", scorer.url)).await.unwrap().text().await.unwrap();
     assert!(metrics.contains("kvgate_pod_slowness{pod=\"pod-1\"}"), "{metrics}");
+    // The fixed part of a first token's time (the engines' step cost, the report's trip) in
+    // tokens of prefill, as learned from the pairs served (the requests below, reported
+    // without being served, would teach it that first tokens come at once).
+    let fixed = fixed_prefill_tokens.unwrap_or_else(|| panic!("not exported"));
+    assert!(fixed > 0.0 && fixed.is_finite(), "{fixed}");
 }
 
 #[tokio::test]

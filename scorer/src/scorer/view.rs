@@ -97,6 +97,7 @@ impl Scorer {
             .collect();
         let waits = core.router.prefill_waits();
         let (entries, distinct) = (core.router.index().entries(), core.router.index().distinct_blocks());
+        let fixed_prefill_tokens = core.router.load().fixed_prefill_tokens();
         drop(core);
         for v in &views {
             self.metrics.index_blocks.with_label_values(&[&v.name, v.index]).set(v.cached_blocks as f64);
@@ -107,6 +108,7 @@ impl Scorer {
             self.metrics.queued_prefill_tokens.with_label_values(&[&v.name]).set(v.queued_prefill_tokens as f64);
             self.metrics.pod_slowness.with_label_values(&[&v.name]).set(v.slowness);
         }
+        self.metrics.fixed_prefill_tokens.set(fixed_prefill_tokens);
         self.set_pool_gauges(&views, waits);
         self.metrics.index_entries.with_label_values(&["block_pod_entries"]).set(entries as f64);
         self.metrics.index_entries.with_label_values(&["distinct_blocks"]).set(distinct as f64);
