@@ -251,7 +251,7 @@ impl PodSpeeds {
         if queued || credit_evicted || now < booked_at {
             return;
         }
-        let learned = self.fleet.n >= self.config.prior_samples.max(2.0);
+        let learned = self.fleet_learned();
         let slowness = self.pods.get(pod).map_or(1.0, |p| self.learned_slowness(p));
         let (x, d) = (tokens as f64, f64::from(beside));
         let predicted = self.fleet.predict(x, d);
@@ -268,7 +268,7 @@ impl PodSpeeds {
         }
         self.fleet.add(x, d, y, keep);
         let (a, b, _) = self.fleet.coefficients();
-        self.fixed_prefill_tokens = (self.fleet.n >= self.config.prior_samples.max(2.0) && b > 0.0).then(|| a / b);
+        self.fixed_prefill_tokens = (self.fleet_learned() && b > 0.0).then(|| a / b);
         self.judge_spread();
     }
 
@@ -338,10 +338,15 @@ impl PodSpeeds {
     /// requests in flight: the fleet's fit times the pod's slowness as applied; `None` until
     /// the fleet has taught the fit (`prior_samples` first tokens).
     pub fn prefill_seconds(&self, pod: PodId, tokens: u64, beside: u32) -> Option<f64> {
-        let learned = self.fleet.n >= self.config.prior_samples.max(2.0);
-        learned.then(|| {
+        self.fleet_learned().then(|| {
             if tokens == 0 { 0.0 } else { self.fleet.predict(tokens as f64, f64::from(beside)) * self.slowness(pod) }
         })
+    }
+
+    /// Whether the fleet fit has taught enough samples (`prior_samples`, at least 2) to be
+    /// used.
+    fn fleet_learned(&self) -> bool {
+        self.fleet.n >= self.config.prior_samples.max(2.0)
     }
 
     /// Tokens of prefill the fixed part of a first token's time is worth on a pod of the
