@@ -17,11 +17,14 @@
 //!
 //! Two decayed fits turn samples into a comparison:
 //!
-//! - the **fleet**'s time per prefill, `y ≈ a + b·x + c·d`, least squares over every pod's
-//!   samples, `d` the requests in flight on the pod at the booking (the sequences its steps
-//!   are shared with: a prefill beside thirty decoding sequences is not a slow pod's); the
-//!   intercept is the fixed cost of a step and of reporting: short prefills are not taken
-//!   for slow ones. While `d` has not varied, the line in `x`;
+//! - the **fleet**'s time per prefill on a pod of its average speed, `y ≈ a + b·x + c·d`,
+//!   least squares over every pod's samples, each divided by its pod's learned slowness
+//!   (fitted on raw times, slow pods that serve mostly short cache hits beside fast pods
+//!   serving long misses made the slow pods' times look like the fleet's fixed cost), `d`
+//!   the requests in flight on the pod at the booking (the sequences its steps are shared
+//!   with: a prefill beside thirty decoding sequences is not a slow pod's); the intercept is
+//!   the fixed cost of a step and of reporting: short prefills are not taken for slow ones.
+//!   While `d` has not varied, the line in `x`;
 //! - per **pod**, the ratio of the seconds it took to the seconds the fleet fit predicted for
 //!   the same samples: its **slowness** (1 = the fleet's average speed, 2 = half as fast),
 //!   shrunk toward 1 by `prior_samples` pseudo-samples so a handful of reports cannot swing
@@ -217,6 +220,9 @@ pub struct PodSpeeds {
     pods: PodMap<PodSpeed>,
     /// Whether the learned slownesses span more than `alike_spread` (updated per sample).
     unlike: bool,
+    /// The mean learned slowness of the pods that have taught samples (updated per sample):
+    /// the fleet fit is of a pod this slow.
+    mean_slowness: f64,
     /// [`Self::fixed_prefill_tokens`], updated per sample (read at every decision).
     fixed_prefill_tokens: Option<f64>,
 }
@@ -232,6 +238,7 @@ impl PodSpeeds {
             fleet: Fit::default(),
             pods: PodMap::default(),
             unlike: false,
+            mean_slowness: 1.0,
             fixed_prefill_tokens: None,
         }
     }
@@ -266,7 +273,11 @@ impl PodSpeeds {
             state.expected = state.expected * keep + predicted;
             state.samples = state.samples * keep + 1.0;
         }
-        self.fleet.add(x, d, y, keep);
+        // The fleet fit is of a pod of the fleet's mean slowness: each sample scaled by its
+        // pod's learned slowness. Fitted on raw times, a mixed fleet whose slow pods serve
+        // mostly cache hits and whose fast pods serve mostly long misses took the slow pods'
+        // short prefills for the fleet's fixed cost, and they looked less slow than they are.
+        self.fleet.add(x, d, y * self.mean_slowness / slowness, keep);
         let (a, b, _) = self.fleet.coefficients();
         self.fixed_prefill_tokens = (self.fleet_learned() && b > 0.0).then(|| a / b);
         self.judge_spread();
@@ -284,13 +295,19 @@ impl PodSpeeds {
 
     /// Whether the slownesses of the pods judged so far (by samples or declared) span more
     /// than `alike_spread`. Once some pod is declared, the fleet's average (1) counts too:
-    /// declaring the slow pods alone says the others are not.
+    /// declaring the slow pods alone says the others are not. And the mean slowness of the
+    /// pods that have taught samples, which sets the fleet fit's scale.
     fn judge_spread(&mut self) {
         let (mut fastest, mut slowest, mut declared) = (f64::INFINITY, 0.0_f64, false);
+        let (mut taught, mut sum) = (0usize, 0.0);
         for (_, p) in self.pods.iter().filter(|(_, p)| p.samples > 0.0 || p.declared != 1.0) {
             let s = self.learned_slowness(p);
             (fastest, slowest, declared) = (fastest.min(s), slowest.max(s), declared || p.declared != 1.0);
+            if p.samples > 0.0 {
+                (taught, sum) = (taught + 1, sum + s);
+            }
         }
+        self.mean_slowness = if taught > 0 { sum / taught as f64 } else { 1.0 };
         if declared {
             (fastest, slowest) = (fastest.min(1.0), slowest.max(1.0));
         }
@@ -446,6 +463,33 @@ mod tests {
         feed(&mut speeds, &[1.0, 2.0, 1.0, 2.0], &[16, 100, 400], 200, &mut t, &mut rng);
         let fixed = speeds.fixed_prefill_tokens().expect("learned");
         assert!((fixed / 150.0 - 1.0).abs() < 0.15, "{fixed} tokens");
+    }
+
+    #[test]
+    fn slow_pods_serving_mostly_cache_hits_are_found_as_slow_as_they_are() {
+        // Pods 2 and 3 take twice as long; cache affinity has given them mostly short
+        // prefills (hits on documents they hold) and the fast pods mostly long ones.
+        let mut speeds = learner(SpeedConfig::default());
+        let (mut rng, mut t) = (StdRng::seed_from_u64(23), 0.0);
+        let truth = [1.0, 1.0, 2.0, 2.0];
+        for i in 0..1200 {
+            let pod = i % 4;
+            let short = (pod >= 2) == (rng.random::<f64>() < 0.8);
+            let tokens = if short { rng.random_range(16..80) } else { rng.random_range(2000..4000) };
+            let secs = prefill_secs(tokens, truth[pod], 0.2, &mut rng);
+            speeds.prefill_done(PodId(pod as u32), Prefill::alone(t, tokens), t + secs);
+            t += 1.0;
+        }
+        // The least of the four ratios, seeds 1–5: 1.70–1.77 with the fleet fitted on raw
+        // times, 1.81–1.90 fitted per pod of mean slowness (the rest is the pseudo-samples
+        // at 1).
+        let s = slowness(&speeds, 4);
+        for slow in [2, 3] {
+            for fast in [0, 1] {
+                let ratio = s[slow] / s[fast];
+                assert!((ratio / 2.0 - 1.0).abs() < 0.1, "pod {slow} against {fast}: {ratio} ({s:?})");
+            }
+        }
     }
 
     #[test]
