@@ -18,13 +18,13 @@
 //! Two decayed fits turn samples into a comparison:
 //!
 //! - the **fleet**'s time per prefill on a pod of its average speed, `y ≈ a + b·x + c·d`,
-//!   least squares over every pod's samples, each divided by its pod's learned slowness
-//!   (fitted on raw times, slow pods that serve mostly short cache hits beside fast pods
-//!   serving long misses made the slow pods' times look like the fleet's fixed cost), `d`
-//!   the requests in flight on the pod at the booking (the sequences its steps are shared
-//!   with: a prefill beside thirty decoding sequences is not a slow pod's); the intercept is
-//!   the fixed cost of a step and of reporting: short prefills are not taken for slow ones.
-//!   While `d` has not varied, the line in `x`;
+//!   least squares over every pod's samples, each scaled by the pods' mean learned
+//!   slowness over its own pod's (fitted on raw times, slow pods that serve mostly short
+//!   cache hits beside fast pods serving long misses made the slow pods' times look like
+//!   the fleet's fixed cost), `d` the requests in flight on the pod at the booking (the
+//!   sequences its steps are shared with: a prefill beside thirty decoding sequences is not
+//!   a slow pod's); the intercept is the fixed cost of a step and of reporting: short
+//!   prefills are not taken for slow ones. While `d` has not varied, the line in `x`;
 //! - per **pod**, the ratio of the seconds it took to the seconds the fleet fit predicted for
 //!   the same samples: its **slowness** (1 = the fleet's average speed, 2 = half as fast),
 //!   shrunk toward 1 by `prior_samples` pseudo-samples so a handful of reports cannot swing
@@ -480,7 +480,7 @@ mod tests {
             speeds.prefill_done(PodId(pod as u32), Prefill::alone(t, tokens), t + secs);
             t += 1.0;
         }
-        // The least of the four ratios, seeds 1–5: 1.70–1.77 with the fleet fitted on raw
+        // The least of the four ratios, seeds 1–5: 1.69–1.77 with the fleet fitted on raw
         // times, 1.81–1.90 fitted per pod of mean slowness (the rest is the pseudo-samples
         // at 1).
         let s = slowness(&speeds, 4);
