@@ -25,12 +25,15 @@
 //!   sequences its steps are shared with: a prefill beside thirty decoding sequences is not
 //!   a slow pod's); the intercept is the fixed cost of a step and of reporting: short
 //!   prefills are not taken for slow ones. While `d` has not varied, the line in `x`;
-//! - per **pod**, the ratio of the seconds it took to the seconds the fleet fit predicted for
-//!   the same samples: its **slowness** (1 = the fleet's average speed, 2 = half as fast),
-//!   shrunk toward 1 by `prior_samples` pseudo-samples so a handful of reports cannot swing
-//!   it, clamped to `[1/max_slowness, max_slowness]`. While the learned slownesses span less
-//!   than `alike_spread` (slowest ÷ fastest) the fleet counts as alike and every pod is
-//!   applied as 1: on a fleet of one GPU type the ±5 % of noise would otherwise decide ties.
+//! - per **pod**, the ratio of the seconds it took to the seconds the fleet fit, as it now
+//!   stands, predicts for the same samples (judged by the prediction of their moment, one
+//!   short prefill set against a fleet's first poor fit had made a half-speed pod look the
+//!   fleet's fastest for 40 s): its **slowness** (1 = the fleet's average speed, 2 = half
+//!   as fast), shrunk toward 1 by `prior_samples` pseudo-samples so a handful of reports
+//!   cannot swing it, clamped to `[1/max_slowness, max_slowness]`. While the learned
+//!   slownesses span less than `alike_spread` (slowest ÷ fastest) the fleet counts as alike
+//!   and every pod is applied as 1: on a fleet of one GPU type the ±5 % of noise would
+//!   otherwise decide ties.
 //!
 //! Both fits forget at the rate of `window_samples` (each new sample multiplies the old
 //! sums by `1 − 1/window`), so a pod that changes speed is re-learned within a window of its
@@ -162,9 +165,13 @@ struct PodSpeed {
     /// When the pod last finished a prefill (its next one started no earlier).
     #[default(f64::NEG_INFINITY)]
     busy_until: f64,
-    /// Decayed seconds its samples took, and the fleet fit's prediction for them.
+    /// Decayed seconds its samples took, and their uncached tokens and requests in flight
+    /// beside them: what the fleet fit predicts for them is taken at the fit's current
+    /// coefficients, so samples judged against the fit of a fleet's first seconds are judged
+    /// again as it learns.
     observed: f64,
-    expected: f64,
+    tokens: f64,
+    beside: f64,
     samples: f64,
     /// Decayed output tokens after the first, the seconds they took, and the samples.
     decoded_tokens: f64,
@@ -223,6 +230,8 @@ pub struct PodSpeeds {
     /// The mean learned slowness of the pods that have taught samples (updated per sample):
     /// the fleet fit is of a pod this slow.
     mean_slowness: f64,
+    /// The fleet fit's `(a, b, c)`, updated per sample (read at every decision).
+    coefficients: (f64, f64, f64),
     /// [`Self::fixed_prefill_tokens`], updated per sample (read at every decision).
     fixed_prefill_tokens: Option<f64>,
 }
@@ -239,6 +248,7 @@ impl PodSpeeds {
             pods: PodMap::default(),
             unlike: false,
             mean_slowness: 1.0,
+            coefficients: (0.0, 0.0, 0.0),
             fixed_prefill_tokens: None,
         }
     }
@@ -270,7 +280,8 @@ impl PodSpeeds {
         let state = self.pods.get_mut(pod);
         if learned {
             state.observed = state.observed * keep + y;
-            state.expected = state.expected * keep + predicted;
+            state.tokens = state.tokens * keep + x;
+            state.beside = state.beside * keep + d;
             state.samples = state.samples * keep + 1.0;
         }
         // The fleet fit is of a pod of the fleet's mean slowness: each sample scaled by its
@@ -278,7 +289,8 @@ impl PodSpeeds {
         // mostly cache hits and whose fast pods serve mostly long misses took the slow pods'
         // short prefills for the fleet's fixed cost, and they looked less slow than they are.
         self.fleet.add(x, d, y * self.mean_slowness / slowness, keep);
-        let (a, b, _) = self.fleet.coefficients();
+        self.coefficients = self.fleet.coefficients();
+        let (a, b, _) = self.coefficients;
         self.fixed_prefill_tokens = (self.fleet_learned() && b > 0.0).then(|| a / b);
         self.judge_spread();
     }
@@ -380,7 +392,9 @@ impl PodSpeeds {
     /// added to both, clamped.
     fn learned_slowness(&self, state: &PodSpeed) -> f64 {
         let prior = if self.fleet.n > 0.0 { self.config.prior_samples * self.fleet.sy / self.fleet.n } else { 0.0 };
-        let (observed, expected) = (state.observed + state.declared * prior, state.expected + prior);
+        let (a, b, c) = self.coefficients;
+        let expected = a * state.samples + b * state.tokens + c * state.beside;
+        let (observed, expected) = (state.observed + state.declared * prior, expected + prior);
         let slowness = if expected > 0.0 { observed / expected } else { state.declared };
         slowness.clamp(1.0 / self.config.max_slowness, self.config.max_slowness)
     }
@@ -490,6 +504,33 @@ mod tests {
                 assert!((ratio / 2.0 - 1.0).abs() < 0.1, "pod {slow} against {fast}: {ratio} ({s:?})");
             }
         }
+    }
+
+    #[test]
+    fn a_pod_judged_against_the_fleets_first_fit_is_judged_again_as_the_fit_learns() {
+        // The fleet's first samples make a poor fit: three of its first cold prompts were
+        // held back a second beside three requests, so it predicts most of a second for a
+        // short prefill beside five, which the slow pod 1 then takes in 17 ms.
+        let mut speeds = learner(SpeedConfig::default());
+        let (mut rng, mut t) = (StdRng::seed_from_u64(29), 0.0);
+        for (i, beside) in [0, 0, 3, 0, 0, 3, 0, 0, 3, 0].into_iter().enumerate() {
+            let tokens = [2000, 4000][i % 2];
+            let held = if beside > 0 { 1.0 } else { 0.0 };
+            let secs = prefill_secs(tokens, 1.0, 0.1, &mut rng) + held;
+            speeds.prefill_done(PodId(0), Prefill { beside, ..Prefill::alone(t, tokens) }, t + secs);
+            t += 2.0;
+        }
+        let secs = prefill_secs(65, 2.0, 0.0, &mut rng);
+        speeds.prefill_done(PodId(1), Prefill { beside: 5, ..Prefill::alone(t, 65) }, t + secs);
+        t += 1.0;
+        let first = slowness(&speeds, 2);
+        assert!(first[1] < first[0], "taken for the faster: {first:?}");
+        // Each sample used to stay judged by the prediction of its moment: after 60 samples
+        // each the slow pod looked 1.19 times as slow. Judged by the fit as it now stands,
+        // 1.53 (the rest is the pseudo-samples and the hold on slow samples).
+        feed(&mut speeds, &[1.0, 2.0], &[16, 100, 500, 2000, 4000], 60, &mut t, &mut rng);
+        let s = slowness(&speeds, 2);
+        assert!(s[1] / s[0] > 1.4, "{first:?} then {s:?}");
     }
 
     #[test]
