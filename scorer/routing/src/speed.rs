@@ -136,12 +136,6 @@ impl Fit {
         };
     }
 
-    /// Predicted `y` at `x` tokens beside `d` requests: the fitted plane.
-    fn predict(&self, x: f64, d: f64) -> f64 {
-        let (a, b, c) = self.coefficients();
-        a + b * x + c * d
-    }
-
     /// The plane's `(a, b, c)`, kept non-negative. While `d` has not varied (or the plane
     /// would make more requests in flight faster), the line in `x` alone (`c` = 0); while
     /// `x` has not varied either, the mean (`b` = 0).
@@ -271,7 +265,7 @@ impl PodSpeeds {
         let learned = self.fleet_learned();
         let slowness = self.pods.get(pod).map_or(1.0, |p| self.learned_slowness(p));
         let (x, d) = (tokens as f64, f64::from(beside));
-        let predicted = self.fleet.predict(x, d);
+        let predicted = self.predict(x, d);
         // A sample far slower than the pod's learned speed predicts is held at
         // `OUTLIER_FACTOR` times it: a prefill the engine held back (no KV room for it, a
         // preemption) takes many times its compute, and one such second among tens of
@@ -368,8 +362,15 @@ impl PodSpeeds {
     /// the fleet has taught the fit (`prior_samples` first tokens).
     pub fn prefill_seconds(&self, pod: PodId, tokens: u64, beside: u32) -> Option<f64> {
         self.fleet_learned().then(|| {
-            if tokens == 0 { 0.0 } else { self.fleet.predict(tokens as f64, f64::from(beside)) * self.slowness(pod) }
+            if tokens == 0 { 0.0 } else { self.predict(tokens as f64, f64::from(beside)) * self.slowness(pod) }
         })
+    }
+
+    /// The fleet fit's seconds for `x` tokens beside `d` requests on a pod of the fleet's
+    /// mean slowness, at its coefficients as of the last sample.
+    fn predict(&self, x: f64, d: f64) -> f64 {
+        let (a, b, c) = self.coefficients;
+        a + b * x + c * d
     }
 
     /// Whether the fleet fit has taught enough samples (`prior_samples`, at least 2) to be
