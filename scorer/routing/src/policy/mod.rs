@@ -191,6 +191,11 @@ impl Candidate {
     pub fn credited_tokens(&self) -> u32 {
         self.cached_tokens + self.offloaded_tokens - self.offload_work_tokens
     }
+
+    /// The pod as priced holding `tokens` of the prompt on its GPU and nothing offloaded.
+    pub(crate) fn holding(&self, tokens: u32) -> Candidate {
+        Candidate { cached_tokens: tokens, offloaded_tokens: 0, offload_work_tokens: 0, ..*self }
+    }
 }
 
 /// Prompt tokens a candidate would compute (loading offloaded blocks counted at its cost):
