@@ -394,7 +394,8 @@ const OUTPACES: f64 = 1.5;
 /// on the fast pods, where its requests answer sooner. The group's first requests land
 /// before the fleet's speeds are learned, and the miss charge then kept the most popular
 /// prefixes on the slow pods where they landed (the cluster simulator's mixed fleet: p90 at
-/// a quarter of its rate 28.0 ms, against 15.9 ms with the speeds declared). So, of the
+/// a quarter of its rate 28.0 ms, against 15.9 ms with the speeds declared; 16.7 ms with
+/// this, docs/design/placement.md). So, of the
 /// pods holding as much of the prompt as its home (the full prefix):
 /// - a holder outpaced by another holder with no prefill queued is shown as holding none of
 ///   it: the faster copy answers first, and the slower one is left to age out;
