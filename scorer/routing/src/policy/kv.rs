@@ -362,7 +362,14 @@ impl Policy for KvPolicy {
         let costs: Vec<Option<f64>> = shown
             .iter()
             .map(|shown| {
-                let c = &by_speed.as_ref().map_or(*shown, |s| s.priced(shown));
+                let priced;
+                let c = match &by_speed {
+                    Some(by_speed) => {
+                        priced = by_speed.priced(shown);
+                        &priced
+                    }
+                    None => shown,
+                };
                 let relieves = home.is_some_and(|h| self.relieves(h, c));
                 let miss_weight = match c.reported {
                     _ if relieves => 0.0,
