@@ -80,9 +80,9 @@ pub struct SpeedConfig {
     /// fleet sooner (its first prefixes land before its speeds are known) and let noise
     /// pass for speed sooner on a fleet of one type: at 8 a pod twice as slow as another is
     /// learned 1.45 times as slow 3 s into the cluster simulator's mixed fleet at twice its
-    /// rate (1.75 after 9 s), and 4 would gain that fleet 4 % of goodput, but two real vLLM
-    /// engines of one type then passed for mixed and a conversation's follow-ups left its
-    /// engine (docs/design/placement.md).
+    /// rate (1.75 after 9 s), and 4 would gain that fleet 4 % of goodput, but on two real
+    /// vLLM engines of one type a conversation's follow-ups then left its engine
+    /// (docs/design/placement.md).
     #[default(8.0)]
     pub prior_samples: f64,
     /// Slowness is kept within `[1/max, max]`.
