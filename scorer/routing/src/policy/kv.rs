@@ -361,14 +361,14 @@ impl Policy for KvPolicy {
         let at_fill = self.charges_at_fill(input, shown);
         let costs: Vec<Option<f64>> = shown
             .iter()
-            .map(|shown| {
+            .map(|c| {
                 let priced;
                 let c = match &by_speed {
                     Some(by_speed) => {
-                        priced = by_speed.priced(shown);
+                        priced = by_speed.priced(c);
                         &priced
                     }
-                    None => shown,
+                    None => c,
                 };
                 let relieves = home.is_some_and(|h| self.relieves(h, c));
                 let miss_weight = match c.reported {
