@@ -33,7 +33,9 @@
 //!   cannot swing it, clamped to `[1/max_slowness, max_slowness]`. While the learned
 //!   slownesses span less than `alike_spread` (slowest ÷ fastest) the fleet counts as alike
 //!   and every pod is applied as 1: on a fleet of one GPU type the ±5 % of noise would
-//!   otherwise decide ties.
+//!   otherwise decide ties. Only pods with `judge_samples` samples of their own (or a
+//!   declared slowness) count in that spread: a few samples of a real engine can be far
+//!   apart, and few pseudo-samples would then let them pass for a mixed fleet.
 //!
 //! Both fits forget at the rate of `window_samples` (each new sample multiplies the old
 //! sums by `1 − 1/window`), so a pod that changes speed is re-learned within a window of its
@@ -77,14 +79,17 @@ pub struct SpeedConfig {
     pub window_samples: f64,
     /// Pseudo-samples at slowness 1 (or at the pod's declared `slowness`) every pod starts
     /// with; also the fleet samples needed before any pod is judged. Fewer learn a mixed
-    /// fleet sooner (its first prefixes land before its speeds are known) and let noise
-    /// pass for speed sooner on a fleet of one type: at 8 a pod twice as slow as another is
-    /// learned 1.45 times as slow 3 s into the cluster simulator's mixed fleet at twice its
-    /// rate (1.75 after 9 s), and 4 would gain that fleet 4 % of goodput, but on two real
-    /// vLLM engines of one type a conversation's follow-ups then left its engine
-    /// (docs/design/placement.md).
-    #[default(8.0)]
+    /// fleet sooner (its first prefixes land before its speeds are known): from 8, the
+    /// cluster simulator's mixed fleet carried 4 % less at its SLO, its pods twice as slow
+    /// learned 1.45 times as slow 3 s into a run at twice its rate.
+    #[default(4.0)]
     pub prior_samples: f64,
+    /// Samples of its own a pod needs before its slowness counts in judging the fleet alike
+    /// or mixed (`alike_spread`); a declared slowness counts from the start. On two real
+    /// vLLM engines of one type, four samples each had set them 0.69 and 1.10 apart, and a
+    /// conversation's follow-ups then left its engine (docs/design/placement.md).
+    #[default(8.0)]
+    pub judge_samples: f64,
     /// Slowness is kept within `[1/max, max]`.
     #[default(8.0)]
     pub max_slowness: f64,
@@ -100,6 +105,7 @@ impl SpeedConfig {
         let at_least = |v: f64, min: f64| v >= min && v.is_finite();
         check(at_least(self.window_samples, 2.0), "window_samples", "must be at least 2")?;
         check(at_least(self.prior_samples, 0.0), "prior_samples", "must be 0 or more")?;
+        check(at_least(self.judge_samples, 0.0), "judge_samples", "must be 0 or more")?;
         check(at_least(self.max_slowness, 1.0), "max_slowness", "must be at least 1")?;
         check(at_least(self.alike_spread, 1.0), "alike_spread", "must be at least 1")
     }
@@ -221,6 +227,9 @@ pub struct PodSpeeds {
     /// The decayed count of `prior_samples` reports, `(1 − keepⁿ) / (1 − keep)`: the decode
     /// reports a pod needs before its decode speed is used.
     decode_reports_needed: f64,
+    /// The decayed count of `judge_samples` samples: the samples a pod needs before it
+    /// counts in judging the fleet's spread.
+    judge_after: f64,
     fleet: Fit,
     pods: PodMap<PodSpeed>,
     /// Whether the learned slownesses span more than `alike_spread` (updated per sample).
@@ -237,11 +246,13 @@ pub struct PodSpeeds {
 impl PodSpeeds {
     pub fn new(config: SpeedConfig) -> Self {
         let keep = 1.0 - 1.0 / config.window_samples;
-        let decode_reports_needed = (1.0 - keep.powf(config.prior_samples.max(1.0))) / (1.0 - keep) - 1e-9;
+        // What `n` samples in a row count for once decayed (less a rounding margin).
+        let decayed = |n: f64| (1.0 - keep.powf(n)) / (1.0 - keep) - 1e-9;
         Self {
             config,
             keep,
-            decode_reports_needed,
+            decode_reports_needed: decayed(config.prior_samples.max(1.0)),
+            judge_after: decayed(config.judge_samples),
             fleet: Fit::default(),
             pods: PodMap::default(),
             unlike: false,
@@ -303,16 +314,18 @@ impl PodSpeeds {
         self.judge_spread();
     }
 
-    /// Whether the slownesses of the pods judged so far (by samples or declared) span more
-    /// than `alike_spread`. Once some pod is declared, the fleet's average (1) counts too:
-    /// declaring the slow pods alone says the others are not. And the mean slowness of the
-    /// pods that have taught samples, which sets the fleet fit's scale.
+    /// Whether the slownesses of the pods judged so far (by `judge_samples` samples or
+    /// declared) span more than `alike_spread`. Once some pod is declared, the fleet's
+    /// average (1) counts too: declaring the slow pods alone says the others are not. And the
+    /// mean slowness of the pods that have taught samples, which sets the fleet fit's scale.
     fn judge_spread(&mut self) {
         let (mut fastest, mut slowest, mut declared) = (f64::INFINITY, 0.0_f64, false);
         let (mut taught, mut sum) = (0usize, 0.0);
         for (_, p) in self.pods.iter().filter(|(_, p)| p.samples > 0.0 || p.declared != 1.0) {
             let s = self.learned_slowness(p);
-            (fastest, slowest, declared) = (fastest.min(s), slowest.max(s), declared || p.declared != 1.0);
+            if p.declared != 1.0 || p.samples >= self.judge_after {
+                (fastest, slowest, declared) = (fastest.min(s), slowest.max(s), declared || p.declared != 1.0);
+            }
             if p.samples > 0.0 {
                 (taught, sum) = (taught + 1, sum + s);
             }
@@ -470,6 +483,30 @@ mod tests {
             assert!((learned / expected - 1.0).abs() < 0.12, "pod {pod}: {learned} vs {expected} ({s:?})");
             assert_eq!(speeds.slowness(PodId(pod as u32)), learned, "unlike pods: applied");
         }
+    }
+
+    #[test]
+    fn a_pod_counts_in_the_spread_only_after_its_own_judge_samples() {
+        // Pod 1 is three times as slow. Its first samples already show it, but a few samples
+        // are what noise on one engine type also shows: the fleet stays alike until both
+        // pods have taught `judge_samples` samples each (counted whole: no forgetting).
+        let config = SpeedConfig { window_samples: 1e9, ..Default::default() };
+        let mut speeds = learner(config);
+        let (mut rng, mut t) = (StdRng::seed_from_u64(7), 0.0);
+        let (mut seen_apart, mut applied_at) = (false, None);
+        for round in 0..40 {
+            feed(&mut speeds, &[1.0, 3.0], &[500, 2000], 1, &mut t, &mut rng);
+            let (fast, slow) = (speeds.view(PodId(0)), speeds.view(PodId(1)));
+            let judged = fast.samples.min(slow.samples) > config.judge_samples - 0.5;
+            if !judged {
+                seen_apart |= slow.slowness > fast.slowness * config.alike_spread;
+                assert_eq!(speeds.slowness(PodId(1)), 1.0, "round {round}: applied on {} samples", slow.samples);
+            } else if applied_at.is_none() && speeds.slowness(PodId(1)) > 1.0 {
+                applied_at = Some(round);
+            }
+        }
+        assert!(seen_apart, "the pods looked apart before they were judged");
+        assert!(applied_at.is_some(), "judged unlike once both had their samples");
     }
 
     #[test]
@@ -702,6 +739,7 @@ mod tests {
         for bad in [
             SpeedConfig { window_samples: 1.0, ..Default::default() },
             SpeedConfig { prior_samples: -1.0, ..Default::default() },
+            SpeedConfig { judge_samples: -1.0, ..Default::default() },
             SpeedConfig { max_slowness: 0.5, ..Default::default() },
             SpeedConfig { alike_spread: 0.9, ..Default::default() },
             SpeedConfig { window_samples: f64::NAN, ..Default::default() },
