@@ -26,7 +26,7 @@
 
 use kvgate_e2e::collector::{Collector, ReceivedSpan};
 use kvgate_e2e::path::Path;
-use kvgate_e2e::sim_check::{compare, simulator_beside, table, trace};
+use kvgate_e2e::sim_check::{BATCH_PREFIX_TOKENS, compare, shared_in_one_batch, simulator_beside, table, trace};
 use kvgate_e2e::{Measured, name_the_upstream, send};
 use kvgate_test_harness::{
     ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_LLAMA_MODEL, ENGINE_MODEL, Engine, EngineOptions, EnvoyProcess,
@@ -685,6 +685,11 @@ async fn simulator_agrees(engine: &Engine, options: &EngineOptions, requests: us
         assert!(compared.equal(Some(kind)).1 > 0, "the trace has {kind} requests");
     }
     assert!(compared.engine_evicted > 0 && compared.sim_evicted > 0, "the trace evicts: {compared:?}");
+    // Requests scheduled together share the prefix the first of them computes.
+    let shared = 3 * BATCH_PREFIX_TOKENS;
+    let engine_hits = shared_in_one_batch(&engine.url, ENGINE_MODEL, 1).await.expect("engine batch");
+    let sim_hits = shared_in_one_batch(&sim.url, ENGINE_MODEL, 1).await.expect("simulator batch");
+    assert_eq!((engine_hits, sim_hits), (shared, shared), "a prefix shared in one batch (engine, simulator)");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,7 +4,9 @@
 //! one batch under a token budget (`max_num_batched_tokens`) and a sequence cap
 //! (`max_num_seqs`): first the running requests (one token each when decoding, a chunk of
 //! the prompt when prefilling), then waiting requests in arrival order while blocks and
-//! budget last. A request that finds its prefix cached skips those tokens. When a decode
+//! budget last. A request that finds its prefix cached skips those tokens, including blocks
+//! a request ahead of it in the same step is about to compute (blocks are cached as their
+//! step is scheduled, as in vLLM). When a decode
 //! step cannot get a block, the most recently admitted request is preempted (its blocks are
 //! freed and it is recomputed later, as vLLM does). The step's duration comes from the
 //! [`TimingModel`]; the engine's clock advances by it.
@@ -600,6 +602,9 @@ impl Engine {
                     if hybrid {
                         seq.window_blocks.extend(window.into_iter().map(Some));
                     }
+                    let (upto, bs, window) = (seq.computed + n, self.config.block_size, self.window_group());
+                    let seq = self.seqs.get_mut(&id).expect("running request exists");
+                    register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, upto, bs, &self.root, window);
                     budget -= n;
                     scheduled.push((id, n));
                     i += 1;
@@ -776,7 +781,11 @@ impl Engine {
             seq.transfer_to = (hit + loaded) * bs;
             return Some(0);
         }
-        Some(target - seq.computed)
+        let computed = seq.computed;
+        let window = self.window_group();
+        let seq = self.seqs.get_mut(&id).expect("waiting request exists");
+        register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, target, bs, &self.root, window);
+        Some(target - computed)
     }
 
     /// Pulled KV has arrived: all prompt tokens but the last count as computed, and the
@@ -792,7 +801,8 @@ impl Engine {
                     self.counters.transferred_tokens += (loaded - seq.computed.min(loaded)) as u64;
                 }
                 seq.computed = seq.computed.max(loaded);
-                register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, bs, &self.root, window);
+                let upto = seq.computed;
+                register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, upto, bs, &self.root, window);
             }
         }
     }
@@ -806,7 +816,8 @@ impl Engine {
         let prompt_computed = seq.prompt_len.saturating_sub(seq.computed).min(n);
         self.counters.prefill_tokens_computed += prompt_computed as u64;
         seq.computed += n;
-        register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, bs, &self.root, window);
+        let upto = seq.computed;
+        register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, upto, bs, &self.root, window);
         if seq.computed < seq.tokens.len() {
             return; // a prompt chunk; more to prefill
         }
@@ -860,19 +871,26 @@ fn extend_hashes(seq: &mut Sequence, full: usize, root: &EngineBlockHash, bs: us
     }
 }
 
-/// Registers the sequence's computed full blocks that are not cached yet (→ `BlockStored`),
-/// in each KV-cache group, and offloads them when there is an offload tier. A hybrid model's
-/// window group (`window`) then frees the blocks its window has moved past: the pool evicts
-/// them first (vLLM's `SlidingWindowManager.remove_skipped_blocks`).
+/// Registers the sequence's full blocks up to token `upto` that are not cached yet
+/// (→ `BlockStored`), in each KV-cache group, and offloads them when there is an offload
+/// tier. A hybrid model's window group (`window`) then frees the blocks its window has moved
+/// past: the pool evicts them first (vLLM's `SlidingWindowManager.remove_skipped_blocks`).
+///
+/// A step's blocks are registered when the step is scheduled, before they are computed, as
+/// vLLM's `KVCacheManager.allocate_slots` caches them: a request scheduled after another in
+/// the same step finds the prefix the other computes there (a real vLLM 0.32 engine given
+/// four prompts of one 1,024-token prefix at once served three of them 1,024 cached tokens
+/// each).
 fn register_full_blocks(
     pool: &mut BlockPool,
     offload: Option<&mut OffloadTier>,
     seq: &mut Sequence,
+    upto: usize,
     bs: usize,
     root: &EngineBlockHash,
     window: Option<KvGroup>,
 ) {
-    let full = seq.computed.min(seq.tokens.len()) / bs;
+    let full = upto.min(seq.tokens.len()) / bs;
     if full > seq.registered {
         extend_hashes(seq, full, root, bs);
         let start = seq.registered;
@@ -1038,6 +1056,28 @@ mod tests {
         e.add_request(request(a, 1)).unwrap();
         run(&mut e);
         assert_eq!(e.counters().offload_loaded_tokens, 96, "a reset clears the offload tier too");
+    }
+
+    #[test]
+    fn requests_scheduled_in_one_step_share_the_prefix_one_of_them_computes() {
+        // As on a real vLLM 0.32 engine given four prompts of one 1,024-token prefix at once
+        // (`--max-num-batched-tokens` 2048): one computes the prefix, the three scheduled
+        // after it in the same step are served it from the cache.
+        let mut e = Engine::new(EngineConfig { max_num_batched_tokens: 600, ..config() });
+        let prefix: Vec<u32> = (0..256).collect();
+        let ids: Vec<RequestId> = (0..4u32)
+            .map(|i| {
+                let prompt = prefix.iter().copied().chain((0..16).map(|k| 1000 + 16 * i + k)).collect();
+                e.add_request(request(prompt, 1)).unwrap()
+            })
+            .collect();
+        let first = e.step().unwrap();
+        assert_eq!(first.work.tokens, 256 + 16 + 3 * 16, "one step: the prefix once, each suffix");
+        let cached: Vec<Option<usize>> =
+            first.outputs.iter().map(|o| o.finished.as_ref().map(|f| f.usage.cached_tokens)).collect();
+        assert_eq!(first.outputs.iter().map(|o| o.id).collect::<Vec<_>>(), ids, "all four answered in it");
+        assert_eq!(cached, vec![Some(0), Some(256), Some(256), Some(256)]);
+        assert_eq!(e.counters().prefill_tokens_computed, 256 + 4 * 16);
     }
 
     #[test]
