@@ -6,10 +6,10 @@
 //! the prompt when prefilling), then waiting requests in arrival order while blocks and
 //! budget last. A request that finds its prefix cached skips those tokens, including blocks
 //! a request ahead of it in the same step is about to compute (blocks are cached as their
-//! step is scheduled, as in vLLM). When a decode
-//! step cannot get a block, the most recently admitted request is preempted (its blocks are
-//! freed and it is recomputed later, as vLLM does). The step's duration comes from the
-//! [`TimingModel`]; the engine's clock advances by it.
+//! step is scheduled, as in vLLM). When a decode step cannot get a block, the most recently
+//! admitted request is preempted (its blocks are freed and it is recomputed later, as vLLM
+//! does). The step's duration comes from the [`TimingModel`]; the engine's clock advances
+//! by it.
 //!
 //! Nothing here does I/O or reads a wall clock, so the same engine runs live behind the HTTP
 //! server (`kvgate-sim`) and in an offline cluster simulator in virtual time.
