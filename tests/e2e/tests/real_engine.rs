@@ -687,8 +687,8 @@ async fn simulator_agrees(engine: &Engine, options: &EngineOptions, requests: us
     assert!(compared.engine_evicted > 0 && compared.sim_evicted > 0, "the trace evicts: {compared:?}");
     // Requests scheduled together share the prefix the first of them computes.
     let shared = 3 * BATCH_PREFIX_TOKENS;
-    let engine_hits = shared_in_one_batch(&engine.url, ENGINE_MODEL, 1).await.expect("engine batch");
-    let sim_hits = shared_in_one_batch(&sim.url, ENGINE_MODEL, 1).await.expect("simulator batch");
+    let engine_hits = shared_in_one_batch(&engine.url, ENGINE_MODEL).await.expect("engine batch");
+    let sim_hits = shared_in_one_batch(&sim.url, ENGINE_MODEL).await.expect("simulator batch");
     assert_eq!((engine_hits, sim_hits), (shared, shared), "a prefix shared in one batch (engine, simulator)");
 }
 
