@@ -584,6 +584,7 @@ impl Engine {
         let mut preempted = false;
 
         // 1. Running requests, oldest first.
+        let (bs, window) = (self.config.block_size, self.window_group());
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let id = self.running[i];
@@ -593,17 +594,16 @@ impl Engine {
                 continue;
             }
             let n = (seq.tokens.len() - seq.computed).min(budget);
-            let needed = (seq.computed + n).div_ceil(self.config.block_size).saturating_sub(seq.blocks.len());
+            let needed = (seq.computed + n).div_ceil(bs).saturating_sub(seq.blocks.len());
             let hybrid = self.config.sliding_window.is_some();
             match self.allocate_blocks(needed) {
-                Some((blocks, window)) => {
+                Some((blocks, window_blocks)) => {
                     let seq = self.seqs.get_mut(&id).expect("running request exists");
                     seq.blocks.extend(blocks);
                     if hybrid {
-                        seq.window_blocks.extend(window.into_iter().map(Some));
+                        seq.window_blocks.extend(window_blocks.into_iter().map(Some));
                     }
-                    let (upto, bs, window) = (seq.computed + n, self.config.block_size, self.window_group());
-                    let seq = self.seqs.get_mut(&id).expect("running request exists");
+                    let upto = seq.computed + n;
                     register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, upto, bs, &self.root, window);
                     budget -= n;
                     scheduled.push((id, n));
@@ -781,11 +781,8 @@ impl Engine {
             seq.transfer_to = (hit + loaded) * bs;
             return Some(0);
         }
-        let computed = seq.computed;
-        let window = self.window_group();
-        let seq = self.seqs.get_mut(&id).expect("waiting request exists");
-        register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, target, bs, &self.root, window);
-        Some(target - computed)
+        register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, target, bs, &self.root, window_group);
+        Some(target - seq.computed)
     }
 
     /// Pulled KV has arrived: all prompt tokens but the last count as computed, and the
@@ -803,12 +800,14 @@ impl Engine {
                 seq.computed = seq.computed.max(loaded);
                 let upto = seq.computed;
                 register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, upto, bs, &self.root, window);
+                free_skipped_window_blocks(&mut self.pool, seq, bs, window);
             }
         }
     }
 
-    /// Applies `n` computed tokens to a request: caches newly full blocks, samples a token
-    /// when the whole sequence is computed, finishes it at its limit.
+    /// Applies `n` computed tokens to a request (their blocks were cached when the step was
+    /// scheduled): frees the window blocks they moved past, samples a token when the whole
+    /// sequence is computed, finishes it at its limit.
     fn advance(&mut self, id: RequestId, n: usize, outputs: &mut Vec<Output>) {
         let bs = self.config.block_size;
         let window = self.window_group();
@@ -816,8 +815,7 @@ impl Engine {
         let prompt_computed = seq.prompt_len.saturating_sub(seq.computed).min(n);
         self.counters.prefill_tokens_computed += prompt_computed as u64;
         seq.computed += n;
-        let upto = seq.computed;
-        register_full_blocks(&mut self.pool, self.offload.as_mut(), seq, upto, bs, &self.root, window);
+        free_skipped_window_blocks(&mut self.pool, seq, bs, window);
         if seq.computed < seq.tokens.len() {
             return; // a prompt chunk; more to prefill
         }
@@ -872,9 +870,8 @@ fn extend_hashes(seq: &mut Sequence, full: usize, root: &EngineBlockHash, bs: us
 }
 
 /// Registers the sequence's full blocks up to token `upto` that are not cached yet
-/// (→ `BlockStored`), in each KV-cache group, and offloads them when there is an offload
-/// tier. A hybrid model's window group (`window`) then frees the blocks its window has moved
-/// past: the pool evicts them first (vLLM's `SlidingWindowManager.remove_skipped_blocks`).
+/// (→ `BlockStored`), in each KV-cache group (`window`: a hybrid model's window group), and
+/// offloads them when there is an offload tier.
 ///
 /// A step's blocks are registered when the step is scheduled, before they are computed, as
 /// vLLM's `KVCacheManager.allocate_slots` caches them: a request scheduled after another in
@@ -914,6 +911,12 @@ fn register_full_blocks(
         }
         seq.registered = full;
     }
+}
+
+/// A hybrid model's window group (`window`) frees the blocks its window has moved past now
+/// that the sequence's tokens are computed: the pool evicts them first (vLLM's
+/// `SlidingWindowManager.remove_skipped_blocks`).
+fn free_skipped_window_blocks(pool: &mut BlockPool, seq: &mut Sequence, bs: usize, window: Option<KvGroup>) {
     if let Some(w) = window.and_then(|g| g.sliding_window) {
         let skipped = (seq.computed + 1).saturating_sub(w as usize) / bs;
         let out_of_window: Vec<BlockId> = seq.window_blocks.iter_mut().take(skipped).filter_map(Option::take).collect();
