@@ -26,7 +26,7 @@
 
 use kvgate_e2e::collector::{Collector, ReceivedSpan};
 use kvgate_e2e::path::Path;
-use kvgate_e2e::sim_check::{BATCH_PREFIX_TOKENS, compare, shared_in_one_batch, simulator_beside, table, trace};
+use kvgate_e2e::sim_check::{BATCH_PREFIX_TOKENS, compare, send_shared_batch, simulator_beside, table, trace};
 use kvgate_e2e::{Measured, name_the_upstream, send};
 use kvgate_test_harness::{
     ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_LLAMA_MODEL, ENGINE_MODEL, Engine, EngineOptions, EnvoyProcess,
@@ -686,10 +686,13 @@ async fn simulator_agrees(engine: &Engine, options: &EngineOptions, requests: us
     }
     assert!(compared.engine_evicted > 0 && compared.sim_evicted > 0, "the trace evicts: {compared:?}");
     // Requests scheduled together share the prefix the first of them computes.
-    let shared = 3 * BATCH_PREFIX_TOKENS;
-    let engine_hits = shared_in_one_batch(&engine.url, ENGINE_MODEL).await.expect("engine batch");
-    let sim_hits = shared_in_one_batch(&sim.url, ENGINE_MODEL).await.expect("simulator batch");
-    assert_eq!((engine_hits, sim_hits), (shared, shared), "a prefix shared in one batch (engine, simulator)");
+    let hits = "vllm:prefix_cache_hits_total";
+    let before = (engine.metric(hits).await, sim.metric(hits).await);
+    send_shared_batch(&engine.url, ENGINE_MODEL).await.expect("engine batch");
+    send_shared_batch(&sim.url, ENGINE_MODEL).await.expect("simulator batch");
+    let served = (engine.metric(hits).await - before.0, sim.metric(hits).await - before.1);
+    let shared = (3 * BATCH_PREFIX_TOKENS) as f64;
+    assert_eq!(served, (shared, shared), "a prefix shared in one batch, cached tokens (engine, simulator)");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
