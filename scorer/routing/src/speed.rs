@@ -80,7 +80,7 @@ pub struct SpeedConfig {
     /// Pseudo-samples at slowness 1 (or at the pod's declared `slowness`) every pod starts
     /// with; also the fleet samples needed before any pod is judged. Fewer learn a mixed
     /// fleet sooner (its first prefixes land before its speeds are known): from 8, the
-    /// cluster simulator's mixed fleet carried 4 % less at its SLO, its pods twice as slow
+    /// cluster simulator's mixed fleet carried 2–4 % less at its SLO, its pods twice as slow
     /// learned 1.45 times as slow 3 s into a run at twice its rate.
     #[default(4.0)]
     pub prior_samples: f64,
