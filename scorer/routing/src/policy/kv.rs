@@ -7,7 +7,7 @@
 //!                        + decode_read_weight · decode blocks read per step
 //!                        + overflow_weight    · max(0, decode blocks held + its uncached blocks − KV capacity)
 //!                        + prefill_weight     · adapter wait / block_size )
-//!           + prefill_weight · miss_weight · activity · its uncached tokens / block_size
+//!           + prefill_weight · miss_weight · its uncached tokens / block_size
 //! ```
 //!
 //! `miss_weight` charges a cache miss for the prefixes its new blocks evict (later requests
@@ -41,14 +41,6 @@
 //! charged at each pod's cache fill (indexed blocks over KV capacity), so the group's home
 //! is the pod holding the fewest other groups rather than whichever was least busy at that
 //! instant (the capacity workload's busiest pod had taken 1.24× the mean of requests).
-//! What a miss evicts is worth as much as the traffic asking for it: while some pod caches
-//! the prompt, each pod's miss charge is scaled by its requests in flight over the fleet's
-//! mean, both plus `miss_activity_offset` (at most 1). A pod idle in a busy fleet holds
-//! prefixes whose requests are done, and a group's later requests move there for little
-//! more than their prefill; on a fleet evenly loaded (the capacity workload's partition)
-//! the charge stays whole. (The live mix in virtual time, where the sessions of the system
-//! prompts homed on two pods ended the run on those two while the documents' pods idled:
-//! p90 98 → 72 ms.)
 //! `decode_read_weight` charges the per-sequence context each decode step reads (a prefix
 //! shared by ten sequences is held once but read ten times), which sets the pod's step
 //! time. `overflow_weight` charges the blocks a request would need beyond the pod's KV
@@ -193,14 +185,6 @@ pub struct KvPolicyConfig {
     /// does not makes the charge flat on all. `None` = the charge is flat there too.
     #[default(Some(0.3))]
     pub new_prompt_share: Option<f64>,
-    /// What a miss evicts from a pod is worth as much as the traffic that asks for it: while
-    /// some pod caches the prompt, its miss charge on each pod is scaled by the pod's
-    /// requests in flight over the fleet's mean, both plus this offset (at most 1). An idle
-    /// pod of a busy fleet holds prefixes nobody is asking for, so a prefix group's later
-    /// requests move there at little more than the price of their prefill; on a fleet
-    /// evenly loaded the charge stays whole. `None` = charged in full on every pod.
-    #[default(Some(1.0))]
-    pub miss_activity_offset: Option<f64>,
     /// Drop pods reporting at least this many waiting requests.
     pub max_waiting: Option<f64>,
     /// Drop pods reporting at least this KV-cache usage (0–1).
@@ -243,13 +227,6 @@ impl KvPolicyConfig {
                 share > 0.0 && share <= 1.0,
                 "new_prompt_share",
                 &format!("{share} must be a fraction (0-1], or null"),
-            )?;
-        }
-        if let Some(offset) = self.miss_activity_offset {
-            check(
-                offset.is_finite() && offset > 0.0,
-                "miss_activity_offset",
-                &format!("{offset} must be a number > 0, or null"),
             )?;
         }
         if let Some(usage) = self.max_kv_usage {
@@ -306,15 +283,6 @@ impl KvPolicy {
         let best = candidates.iter().map(Candidate::credited_tokens).max().unwrap_or(0);
         self.config.new_prompt_share.is_some_and(|share| f64::from(best) < share * f64::from(input.prompt_tokens))
             && candidates.iter().all(|c| c.reported.is_some_and(|r| r.num_gpu_blocks > 0.0))
-    }
-
-    /// The share of its miss charge `c` pays for how busy it is (`miss_activity_offset`):
-    /// its requests in flight over `mean_inflight`, the fleet's, both plus the offset, at
-    /// most 1 (1 with the rule off).
-    fn activity(&self, c: &Candidate, mean_inflight: f64) -> f64 {
-        self.config
-            .miss_activity_offset
-            .map_or(1.0, |offset| ((f64::from(c.load.inflight_requests) + offset) / (mean_inflight + offset)).min(1.0))
     }
 
     /// Whether `c` takes the overflow of the prompt's `home` at the price of its prefill
@@ -391,12 +359,6 @@ impl Policy for KvPolicy {
         let home = home(shown).map(|h| &shown[h]);
         let second_slot = second_slot_seconds(input, shown);
         let at_fill = self.charges_at_fill(input, shown);
-        // Scaled by activity only where some pod caches the prompt: a prompt cached nowhere
-        // misses alike everywhere, and scaling its charge would make it a load term.
-        let mean_inflight = match home {
-            Some(_) => shown.iter().map(|c| f64::from(c.load.inflight_requests)).sum::<f64>() / shown.len() as f64,
-            None => f64::NAN,
-        };
         let costs: Vec<Option<f64>> = shown
             .iter()
             .map(|c| {
@@ -416,8 +378,6 @@ impl Policy for KvPolicy {
                     }
                     _ => self.config.miss_weight,
                 };
-                let miss_weight =
-                    if home.is_some() { miss_weight * self.activity(c, mean_inflight) } else { miss_weight };
                 (all_busy || !self.busy(c)).then(|| self.cost_with(input, c, miss_weight, second_slot))
             })
             .collect();
@@ -542,12 +502,6 @@ mod tests {
 
     fn policy(config: KvPolicyConfig) -> KvPolicy {
         KvPolicy::new(config, StdRng::seed_from_u64(7))
-    }
-
-    /// A policy judging a relief rule on its own: without the miss charge's scaling by each
-    /// pod's activity (its own test), which also favours the quieter pods these tests use.
-    fn alone(config: KvPolicyConfig) -> KvPolicy {
-        policy(KvPolicyConfig { miss_activity_offset: None, ..config })
     }
 
     #[test]
@@ -686,7 +640,7 @@ mod tests {
         home.load.decode_blocks = 1580.0;
         home.load.decode_read_blocks = 3405.0;
         let idle = Candidate { reported: capacity, ..candidate(1, 0, 0, 0) };
-        let mut p = alone(KvPolicyConfig::default());
+        let mut p = policy(KvPolicyConfig::default());
         assert_eq!(p.select(&input, &[home, idle]).chosen, 1, "the idle pod pays its prefill, not a miss charge");
         // Within its capacity the home keeps the prefix: a second copy would evict others.
         let fits = Candidate { load: crate::load::PodLoad { decode_blocks: 1400.0, ..home.load }, ..home };
@@ -706,7 +660,7 @@ mod tests {
 
     #[test]
     fn a_slower_home_gives_its_prefix_to_a_faster_pod_once_the_wait_there_is_longer() {
-        let mut p = alone(KvPolicyConfig::default());
+        let mut p = policy(KvPolicyConfig::default());
         // The home caches the prompt and has 960 tokens of prefill queued; pod 1 is idle and
         // caches nothing. Of one speed, the home wins: a miss on pod 1 is charged 3× over.
         let home = candidate(0, 992, 4, 960);
@@ -729,7 +683,7 @@ mod tests {
 
     #[test]
     fn a_prefix_group_moves_to_a_pod_that_outpaces_its_holders() {
-        let mut p = alone(KvPolicyConfig::default());
+        let mut p = policy(KvPolicyConfig::default());
         // An idle half-speed pod holds the prompt; pod 1, twice as fast, holds nothing. The
         // group moves: pod 1 is priced as holding the prefix (its first request computes it).
         let slow = Candidate { slowness: 2.0, ..candidate(0, 992, 0, 0) };
@@ -759,7 +713,7 @@ mod tests {
 
     #[test]
     fn a_pile_up_turns_the_miss_charge_off() {
-        let mut p = alone(KvPolicyConfig::default());
+        let mut p = policy(KvPolicyConfig::default());
         // Pod 0 holds the prefix; pod 1 does not (both caches full, capacity unknown).
         let mut hot = candidate(0, 992, 30, 2000);
         let cold = candidate(1, 0, 2, 0);
@@ -768,13 +722,13 @@ mod tests {
         hot.group_inflight = 30;
         let d = p.select(&INPUT, &[hot, cold]);
         assert_eq!(d.chosen, 1, "imbalanced: misses cost only their prefill, and pod 0's queue is longer");
-        let sticky = alone(KvPolicyConfig { balance_abs_threshold: None, ..Default::default() });
+        let sticky = policy(KvPolicyConfig { balance_abs_threshold: None, ..Default::default() });
         assert!(sticky.cost(&INPUT, &hot) < sticky.cost(&INPUT, &cold), "without the guard the miss charge keeps it");
     }
 
     #[test]
     fn a_home_piled_up_by_other_groups_keeps_the_prompts_group() {
-        let mut p = alone(KvPolicyConfig::default());
+        let mut p = policy(KvPolicyConfig::default());
         // 60 in flight at the home, 20 of them the prompt's group (under 0.35): copying its
         // prefix to pod 1 would relieve the home of a third of its pile and evict there.
         let home = Candidate { group_inflight: 20, ..candidate(0, 992, 60, 2000) };
@@ -782,13 +736,13 @@ mod tests {
         let d = p.select(&INPUT, &[home, cold]);
         assert_eq!(d.chosen, 0);
         assert_eq!(d.costs[1], Some(p.cost(&INPUT, &cold)), "pod 1 is charged the miss");
-        let mut any_pile = alone(KvPolicyConfig { balance_group_share: 0.0, ..Default::default() });
+        let mut any_pile = policy(KvPolicyConfig { balance_group_share: 0.0, ..Default::default() });
         assert_eq!(any_pile.select(&INPUT, &[home, cold]).chosen, 1, "counting any pile-up, pod 1 relieves it");
     }
 
     #[test]
     fn a_thrashing_home_hands_its_requests_to_a_pod_that_is_not() {
-        let mut p = alone(KvPolicyConfig::default());
+        let mut p = policy(KvPolicyConfig::default());
         // The home holds the prompt but 60 % of what it stores recomputes blocks it evicted;
         // pod 1 holds nothing, recomputes nothing and has fewer requests in flight.
         let home = Candidate { recompute_share: 0.6, ..candidate(0, 992, 10, 1200) };
@@ -806,34 +760,8 @@ mod tests {
             let d = p.select(&INPUT, &[home, other]);
             assert_eq!((d.chosen, d.costs[1]), (0, Some(p.cost(&INPUT, &other))));
         }
-        let mut off = alone(KvPolicyConfig { thrashing_share: None, ..Default::default() });
+        let mut off = policy(KvPolicyConfig { thrashing_share: None, ..Default::default() });
         assert_eq!(off.select(&INPUT, &[home, calm]).chosen, 0, "off: the miss keeps the prompt home");
-    }
-
-    #[test]
-    fn a_miss_on_an_idle_pod_of_a_busy_fleet_is_charged_for_what_it_evicts_there() {
-        // As traced in the live mix's virtual time: a session's home (pod 3) caches its 2,688
-        // tokens and has 9 requests in flight; pod 2 caches only the system prompt and is
-        // idle — its groups' requests are done, so what it holds nobody is asking for.
-        let input = RouteInput { prompt_tokens: 2859, ..INPUT };
-        let fleet =
-            [candidate(0, 0, 2, 2297), candidate(1, 0, 8, 1151), candidate(2, 1744, 0, 0), candidate(3, 2688, 9, 1482)];
-        let mut p = policy(KvPolicyConfig::default());
-        let d = p.select(&input, &fleet);
-        assert_eq!(d.chosen, 2, "{:?}", d.costs);
-        let mean = (2 + 8 + 9) as f64 / 4.0;
-        assert_eq!(d.costs[2], Some(p.cost_with(&input, &fleet[2], 3.0 / (mean + 1.0), 0.0)));
-        assert_eq!(d.costs[3], Some(p.cost(&input, &fleet[3])), "busier than the mean: charged in full");
-        let mut whole = policy(KvPolicyConfig { miss_activity_offset: None, ..Default::default() });
-        assert_eq!(whole.select(&input, &fleet).chosen, 3, "off: the miss charge keeps the session home");
-        // On a fleet evenly loaded every pod pays the whole charge.
-        let even = fleet.map(|c| Candidate { load: candidate(0, 0, 5, 0).load, ..c });
-        let d = p.select(&input, &even);
-        assert!(even.iter().zip(&d.costs).all(|(c, cost)| *cost == Some(p.cost(&input, c))));
-        // A prompt cached nowhere misses alike on every pod: its charge is not scaled.
-        let cold = fleet.map(|c| c.holding(0));
-        let d = p.select(&input, &cold);
-        assert!(cold.iter().zip(&d.costs).all(|(c, cost)| *cost == Some(p.cost(&input, c))));
     }
 
     #[test]
@@ -844,10 +772,6 @@ mod tests {
             ..Default::default()
         };
         assert!(with(Some(0.3), Some(0.3)).validate().is_ok());
-        for offset in [0.0, -1.0, f64::NAN] {
-            let config = KvPolicyConfig { miss_activity_offset: Some(offset), ..Default::default() };
-            assert!(config.validate().is_err(), "miss_activity_offset {offset}");
-        }
         assert!(with(None, None).validate().is_ok(), "null: off, said plainly");
         for (thrashing, new_prompt) in [(Some(0.0), None), (None, Some(0.0)), (None, Some(1.5))] {
             assert!(with(thrashing, new_prompt).validate().is_err(), "{thrashing:?} {new_prompt:?}");
@@ -887,7 +811,7 @@ mod tests {
 
     #[test]
     fn a_pile_up_elsewhere_in_the_fleet_keeps_the_miss_charge() {
-        let mut p = alone(KvPolicyConfig::default());
+        let mut p = policy(KvPolicyConfig::default());
         // The prompt's home (pod 0) is as busy as most; pod 1 is idle; pod 2, holding
         // other prefixes, has piled up 60 requests.
         let home = candidate(0, 992, 4, 0);
@@ -900,7 +824,7 @@ mod tests {
 
     #[test]
     fn a_quiet_copy_of_the_prefix_relieves_a_piled_up_one() {
-        let mut p = alone(KvPolicyConfig::default());
+        let mut p = policy(KvPolicyConfig::default());
         let piled = candidate(0, 992, 60, 4000);
         let copy = candidate(1, 992, 20, 500);
         let idle = candidate(2, 0, 0, 0);
