@@ -595,12 +595,11 @@ impl Engine {
             }
             let n = (seq.tokens.len() - seq.computed).min(budget);
             let needed = (seq.computed + n).div_ceil(bs).saturating_sub(seq.blocks.len());
-            let hybrid = self.config.sliding_window.is_some();
             match self.allocate_blocks(needed) {
                 Some((blocks, window_blocks)) => {
                     let seq = self.seqs.get_mut(&id).expect("running request exists");
                     seq.blocks.extend(blocks);
-                    if hybrid {
+                    if window.is_some() {
                         seq.window_blocks.extend(window_blocks.into_iter().map(Some));
                     }
                     let upto = seq.computed + n;
