@@ -126,8 +126,9 @@ impl PodAdapters {
     /// booked there (`in_flight`), and `unknown_seconds` for how long an adapter the pod
     /// reports holds its slot when no booking explains it (routed by someone else; one this
     /// router routed there and has no booking of has drained since the report). The engine
-    /// gives slots in order of arrival: the booked adapters, by their first booking, after
-    /// the unexplained ones, fill the slots; the rest wait.
+    /// keeps a running adapter's slot while its requests last, and gives a freed one in
+    /// order of arrival: after the unexplained adapters, the booked ones it reported
+    /// running, then the others by their first booking, fill the slots; the rest wait.
     pub fn fit(&self, adapter: AdapterId, in_flight: &[AdapterLoad], unknown_seconds: f64) -> AdapterFit {
         let Some(reported) = self.reported.as_ref().filter(|r| r.max_loras > 0) else {
             return AdapterFit::Unlimited;
@@ -144,10 +145,13 @@ impl PodAdapters {
                 });
             }
         }
-        // Unexplained running adapters first, then unexplained waiting ones, then by arrival.
+        // Unexplained running adapters first, then unexplained waiting ones, then the booked
+        // ones running at the report (judged by their oldest booking, an adapter whose
+        // requests keep coming would lose its slot to one waiting longer), then by arrival.
         let unexplained = order.len();
         order.extend_from_slice(in_flight);
-        order[unexplained..].sort_by(|a, b| a.since.total_cmp(&b.since));
+        let waits = |l: &AdapterLoad| !reported.running.contains(&l.adapter);
+        order[unexplained..].sort_by(|a, b| waits(a).cmp(&waits(b)).then(a.since.total_cmp(&b.since)));
         let (running, queued) = order.split_at(order.len().min(slots));
         if running.iter().any(|l| l.adapter == adapter) {
             return AdapterFit::Running;
@@ -228,6 +232,21 @@ mod tests {
         // …unless this router sent it there: then it has drained since the report.
         reported.routed(id("art"));
         assert_eq!(reported.fit(id("law"), &booked, 9.0), AdapterFit::Running);
+    }
+
+    #[test]
+    fn a_running_adapter_keeps_its_slot_from_adapters_waiting_longer_than_its_oldest_request() {
+        // sql runs at the scrape; its requests keep coming, so its oldest one in flight is
+        // recent. law and med have waited since before it: vLLM does not take sql's slot.
+        let mut p = pod(&["sql"], &["law", "med"], 2);
+        p.routed(id("sql"));
+        let booked = [booked("law", 0.0, 2.0, 1), booked("med", 1.0, 3.0, 1), booked("sql", 5.0, 1.5, 2)];
+        assert_eq!(p.fit(id("sql"), &booked, 9.0), AdapterFit::Running);
+        assert_eq!(p.fit(id("law"), &booked, 9.0), AdapterFit::Running, "the first waiting takes the free slot");
+        let law_frees = 2.0;
+        assert_eq!(p.fit(id("med"), &booked, 9.0), AdapterFit::Full { load: true, wait_seconds: law_frees, joins: true });
+        // Once the requests this router sent it are done, sql holds nothing.
+        assert_eq!(p.fit(id("med"), &booked[..2], 9.0), AdapterFit::Running);
     }
 
     #[test]
