@@ -79,6 +79,15 @@ pub enum AdapterFit {
     Full { load: bool, wait_seconds: f64, joins: bool },
 }
 
+/// A pod's adapter slots and the requests booked there that wait for one (their adapter
+/// holds none): what taking a slot for a long time delays.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SlotQueue {
+    /// Adapters one batch holds (`--max-loras`; 0: no adapter slots reported).
+    pub slots: u32,
+    pub waiting_requests: u32,
+}
+
 /// One pod's adapters as the router believes them.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct PodAdapters {
@@ -128,10 +137,11 @@ impl PodAdapters {
     /// router routed there and has no booking of has drained since the report). The engine
     /// keeps a running adapter's slot while its requests last, and gives a freed one in
     /// order of arrival: after the unexplained adapters, the booked ones it reported
-    /// running, then the others by their first booking, fill the slots; the rest wait.
-    pub fn fit(&self, adapter: AdapterId, in_flight: &[AdapterLoad], unknown_seconds: f64) -> AdapterFit {
+    /// running, then the others by their first booking, fill the slots; the rest wait (the
+    /// pod's [`SlotQueue`], returned beside).
+    pub fn fit(&self, adapter: AdapterId, in_flight: &[AdapterLoad], unknown_seconds: f64) -> (AdapterFit, SlotQueue) {
         let Some(reported) = self.reported.as_ref().filter(|r| r.max_loras > 0) else {
-            return AdapterFit::Unlimited;
+            return (AdapterFit::Unlimited, SlotQueue::default());
         };
         let slots = reported.max_loras as usize;
         let mut order: SmallVec<[AdapterLoad; 8]> = SmallVec::new();
@@ -153,21 +163,22 @@ impl PodAdapters {
         let waits = |l: &AdapterLoad| !reported.running.contains(&l.adapter);
         order[unexplained..].sort_by(|a, b| waits(a).cmp(&waits(b)).then(a.since.total_cmp(&b.since)));
         let (running, queued) = order.split_at(order.len().min(slots));
+        let queue = SlotQueue { slots: reported.max_loras, waiting_requests: queued.iter().map(|l| l.requests).sum() };
         if running.iter().any(|l| l.adapter == adapter) {
-            return AdapterFit::Running;
+            return (AdapterFit::Running, queue);
         }
         let load = !self.resident.contains(&adapter);
         let waiting_at = queued.iter().position(|l| l.adapter == adapter);
         let ahead = waiting_at.unwrap_or(queued.len());
         if running.len() + ahead < slots {
-            return AdapterFit::Free { load };
+            return (AdapterFit::Free { load }, queue);
         }
         // Slots free up as the running adapters drain, soonest first; those ahead take the
         // first.
         let mut drains: SmallVec<[f64; 8]> = running.iter().map(AdapterLoad::slot_seconds).collect();
         drains.sort_by(f64::total_cmp);
         let wait_seconds = drains.get(ahead.min(drains.len().saturating_sub(1))).copied().unwrap_or(unknown_seconds);
-        AdapterFit::Full { load, wait_seconds, joins: waiting_at.is_some() }
+        (AdapterFit::Full { load, wait_seconds, joins: waiting_at.is_some() }, queue)
     }
 }
 
@@ -193,21 +204,21 @@ mod tests {
     #[test]
     fn a_pod_runs_an_adapter_has_a_slot_for_it_or_makes_it_wait_for_the_soonest_to_drain() {
         let two = pod(&["sql"], &[], 2);
-        assert_eq!(two.fit(id("sql"), &[], 9.0), AdapterFit::Running);
-        assert_eq!(two.fit(id("law"), &[], 9.0), AdapterFit::Free { load: true });
+        assert_eq!(two.fit(id("sql"), &[], 9.0).0, AdapterFit::Running);
+        assert_eq!(two.fit(id("law"), &[], 9.0).0, AdapterFit::Free { load: true });
         // Booked here: law runs too, so the slots are full for a third adapter, which waits
         // for the first to drain (sql, unexplained by bookings: 9 s).
         let law = [booked("law", 0.0, 2.5, 1)];
-        assert_eq!(two.fit(id("law"), &law, 9.0), AdapterFit::Running);
-        assert_eq!(two.fit(id("med"), &law, 9.0), AdapterFit::Full { load: true, wait_seconds: 2.5, joins: false });
+        assert_eq!(two.fit(id("law"), &law, 9.0).0, AdapterFit::Running);
+        assert_eq!(two.fit(id("med"), &law, 9.0).0, AdapterFit::Full { load: true, wait_seconds: 2.5, joins: false });
         let long_law = [booked("law", 0.0, 12.0, 1)];
         assert_eq!(
-            two.fit(id("med"), &long_law, 9.0),
+            two.fit(id("med"), &long_law, 9.0).0,
             AdapterFit::Full { load: true, wait_seconds: 9.0, joins: false }
         );
         // No adapter slots reported: nothing is known to limit it.
-        assert_eq!(PodAdapters::default().fit(id("sql"), &law, 9.0), AdapterFit::Unlimited);
-        assert_eq!(pod(&[], &[], 0).fit(id("sql"), &[], 9.0), AdapterFit::Unlimited);
+        assert_eq!(PodAdapters::default().fit(id("sql"), &law, 9.0).0, AdapterFit::Unlimited);
+        assert_eq!(pod(&[], &[], 0).fit(id("sql"), &[], 9.0).0, AdapterFit::Unlimited);
     }
 
     #[test]
@@ -215,23 +226,29 @@ mod tests {
         let empty = pod(&[], &[], 2);
         // sql and law came first and hold the slots; med (3 requests) waits behind them.
         let booked = [booked("med", 2.0, 5.0, 3), booked("sql", 0.0, 1.0, 1), booked("law", 1.0, 4.0, 2)];
-        assert_eq!(empty.fit(id("med"), &booked, 9.0), AdapterFit::Full { load: true, wait_seconds: 1.0, joins: true });
+        assert_eq!(
+            empty.fit(id("med"), &booked, 9.0),
+            (
+                AdapterFit::Full { load: true, wait_seconds: 1.0, joins: true },
+                SlotQueue { slots: 2, waiting_requests: 3 }
+            )
+        );
         // A newcomer waits for the second slot: law's, whose two requests say a stream of them.
         let law_frees = 4.0 * 1f64.exp();
         assert_eq!(
-            empty.fit(id("art"), &booked, 9.0),
+            empty.fit(id("art"), &booked, 9.0).0,
             AdapterFit::Full { load: true, wait_seconds: law_frees, joins: false }
         );
-        assert_eq!(empty.fit(id("sql"), &booked, 9.0), AdapterFit::Running);
+        assert_eq!(empty.fit(id("sql"), &booked, 9.0).0, AdapterFit::Running);
         // An adapter the pod reports running that no booking explains came before them all…
         let mut reported = pod(&["art"], &[], 2);
         assert_eq!(
-            reported.fit(id("law"), &booked, 9.0),
+            reported.fit(id("law"), &booked, 9.0).0,
             AdapterFit::Full { load: true, wait_seconds: 1.0, joins: true }
         );
         // …unless this router sent it there: then it has drained since the report.
         reported.routed(id("art"));
-        assert_eq!(reported.fit(id("law"), &booked, 9.0), AdapterFit::Running);
+        assert_eq!(reported.fit(id("law"), &booked, 9.0).0, AdapterFit::Running);
     }
 
     #[test]
@@ -241,12 +258,15 @@ mod tests {
         let mut p = pod(&["sql"], &["law", "med"], 2);
         p.routed(id("sql"));
         let booked = [booked("law", 0.0, 2.0, 1), booked("med", 1.0, 3.0, 1), booked("sql", 5.0, 1.5, 2)];
-        assert_eq!(p.fit(id("sql"), &booked, 9.0), AdapterFit::Running);
-        assert_eq!(p.fit(id("law"), &booked, 9.0), AdapterFit::Running, "the first waiting takes the free slot");
+        assert_eq!(p.fit(id("sql"), &booked, 9.0).0, AdapterFit::Running);
+        assert_eq!(p.fit(id("law"), &booked, 9.0).0, AdapterFit::Running, "the first waiting takes the free slot");
         let law_frees = 2.0;
-        assert_eq!(p.fit(id("med"), &booked, 9.0), AdapterFit::Full { load: true, wait_seconds: law_frees, joins: true });
+        assert_eq!(
+            p.fit(id("med"), &booked, 9.0).0,
+            AdapterFit::Full { load: true, wait_seconds: law_frees, joins: true }
+        );
         // Once the requests this router sent it are done, sql holds nothing.
-        assert_eq!(p.fit(id("med"), &booked[..2], 9.0), AdapterFit::Running);
+        assert_eq!(p.fit(id("med"), &booked[..2], 9.0).0, AdapterFit::Running);
     }
 
     #[test]
@@ -255,10 +275,10 @@ mod tests {
         p.routed(id("sql"));
         p.routed(id("law"));
         // Both drained: slots free, and neither needs loading; a third does.
-        assert_eq!(p.fit(id("sql"), &[], 9.0), AdapterFit::Free { load: false });
-        assert_eq!(p.fit(id("med"), &[], 9.0), AdapterFit::Free { load: true });
+        assert_eq!(p.fit(id("sql"), &[], 9.0).0, AdapterFit::Free { load: false });
+        assert_eq!(p.fit(id("med"), &[], 9.0).0, AdapterFit::Free { load: true });
         p.routed(id("med"));
-        assert_eq!(p.fit(id("sql"), &[], 9.0), AdapterFit::Free { load: true }, "the least recent left the GPU");
-        assert_eq!(p.fit(id("law"), &[], 9.0), AdapterFit::Free { load: false });
+        assert_eq!(p.fit(id("sql"), &[], 9.0).0, AdapterFit::Free { load: true }, "the least recent left the GPU");
+        assert_eq!(p.fit(id("law"), &[], 9.0).0, AdapterFit::Free { load: false });
     }
 }

@@ -450,9 +450,13 @@ impl ByPodSpeed {
 }
 
 /// What taking another slot for an adapter that runs or waits on some pod already costs the
-/// adapters that come later: the share of pods with no slot free times the seconds the
-/// request holds it (0 while no pod is full, or the adapter is nowhere yet). Each slot an
-/// adapter holds serves only its own requests: spread over pods it holds several.
+/// other adapters, in seconds the request holds it: times the share of pods with no slot
+/// free (a later adapter wants it), plus the requests already waiting for a slot per slot
+/// of the fleet (each is that much later). 0 while no pod is full, or the adapter is nowhere
+/// yet. Each slot an adapter holds serves only its own requests: spread over pods it holds
+/// several. (Without the waiting requests, on the cluster simulator's `adapters` workload,
+/// kvgate spread a rare adapter over the pods whose slots free first once the fleet was
+/// past its knee: p90 TTFT at 1× its rate 3.4 s; 2.2 s with them, docs/design/placement.md.)
 fn second_slot_seconds(input: &RouteInput, candidates: &[Candidate]) -> f64 {
     if input.slot_seconds == 0.0
         || !candidates.iter().any(|c| matches!(c.adapter, AdapterFit::Running | AdapterFit::Full { joins: true, .. }))
@@ -461,7 +465,13 @@ fn second_slot_seconds(input: &RouteInput, candidates: &[Candidate]) -> f64 {
     }
     let limited = candidates.iter().filter(|c| c.adapter != AdapterFit::Unlimited).count();
     let full = candidates.iter().filter(|c| matches!(c.adapter, AdapterFit::Full { .. })).count();
-    if full == 0 { 0.0 } else { full as f64 / limited as f64 * input.slot_seconds }
+    if full == 0 {
+        return 0.0;
+    }
+    let (slots, waiting) =
+        candidates.iter().fold((0, 0), |(s, w), c| (s + c.slot_queue.slots, w + c.slot_queue.waiting_requests));
+    let waiting_per_slot = f64::from(waiting) / f64::from(slots.max(1));
+    (full as f64 / limited as f64 + waiting_per_slot) * input.slot_seconds
 }
 
 /// The prompt's home: of the pods caching most of it, the one with the fewest requests in
@@ -494,8 +504,8 @@ fn softmax_sample(costs: &[Option<f64>], temperature: f64, rng: &mut StdRng) -> 
 
 #[cfg(test)]
 mod tests {
-    use super::super::ReportedLoad;
     use super::super::test_support::{INPUT, candidate, histogram};
+    use super::super::{ReportedLoad, SlotQueue};
     use super::*;
     use crate::pod_set::PodId;
     use rand::SeedableRng;
@@ -525,6 +535,19 @@ mod tests {
         // Slots everywhere free: no charge, and the idle pod takes it.
         let cands = [with(free, candidate(0, 0, 0, 0)), busy_home];
         assert_eq!(p.select(&input, &cands).chosen, 0);
+        // A home far busier: the second slot is worth it while no request waits for one…
+        let busier_home = with(AdapterFit::Running, candidate(2, 0, 4, 12_000));
+        let slots = |waiting_requests| SlotQueue { slots: 2, waiting_requests };
+        let queued = |waiting, c: Candidate| Candidate { slot_queue: slots(waiting), ..c };
+        let (full_pod, free_pod) = (with(full, candidate(0, 0, 0, 0)), with(free, candidate(1, 0, 0, 0)));
+        let fleet = |waiting| [queued(waiting, full_pod), queued(0, free_pod), queued(0, busier_home)];
+        assert_eq!(p.select(&input, &fleet(0)).chosen, 1);
+        // …but not while six requests wait for one of the fleet's six slots: each would wait
+        // as long again as the second slot is held.
+        let d = p.select(&input, &fleet(6));
+        assert_eq!(d.chosen, 2);
+        let charge = d.costs[1].unwrap() - p.cost(&input, &fleet(6)[1]);
+        assert!((charge - (1.0 / 3.0 + 1.0) * 20_000.0 / 16.0).abs() < 1e-6, "{charge}");
         // Adapters ignored (`prefill_tokens_per_second: 0`): the full pod is as good as any.
         let mut off = policy(KvPolicyConfig { prefill_tokens_per_second: 0.0, ..KvPolicyConfig::default() });
         let cands = [with(full, candidate(0, 0, 0, 0)), with(free, candidate(1, 0, 0, 0))];

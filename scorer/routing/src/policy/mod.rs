@@ -21,7 +21,7 @@ pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use ttft::TtftPolicy;
 
-pub use crate::adapters::AdapterFit;
+pub use crate::adapters::{AdapterFit, SlotQueue};
 use crate::load::PodLoad;
 use crate::pod_set::PodId;
 use rand::SeedableRng;
@@ -77,6 +77,9 @@ pub struct Candidate {
     pub offloads: bool,
     /// How the pod stands for the request's LoRA adapter.
     pub adapter: AdapterFit,
+    /// The pod's adapter slots and the requests waiting there for one (none without an
+    /// adapter).
+    pub slot_queue: SlotQueue,
 }
 
 /// The request, as far as policies care.
@@ -230,6 +233,7 @@ pub(crate) mod test_support {
             recompute_share: 0.0,
             offloads: false,
             adapter: AdapterFit::Unlimited,
+            slot_queue: SlotQueue::default(),
         }
     }
 

@@ -5,7 +5,7 @@
 use super::{RouteRequest, Router};
 use crate::index::TieredMatch;
 use crate::pod_set::{PodId, PodSet};
-use crate::policy::{AdapterFit, Candidate, Decision, home};
+use crate::policy::{AdapterFit, Candidate, Decision, SlotQueue, home};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 /// Up to `n` candidates after the chosen one, best first: those the policy scored by
 /// ascending cost, then the unscored in turn after the chosen one (round robin's order).
@@ -55,13 +55,13 @@ impl Router {
         let mut candidates = pods
             .iter()
             .map(|&p| {
-                let adapter = match request.adapter {
+                let (adapter, slot_queue) = match request.adapter {
                     Some(adapter) => {
                         self.load.adapters_in_flight(p, now, &mut in_flight);
                         let unknown = self.load.default_decode_seconds(p);
                         self.pods[p.index()].adapters.fit(adapter, &in_flight, unknown)
                     }
-                    None => AdapterFit::Unlimited,
+                    None => (AdapterFit::Unlimited, SlotQueue::default()),
                 };
                 let (cached, offloaded_tokens, offload_work_tokens) = match cached_override {
                     Some(cached) => (cached, 0, 0),
@@ -101,6 +101,7 @@ impl Router {
                     recompute_share: self.index.recompute_share(p),
                     offloads: self.index.pod_offloaded_blocks(p) > 0,
                     adapter,
+                    slot_queue,
                 }
             })
             .collect::<Vec<_>>();
