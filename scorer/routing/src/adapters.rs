@@ -50,6 +50,9 @@ pub struct AdapterLoad {
     /// Seconds until the last of them is predicted to finish.
     pub drain_seconds: f64,
     pub requests: u32,
+    /// One of them has its first token: the engine runs the adapter, which keeps its slot
+    /// while its requests last.
+    pub decoding: bool,
 }
 
 impl AdapterLoad {
@@ -136,9 +139,9 @@ impl PodAdapters {
     /// reports holds its slot when no booking explains it (routed by someone else; one this
     /// router routed there and has no booking of has drained since the report). The engine
     /// keeps a running adapter's slot while its requests last, and gives a freed one in
-    /// order of arrival: after the unexplained adapters, the booked ones it reported
-    /// running, then the others by their first booking, fill the slots; the rest wait (the
-    /// pod's [`SlotQueue`], returned beside).
+    /// order of arrival: after the unexplained adapters, the booked ones with a request past
+    /// its first token (running), then the others by their first booking, fill the slots;
+    /// the rest wait (the pod's [`SlotQueue`], returned beside).
     pub fn fit(&self, adapter: AdapterId, in_flight: &[AdapterLoad], unknown_seconds: f64) -> (AdapterFit, SlotQueue) {
         let Some(reported) = self.reported.as_ref().filter(|r| r.max_loras > 0) else {
             return (AdapterFit::Unlimited, SlotQueue::default());
@@ -152,16 +155,18 @@ impl PodAdapters {
                     since: f64::NEG_INFINITY,
                     drain_seconds: unknown_seconds,
                     requests: 1,
+                    decoding: false,
                 });
             }
         }
         // Unexplained running adapters first, then unexplained waiting ones, then the booked
-        // ones running at the report (judged by their oldest booking, an adapter whose
-        // requests keep coming would lose its slot to one waiting longer), then by arrival.
+        // ones decoding (judged by their oldest booking, an adapter whose requests keep
+        // coming would lose its slot to one waiting longer), then by arrival. Not the
+        // report's running adapters: vLLM 0.32 lists every adapter with a request in both of
+        // `vllm:lora_requests_info`'s lists, waiting or running.
         let unexplained = order.len();
         order.extend_from_slice(in_flight);
-        let waits = |l: &AdapterLoad| !reported.running.contains(&l.adapter);
-        order[unexplained..].sort_by(|a, b| waits(a).cmp(&waits(b)).then(a.since.total_cmp(&b.since)));
+        order[unexplained..].sort_by(|a, b| b.decoding.cmp(&a.decoding).then(a.since.total_cmp(&b.since)));
         let (running, queued) = order.split_at(order.len().min(slots));
         let queue = SlotQueue { slots: reported.max_loras, waiting_requests: queued.iter().map(|l| l.requests).sum() };
         if running.iter().any(|l| l.adapter == adapter) {
@@ -198,7 +203,7 @@ mod tests {
 
     /// `requests` of `name` booked at `since`, the last done in `drain_seconds`.
     fn booked(name: &str, since: f64, drain_seconds: f64, requests: u32) -> AdapterLoad {
-        AdapterLoad { adapter: id(name), since, drain_seconds, requests }
+        AdapterLoad { adapter: id(name), since, drain_seconds, requests, decoding: false }
     }
 
     #[test]
@@ -253,19 +258,24 @@ mod tests {
 
     #[test]
     fn a_running_adapter_keeps_its_slot_from_adapters_waiting_longer_than_its_oldest_request() {
-        // sql runs at the scrape; its requests keep coming, so its oldest one in flight is
-        // recent. law and med have waited since before it: vLLM does not take sql's slot.
-        let mut p = pod(&["sql"], &["law", "med"], 2);
-        p.routed(id("sql"));
-        let booked = [booked("law", 0.0, 2.0, 1), booked("med", 1.0, 3.0, 1), booked("sql", 5.0, 1.5, 2)];
+        // sql decodes; its requests keep coming, so its oldest one in flight is recent. law
+        // and med have waited since before it: vLLM does not take sql's slot. The report
+        // tells them apart no more than vLLM 0.32's does (every adapter in both lists).
+        let all = ["sql", "law", "med"];
+        let mut p = pod(&all, &all, 2);
+        for a in all {
+            p.routed(id(a));
+        }
+        let sql = AdapterLoad { decoding: true, ..booked("sql", 5.0, 1.5, 2) };
+        let booked = [booked("law", 0.0, 2.0, 1), booked("med", 1.0, 3.0, 1), sql];
         assert_eq!(p.fit(id("sql"), &booked, 9.0).0, AdapterFit::Running);
         assert_eq!(p.fit(id("law"), &booked, 9.0).0, AdapterFit::Running, "the first waiting takes the free slot");
         let law_frees = 2.0;
         assert_eq!(
             p.fit(id("med"), &booked, 9.0).0,
-            AdapterFit::Full { load: true, wait_seconds: law_frees, joins: true }
+            AdapterFit::Full { load: false, wait_seconds: law_frees, joins: true }
         );
-        // Once the requests this router sent it are done, sql holds nothing.
+        // Once its requests are done, sql holds nothing.
         assert_eq!(p.fit(id("med"), &booked[..2], 9.0).0, AdapterFit::Running);
     }
 

@@ -664,8 +664,8 @@ impl LoadTracker {
     }
 
     /// The adapters of the requests in flight on `pod` ([`AdapterLoad`]: since when, how
-    /// many, and the seconds until the last is predicted to finish — expected output left ÷
-    /// the pod's decode speed), into `out`.
+    /// many, whether one has its first token, and the seconds until the last is predicted to
+    /// finish — expected output left ÷ the pod's decode speed), into `out`.
     pub fn adapters_in_flight(&self, pod: PodId, now: f64, out: &mut Vec<AdapterLoad>) {
         out.clear();
         let Some(state) = self.pods.get(pod) else { return };
@@ -676,13 +676,17 @@ impl LoadTracker {
             let generated = r.first_token_at.map_or(0.0, |t| (now - t).max(0.0) * speed);
             let output = planned(r.output_tokens, r.asked, self.planned_share());
             let left = (output - generated).max(0.0) / speed;
+            let decoding = r.first_token_at.is_some();
             match out.iter_mut().find(|a| a.adapter == adapter) {
                 Some(a) => {
                     a.drain_seconds = a.drain_seconds.max(left);
                     a.since = a.since.min(r.booked_at);
                     a.requests += 1;
+                    a.decoding |= decoding;
                 }
-                None => out.push(AdapterLoad { adapter, since: r.booked_at, drain_seconds: left, requests: 1 }),
+                None => {
+                    out.push(AdapterLoad { adapter, since: r.booked_at, drain_seconds: left, requests: 1, decoding })
+                }
             }
         }
     }

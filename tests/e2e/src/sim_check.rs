@@ -11,7 +11,7 @@
 
 use kvgate_routing::events::{KvEvent, decode_batch};
 use kvgate_test_harness::{
-    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_MODEL, Engine, EngineOptions, Sim, qwen3_tokenizer,
+    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_MODEL, ENGINE_SECOND_ADAPTER, Engine, EngineOptions, Sim, qwen3_tokenizer,
 };
 use serde_json::{Value, json};
 use std::sync::Arc;
@@ -51,6 +51,8 @@ pub async fn simulator_beside(engine: &Engine, options: &EngineOptions) -> anyho
             ENGINE_MODEL,
             "--lora-module",
             ENGINE_ADAPTER,
+            "--lora-module",
+            ENGINE_SECOND_ADAPTER,
             "--max-loras",
             &loras,
             "--block-size",

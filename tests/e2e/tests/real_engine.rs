@@ -1,6 +1,9 @@
 //! The real-engine leg: two real vLLM engines (vLLM 0.32 built for CPU, a tiny Qwen3 with
 //! random weights and a LoRA adapter, all from `make setup`) behind a real Envoy and kvgate,
-//! on each way in — the wasm filter, the native module, the Endpoint Picker.
+//! on each way in — the wasm filter, the native module, the Endpoint Picker. First, on the
+//! engine with a small cache: the simulator beside it agrees request by request, and a running
+//! adapter keeps its one slot from another adapter that waited longer than the running one's
+//! next request (the order kvgate predicts slots in).
 //!
 //! Every request's answer says how many prompt tokens its engine served from its prefix cache
 //! (`usage`, with `--enable-prompt-tokens-details`); the proxy reports it with the request's
@@ -29,8 +32,8 @@ use kvgate_e2e::path::Path;
 use kvgate_e2e::sim_check::{BATCH_PREFIX_TOKENS, compare, send_shared_batch, simulator_beside, table, trace};
 use kvgate_e2e::{Measured, name_the_upstream, send};
 use kvgate_test_harness::{
-    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_LLAMA_MODEL, ENGINE_MODEL, Engine, EngineOptions, EnvoyProcess,
-    ScorerProcess, TinyModel, llama3_tokenizer, qwen3_tokenizer,
+    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_LLAMA_MODEL, ENGINE_MODEL, ENGINE_SECOND_ADAPTER, Engine, EngineOptions,
+    EnvoyProcess, ScorerProcess, TinyModel, llama3_tokenizer, qwen3_tokenizer,
 };
 use serde_json::{Value, json};
 use std::collections::HashMap;
@@ -695,6 +698,50 @@ async fn simulator_agrees(engine: &Engine, options: &EngineOptions, requests: us
     assert_eq!(served, (shared, shared), "a prefix shared in one batch, cached tokens (engine, simulator)");
 }
 
+/// vLLM keeps a running adapter's slot while its requests last (kvgate's `PodAdapters::fit`
+/// orders slots so): with one slot, a request of the running adapter sent after one of
+/// another adapter runs first, and the other waits until the running adapter's requests are
+/// done. An order by each adapter's oldest request in flight would have it the other way.
+async fn a_running_adapter_keeps_its_slot(engine: &Engine) {
+    let client = reqwest::Client::builder().timeout(Duration::from_secs(120)).build().unwrap();
+    let url = format!("{}/v1/completions", engine.url);
+    let post = |model: &str, prompt: &str, max_tokens: u32, stream: bool| {
+        let body =
+            json!({"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": true, "stream": stream});
+        client.post(&url).json(&body).send()
+    };
+    // The first adapter decodes: its first token is out.
+    let mut long = post(ENGINE_ADAPTER, "the running adapter decodes for a while", 600, true).await.expect("sent");
+    assert!(long.status().is_success(), "{}", long.status());
+    assert!(long.chunk().await.expect("streamed").is_some(), "a first chunk");
+    let long = tokio::spawn(async move {
+        while long.chunk().await.expect("streamed").is_some() {}
+        Instant::now()
+    });
+    let other = {
+        let request = post(ENGINE_SECOND_ADAPTER, "another adapter waits for the slot", 1, false);
+        tokio::spawn(async move {
+            let response = request.await.expect("sent");
+            assert!(response.status().is_success(), "{}", response.status());
+            Instant::now()
+        })
+    };
+    // The engine holds it waiting (its one slot is the first adapter's).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while engine.metric("vllm:num_requests_waiting").await < 1.0 {
+        assert!(Instant::now() < deadline, "{}: the second adapter's request never waited", engine.name);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let joined = post(ENGINE_ADAPTER, "the running adapter's next request", 1, false).await.expect("sent");
+    assert!(joined.status().is_success(), "{}", joined.status());
+    let joined = Instant::now();
+    assert!(!long.is_finished(), "the first request decodes past the later ones: give it more tokens");
+    assert!(!other.is_finished(), "{}: the waiting adapter ran before the running one's next request", engine.name);
+    let (long, other) = (long.await.unwrap(), other.await.unwrap());
+    assert!(long <= other, "{}: the waiting adapter ran before the running one's requests were done", engine.name);
+    println!("{}: a running adapter kept its slot ({:?} before the waiting one)", engine.name, other - joined);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_engines_under_kvgate_on_every_way_in() {
     // One roomy engine and one with a small cache (evictions), each on its own core, both
@@ -712,6 +759,7 @@ async fn real_engines_under_kvgate_on_every_way_in() {
         e.wait_ready().await;
     }
     simulator_agrees(&engines[1], &small, 300).await;
+    a_running_adapter_keeps_its_slot(&engines[1]).await;
     for (path, stop) in
         [(Path::Wasm, Some(Stop::KillAndRestart)), (Path::Native, None), (Path::Epp, Some(Stop::Terminate))]
     {

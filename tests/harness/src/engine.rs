@@ -45,6 +45,9 @@ impl TinyModel {
 }
 /// The LoRA adapter each engine can load, by this name.
 pub const ENGINE_ADAPTER: &str = "tiny-sql";
+/// A second name for the same adapter's weights: vLLM gives each name its own adapter id,
+/// so the two take separate slots of `--max-loras`.
+pub const ENGINE_SECOND_ADAPTER: &str = "tiny-law";
 /// Tokens per KV block: the CPU attention backend needs a multiple of 32.
 pub const ENGINE_BLOCK_SIZE: usize = 32;
 /// KV-cache bytes per token of the tiny model (2 layers × K and V × 2 heads × 32 × 4 bytes).
@@ -75,7 +78,8 @@ pub struct EngineOptions {
     pub cpu: usize,
     /// Longest prompt plus output it accepts.
     pub max_model_len: u32,
-    /// Serve [`ENGINE_ADAPTER`] (LoRA enabled, up to this many adapters at once); 0: no LoRA.
+    /// Serve [`ENGINE_ADAPTER`] and [`ENGINE_SECOND_ADAPTER`] (LoRA enabled, up to this many
+    /// adapters at once); 0: no LoRA.
     pub max_loras: u32,
     /// Run vLLM's NIXL connector (`kv_both`, KV buffers in host memory, its side channel on
     /// a fresh loopback port): the engine can prefill for another or decode what another
@@ -155,7 +159,9 @@ impl Engine {
         if options.max_loras > 0 {
             args.extend(["--enable-lora".into(), "--max-loras".into(), options.max_loras.to_string()]);
             args.extend(["--max-lora-rank".into(), "8".into(), "--lora-modules".into()]);
-            args.push(format!("{ENGINE_ADAPTER}={}", dir.join("adapter").display()));
+            for name in [ENGINE_ADAPTER, ENGINE_SECOND_ADAPTER] {
+                args.push(format!("{name}={}", dir.join("adapter").display()));
+            }
         }
         let mut env = vec![("VLLM_CPU_OMP_THREADS_BIND".to_string(), options.cpu.to_string())];
         if options.kv_transfer {

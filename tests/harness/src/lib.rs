@@ -7,8 +7,8 @@
 mod engine;
 
 pub use engine::{
-    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_LLAMA_MODEL, ENGINE_MODEL, ENGINE_VERSION, Engine, EngineOptions,
-    TinyModel, engine_dir,
+    ENGINE_ADAPTER, ENGINE_BLOCK_SIZE, ENGINE_LLAMA_MODEL, ENGINE_MODEL, ENGINE_SECOND_ADAPTER, ENGINE_VERSION, Engine,
+    EngineOptions, TinyModel, engine_dir,
 };
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
