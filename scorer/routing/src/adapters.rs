@@ -149,7 +149,9 @@ impl PodAdapters {
         let slots = reported.max_loras as usize;
         let mut order: SmallVec<[AdapterLoad; 8]> = SmallVec::new();
         for &a in reported.running.iter().chain(&reported.waiting) {
-            if !in_flight.iter().any(|l| l.adapter == a) && !self.routed.contains(&a) {
+            // Each once: vLLM 0.32 names an adapter in both lists.
+            let listed = order.iter().any(|l| l.adapter == a);
+            if !listed && !in_flight.iter().any(|l| l.adapter == a) && !self.routed.contains(&a) {
                 order.push(AdapterLoad {
                     adapter: a,
                     since: f64::NEG_INFINITY,
@@ -249,6 +251,11 @@ mod tests {
         let mut reported = pod(&["art"], &[], 2);
         assert_eq!(
             reported.fit(id("law"), &booked, 9.0).0,
+            AdapterFit::Full { load: true, wait_seconds: 1.0, joins: true }
+        );
+        // Named in both lists, as vLLM 0.32 names it, it still holds one slot.
+        assert_eq!(
+            pod(&["art"], &["art"], 2).fit(id("law"), &booked, 9.0).0,
             AdapterFit::Full { load: true, wait_seconds: 1.0, joins: true }
         );
         // …unless this router sent it there: then it has drained since the report.

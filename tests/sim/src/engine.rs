@@ -546,10 +546,12 @@ impl Engine {
         self.running.iter().filter_map(|id| self.seqs[id].transfer_done_at).reduce(f64::min)
     }
 
-    /// The LoRA adapters of the running requests and of the waiting ones, each once, in the
-    /// order the requests came.
+    /// The LoRA adapters `vllm:lora_requests_info` lists as running and as waiting, as vLLM
+    /// 0.32 lists them: both lists name every adapter with a request in the engine, running or
+    /// waiting (its `LoRARequestStates` fills both from one dict's keys), each once.
     pub fn adapters(&self) -> (Vec<String>, Vec<String>) {
-        (self.loras_of(self.running.iter()), self.loras_of(self.waiting.iter()))
+        let all = self.loras_of(self.running.iter().chain(self.waiting.iter()));
+        (all.clone(), all)
     }
 
     /// The adapters of these requests, each once.
@@ -1287,7 +1289,9 @@ mod tests {
         // The law request is passed over (one adapter at a time); the later sql one joins.
         let ran: Vec<RequestId> = first.outputs.iter().map(|o| o.id).collect();
         assert_eq!(ran, vec![sql, sql_again]);
-        assert_eq!(e.adapters(), (vec!["sql".to_string()], vec!["law".to_string()]));
+        // Reported as vLLM 0.32 reports them: every adapter with a request, in both lists.
+        let both = vec!["sql".to_string(), "law".to_string()];
+        assert_eq!(e.adapters(), (both.clone(), both));
         let plain = e.config().timing.step_ms(&first.work);
         assert!((first.duration * 1000.0 - plain - 50.0).abs() < 1e-9, "one adapter loaded");
         let second = e.step().unwrap();
