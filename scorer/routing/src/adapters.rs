@@ -4,10 +4,11 @@
 //! vLLM serves adapters as `model` names and keeps at most `max_loras` of them in one batch:
 //! a waiting request of another adapter is passed over until every request of some
 //! running adapter has finished (`v1/core/sched/scheduler.py`), and an adapter not among
-//! those recently run is loaded onto the GPU first. A pod reports its running and waiting
-//! adapters and `max_lora` in `vllm:lora_requests_info`; kvgate adds the adapters of the
-//! requests it has in flight there (no scrape lag) and remembers which adapters each pod ran
-//! last. For one request's adapter each pod is then [`AdapterFit`]: running it already,
+//! those recently run is loaded onto the GPU first. A pod reports its adapters and
+//! `max_lora` in `vllm:lora_requests_info` (vLLM 0.32 names every adapter with a request
+//! there in both its running and its waiting list); kvgate adds the adapters of the requests
+//! it has in flight there (no scrape lag; one with a first token runs) and remembers which
+//! adapters each pod ran last. For one request's adapter each pod is then [`AdapterFit`]: running it already,
 //! with a free slot (maybe after a load), or full of other adapters — waiting until the
 //! soonest of them drains.
 
@@ -107,7 +108,8 @@ pub(crate) struct PodAdapters {
 const ROUTED_MEMORY: usize = 64;
 
 impl PodAdapters {
-    /// A scrape's `vllm:lora_requests_info`: its running adapters are on the GPU.
+    /// A scrape's `vllm:lora_requests_info`: its running adapters are on the GPU, or loaded
+    /// for their waiting requests next (vLLM 0.32 lists waiting adapters as running too).
     pub fn reported(&mut self, reported: ReportedAdapters) {
         for &a in &reported.running {
             self.touch(a, reported.max_loras);
