@@ -27,6 +27,7 @@ pub mod load;
 pub mod msgpack;
 pub mod pod_set;
 pub mod policy;
+pub mod recent;
 pub mod router;
 pub mod sequence;
 pub mod speed;

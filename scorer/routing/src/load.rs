@@ -57,6 +57,12 @@ pub struct LoadConfig {
     /// decodes to come. `false`: plan the whole `max_tokens`.
     #[default(true)]
     pub learn_output_share: bool,
+    /// How long the blocks of a prompt routed to a pod count as its recent traffic: a pod
+    /// whose recent traffic needs more blocks than its KV cache holds evicts what that
+    /// traffic comes back for (see the `kv` policy's `overcommit_share`). Counted over this
+    /// window to 1.5 times it.
+    #[default(30.0)]
+    pub recent_window_seconds: f64,
 }
 
 impl LoadConfig {
@@ -65,6 +71,7 @@ impl LoadConfig {
         let reconcile = self.reconcile_after_seconds;
         check(non_negative(reconcile), "reconcile_after_seconds", "must be >= 0 (0: off)")?;
         check(positive(self.request_ttl_seconds), "request_ttl_seconds", "must be positive")?;
+        check(positive(self.recent_window_seconds), "recent_window_seconds", "must be positive")?;
         self.pod_speed.validate().map_err(|e| e.under("pod_speed"))
     }
 }

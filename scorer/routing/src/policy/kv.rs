@@ -28,7 +28,12 @@
 //! while the home thrashes: at least `thrashing_share` of its recent stores compute again
 //! blocks it evicted lately (live, one pod holding four system prompts' sessions recomputed
 //! most of what it stored while the others recomputed nothing), for pods thrashing at most
-//! half as much with fewer requests in flight — or while the home is 1.75 times slower
+//! half as much with fewer requests in flight — or while the home is over-committed: the
+//! prompts routed to it lately need `overcommit_share` of its KV cache or more, so what they
+//! come back for is evicted before its events show it (live, a burst of one system prompt's
+//! conversations piled onto its one home beside idle pods and found their histories gone),
+//! for pods with fewer requests in flight whose own recent traffic leaves room for the
+//! request's new blocks — or while the home is 1.75 times slower
 //! than the pod (`SLOWER_HOME`; learned speeds: a mixed fleet's first prefixes land before
 //! its speeds are known, and the charge had kept them on the slow pods).
 //! On such a fleet prefix groups also move to the fast pods ([`ByPodSpeed`]): a pod 1.5
@@ -177,6 +182,13 @@ pub struct KvPolicyConfig {
     /// the price of their prefill alone (no miss charge). `None` = off.
     #[default(Some(0.3))]
     pub thrashing_share: Option<f64>,
+    /// A home is over-committed when the blocks of the prompts routed to it lately (within
+    /// `load.recent_window_seconds`) reach this share of its KV capacity: its
+    /// cache cannot keep what that traffic comes back for. Then pods with fewer requests in
+    /// flight whose own recent traffic leaves room for the request's new blocks take its
+    /// requests at the price of their prefill alone (no miss charge). `None` = off.
+    #[default(Some(1.0))]
+    pub overcommit_share: Option<f64>,
     /// A prompt of which no pod caches this share is new (its prefix group has no home yet):
     /// its miss charge is then scaled on each pod by how full its cache is (indexed blocks
     /// over KV capacity; 90 % counts as full), so the group's home becomes the pod holding
@@ -214,6 +226,9 @@ impl KvPolicyConfig {
         )?;
         let share = self.balance_group_share;
         check((0.0..=1.0).contains(&share), "balance_group_share", &format!("{share} must be a fraction (0-1)"))?;
+        if let Some(share) = self.overcommit_share {
+            check(share > 0.0 && share.is_finite(), "overcommit_share", &format!("{share} must be > 0, or null"))?;
+        }
         if let Some(share) = self.thrashing_share {
             check(
                 share > 0.0 && share <= 1.0,
@@ -295,10 +310,11 @@ impl KvPolicy {
     /// cached anyway, unless it [`offloads`](Candidate::offloads) to another tier and loads
     /// it back) and `c` has at most half its requests in flight — or the home thrashes
     /// (`thrashing_share`) and `c`, with fewer requests in flight, thrashes at most half as
-    /// much — or the home is [`SLOWER_HOME`] times slower than `c`. All are judged against
+    /// much — or the home is over-committed and `c` has room ([`Self::overcommitted`]) — or
+    /// the home is [`SLOWER_HOME`] times slower than `c`. All are judged against
     /// the home, not the fleet: on 64 pods some pod is always far busier than the idlest,
     /// which says nothing about where this prompt should go.
-    fn relieves(&self, home: &Candidate, c: &Candidate) -> bool {
+    fn relieves(&self, input: &RouteInput, home: &Candidate, c: &Candidate) -> bool {
         let (at_home, here) = (home.load.inflight_requests, c.load.inflight_requests);
         let piled_up = self.config.balance_abs_threshold.is_some_and(|abs| {
             at_home.saturating_sub(here) > abs
@@ -312,7 +328,23 @@ impl KvPolicy {
             home.recompute_share >= share && 2.0 * c.recompute_share <= home.recompute_share && here < at_home
         });
         let slower = home.slowness >= SLOWER_HOME * c.slowness;
-        piled_up || overflowing || thrashing || slower
+        piled_up || overflowing || thrashing || slower || self.overcommitted(input, home, c)
+    }
+
+    /// Whether the prompt's `home` is over-committed (`overcommit_share`) and `c`, with fewer
+    /// requests in flight, has room for the request among the blocks of its own recent
+    /// traffic. A home that offloads to another tier is not: it loads back what its GPU
+    /// evicts.
+    fn overcommitted(&self, input: &RouteInput, home: &Candidate, c: &Candidate) -> bool {
+        let capacity = |c: &Candidate| c.reported.map_or(0.0, |r| r.num_gpu_blocks);
+        let Some(share) = self.config.overcommit_share else { return false };
+        if home.offloads || capacity(home) == 0.0 || capacity(c) == 0.0 || c.pod == home.pod {
+            return false;
+        }
+        let new_blocks = u64::from(uncached_tokens(input, c) / input.block_size.max(1));
+        home.recent_blocks as f64 >= share * capacity(home)
+            && (c.recent_blocks + new_blocks) as f64 <= capacity(c)
+            && c.load.inflight_requests < home.load.inflight_requests
     }
 
     /// `second_slot_seconds`: what taking another adapter slot for the request's adapter
@@ -370,7 +402,7 @@ impl Policy for KvPolicy {
                     }
                     None => c,
                 };
-                let relieves = home.is_some_and(|h| self.relieves(h, c));
+                let relieves = home.is_some_and(|h| self.relieves(input, h, c));
                 let miss_weight = match c.reported {
                     _ if relieves => 0.0,
                     Some(r) if at_fill => {
@@ -788,16 +820,49 @@ mod tests {
     }
 
     #[test]
+    fn an_overcommitted_home_hands_its_requests_to_a_pod_with_room() {
+        let capacity = Some(ReportedLoad { num_gpu_blocks: 1000.0, ..Default::default() });
+        let with = |recent_blocks, c: Candidate| Candidate { recent_blocks, reported: capacity, ..c };
+        let mut p = policy(KvPolicyConfig::default());
+        // The prompts routed to the home lately need 1,200 blocks of its 1,000: what its
+        // conversations come back for is evicted first. Pod 1, quieter, has room for the
+        // prompt's 62 new blocks beside its own recent 800.
+        let home = with(1200, candidate(0, 992, 10, 1200));
+        let roomy = with(800, candidate(1, 0, 4, 0));
+        let d = p.select(&INPUT, &[home, roomy]);
+        assert_eq!(d.chosen, 1, "its prefill alone beats the home's queue");
+        assert_eq!(d.costs[1], Some(p.cost_with(&INPUT, &roomy, 0.0, 0.0)), "pod 1 is not charged the miss");
+        // A home within its cache, a pod without room, one as busy, a home that offloads
+        // (it loads back what its GPU evicts): charged.
+        let charged = [
+            (with(900, home), roomy),
+            (home, with(950, roomy)),
+            (home, with(800, candidate(1, 0, 10, 0))),
+            (Candidate { offloads: true, ..home }, roomy),
+        ];
+        for (home, other) in charged {
+            let d = p.select(&INPUT, &[home, other]);
+            assert_eq!((d.chosen, d.costs[1]), (0, Some(p.cost(&INPUT, &other))));
+        }
+        let mut off = policy(KvPolicyConfig { overcommit_share: None, ..Default::default() });
+        assert_eq!(off.select(&INPUT, &[home, roomy]).chosen, 0, "off: the miss keeps the prompt home");
+    }
+
+    #[test]
     fn a_share_that_would_turn_a_rule_off_unsaid_is_refused() {
-        let with = |thrashing, new_prompt| KvPolicyConfig {
+        let with = |thrashing, new_prompt, overcommit| KvPolicyConfig {
             thrashing_share: thrashing,
             new_prompt_share: new_prompt,
+            overcommit_share: overcommit,
             ..Default::default()
         };
-        assert!(with(Some(0.3), Some(0.3)).validate().is_ok());
-        assert!(with(None, None).validate().is_ok(), "null: off, said plainly");
-        for (thrashing, new_prompt) in [(Some(0.0), None), (None, Some(0.0)), (None, Some(1.5))] {
-            assert!(with(thrashing, new_prompt).validate().is_err(), "{thrashing:?} {new_prompt:?}");
+        assert!(with(Some(0.3), Some(0.3), Some(1.2)).validate().is_ok());
+        assert!(with(None, None, None).validate().is_ok(), "null: off, said plainly");
+        let refused =
+            [(Some(0.0), None, None), (None, Some(0.0), None), (None, Some(1.5), None), (None, None, Some(0.0))];
+        for (thrashing, new_prompt, overcommit) in refused {
+            let config = with(thrashing, new_prompt, overcommit);
+            assert!(config.validate().is_err(), "{thrashing:?} {new_prompt:?} {overcommit:?}");
         }
     }
 

@@ -72,6 +72,9 @@ pub struct Candidate {
     /// The share of the pod's recent GPU stores that computed again a block it had evicted
     /// lately ([`crate::index::KvIndex::recompute_share`]): high, its cache thrashes.
     pub recompute_share: f64,
+    /// Blocks of the prompts routed to the pod lately ([`crate::recent::RecentBlocks`]):
+    /// what its recent traffic needs cached.
+    pub recent_blocks: u64,
     /// The pod's KV connector offloads blocks to another tier (host memory, storage): what
     /// its GPU cache evicts is loaded back from there, not computed again.
     pub offloads: bool,
@@ -231,6 +234,7 @@ pub(crate) mod test_support {
             tie_rank: 0,
             group_inflight: 0,
             recompute_share: 0.0,
+            recent_blocks: 0,
             offloads: false,
             adapter: AdapterFit::Unlimited,
             slot_queue: SlotQueue::default(),

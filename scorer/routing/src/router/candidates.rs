@@ -39,6 +39,7 @@ impl Router {
             self.index.longest_prefixes(request.chain, &precise, &mut self.overlap);
             self.approx.longest_prefixes(request.chain, &approximate, &mut self.approx_overlap);
         }
+        self.recent.advance(now);
         let offloaded = cached_override.is_none() && self.index.has_offloaded();
         let offload = self.index.config().offload;
         let tokens =
@@ -99,6 +100,7 @@ impl Router {
                     tie_rank: tie_rank(p),
                     group_inflight: 0,
                     recompute_share: self.index.recompute_share(p),
+                    recent_blocks: self.recent.blocks(p),
                     offloads: self.index.pod_offloaded_blocks(p) > 0,
                     adapter,
                     slot_queue,

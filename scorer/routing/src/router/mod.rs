@@ -34,6 +34,7 @@ use crate::index::KvIndex;
 use crate::load::{Booking, BookingKey, BookingUpdate, Credit, Leg, Lifecycle, LoadTracker, UnknownRequest};
 use crate::pod_set::{PodId, PodSet};
 use crate::policy::{Candidate, Decision, Policy, RouteInput};
+use crate::recent::RecentBlocks;
 use candidates::fallbacks;
 use pods::PodState;
 
@@ -122,6 +123,7 @@ pub struct Router {
     pods: Vec<PodState>,
     index: KvIndex,
     approx: ApproxIndex,
+    recent: RecentBlocks,
     load: LoadTracker,
     policy: Box<dyn Policy>,
     prefill_policy: Box<dyn Policy>,
@@ -145,6 +147,7 @@ impl Router {
             pods: Vec::new(),
             index: KvIndex::new(config.block_size, config.index.clone()),
             approx: ApproxIndex::new(config.index.approximate_ttl_seconds, config.index.max_blocks_per_pod),
+            recent: RecentBlocks::new(config.load.recent_window_seconds),
             load: LoadTracker::new(config.block_size, config.load.clone()),
             policy: config.policy.build(config.seed),
             prefill_policy: config.pd.prefill_policy.build(config.seed.wrapping_add(1)),
@@ -302,8 +305,9 @@ impl Router {
         self.block_size = block_size as u32;
         self.index.set_block_size(block_size);
         self.load.set_block_size(block_size);
-        for pod in 0..self.pods.len() {
-            self.approx.clear_pod(PodId(pod as u32));
+        for pod in (0..self.pods.len()).map(|p| PodId(p as u32)) {
+            self.approx.clear_pod(pod);
+            self.recent.clear_pod(pod);
         }
     }
 
@@ -326,6 +330,7 @@ impl Router {
     pub fn expire(&mut self, now: f64) -> usize {
         let n = self.load.expire(now);
         self.approx.expire(now);
+        self.recent.advance(now);
         n
     }
 }

@@ -56,6 +56,7 @@ impl Router {
         if !state.precise {
             self.approx.record(pod, chain, now);
         }
+        self.recent.record(pod, chain, now);
     }
 
     /// Adds a pod, healthy, and gives it its id: the one place pod ids are made (the index,
@@ -88,6 +89,7 @@ impl Router {
         *state = PodState { role: state.role, precise: state.precise, key: state.key, ..PodState::default() };
         self.index.clear_pod(pod);
         self.approx.clear_pod(pod);
+        self.recent.clear_pod(pod);
         self.load.clear_pod(pod);
     }
 

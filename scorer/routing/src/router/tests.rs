@@ -242,6 +242,22 @@ fn the_homes_group_counts_the_requests_in_flight_that_share_the_prompts_first_bl
 }
 
 #[test]
+fn a_pods_recent_traffic_counts_each_block_routed_there_once_for_the_window() {
+    let load = LoadConfig { recent_window_seconds: 10.0, ..LoadConfig::default() };
+    let mut r = Router::new(&RouterConfig { load, ..test_config(u32::MAX) });
+    let _pods = [r.add_pod(Role::Both, true), r.add_pod(Role::Both, true)];
+    let (long, short) = (chain(1, 512), chain(2, 256));
+    let home = r.route(&RouteRequest::new("a", &long, 512, Some(8)), 0.0).unwrap().decode.pod;
+    assert_eq!(r.route(&RouteRequest::new("b", &long, 512, Some(8)), 1.0).unwrap().decode.pod, home);
+    let recent = |d: &Routed| d.candidates.iter().map(|c| (c.pod, c.recent_blocks)).collect::<Vec<_>>();
+    let d = r.route(&RouteRequest::new("c", &short, 256, Some(8)), 2.0).unwrap();
+    let held = |p: PodId| if p == home { 32 } else { 0 };
+    assert_eq!(recent(&d), [PodId(0), PodId(1)].map(|p| (p, held(p))), "the prompt's 32 blocks, routed twice");
+    let d = r.route(&RouteRequest::new("d", &short, 256, Some(8)), 25.0).unwrap();
+    assert!(recent(&d).iter().all(|&(_, n)| n == 0), "a window later: {:?}", recent(&d));
+}
+
+#[test]
 fn disaggregates_above_the_threshold_and_skips_unhealthy_pods() {
     let mut r = router(256);
     let prefill = r.add_pod(Role::Prefill, false);
