@@ -59,8 +59,8 @@ pub struct LoadConfig {
     pub learn_output_share: bool,
     /// How long the blocks of a prompt routed to a pod count as its recent traffic: a pod
     /// whose recent traffic needs more blocks than its KV cache holds evicts what that
-    /// traffic comes back for (see the `kv` policy's `overcommit_share`). Counted over this
-    /// window to 1.5 times it.
+    /// traffic comes back for (see the `kv` policy's `overcommit_share`). Counted over the
+    /// last half of this window to the whole of it.
     #[default(30.0)]
     pub recent_window_seconds: f64,
 }

@@ -4,8 +4,9 @@
 //! their history gone and compute it again — before any eviction event shows it, and while
 //! the index still credits what the pod is about to evict.
 //!
-//! Counted over a window of `window` to 1.5 × `window` seconds: two generations of block
-//! sets, the older dropped every half window, so that nothing is kept per routing. A block's
+//! Counted over the last half window to the whole window: two generations of block sets,
+//! each half a window long, the older dropped when a new one begins, so that nothing is kept
+//! per routing. A block's
 //! hash names its whole prefix, so each set holds whole prefixes of the chains routed: the
 //! blocks of a chain already counted are a prefix of it, found by bisection, and routing a
 //! prompt costs set insertions for its blocks new to this half window only.
