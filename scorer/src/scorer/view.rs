@@ -26,6 +26,9 @@ pub struct PodView {
     /// now starts its own), once the fleet's prefill speed is learned from first tokens.
     pub queued_prefill_seconds: Option<f64>,
     pub decode_blocks: f64,
+    /// Blocks of the prompts routed to it within `load.recent_window_seconds`: more than its
+    /// KV cache holds (`reported.num_gpu_blocks`), it evicts what that traffic comes back for.
+    pub recent_blocks: u64,
     /// Its prefill time relative to the fleet's average (1 = average), learned from the
     /// first tokens it reported; applied to its costs unless `load.pod_speed.learn` is off.
     pub slowness: f64,
@@ -79,6 +82,7 @@ impl Scorer {
                     queued_prefill_tokens: load.queued_prefill_tokens,
                     queued_prefill_seconds: core.router.load().queued_prefill_seconds(p.id),
                     decode_blocks: load.decode_blocks,
+                    recent_blocks: core.router.recent_blocks(p.id),
                     slowness: speed.slowness,
                     slowness_samples: speed.samples,
                     decode_tokens_per_second: speed.decode_tokens_per_second,

@@ -139,6 +139,11 @@ impl Router {
         if self.pods[pod.index()].precise { self.index.pod_blocks(pod) } else { self.approx.pod_blocks(pod) }
     }
 
+    /// Blocks of the prompts routed to `pod` lately ([`crate::recent::RecentBlocks`]).
+    pub fn recent_blocks(&self, pod: PodId) -> u64 {
+        self.recent.blocks(pod)
+    }
+
     /// True when some healthy pod can take requests.
     pub fn ready(&self) -> bool {
         self.pods.iter().any(|p| p.present && p.healthy && p.role.decodes())
