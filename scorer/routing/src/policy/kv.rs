@@ -338,7 +338,7 @@ impl KvPolicy {
     fn overcommitted(&self, input: &RouteInput, home: &Candidate, c: &Candidate) -> bool {
         let capacity = |c: &Candidate| c.reported.map_or(0.0, |r| r.num_gpu_blocks);
         let Some(share) = self.config.overcommit_share else { return false };
-        if home.offloads || capacity(home) == 0.0 || capacity(c) == 0.0 || c.pod == home.pod {
+        if home.offloads || capacity(home) == 0.0 || capacity(c) == 0.0 {
             return false;
         }
         let new_blocks = u64::from(uncached_tokens(input, c) / input.block_size.max(1));
