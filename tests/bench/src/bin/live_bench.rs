@@ -5,7 +5,9 @@
 //! (cold caches). Then the overhead: each router in front of one instant pod (time scale 0) at a
 //! fixed concurrency, short and long prompts, against a direct connection.
 //!
-//! Writes `results.json`, `results.md` and `ttft.svg` under `--out`.
+//! Writes `results.json`, `results.md`, `ttft.svg` and `requests.csv` (every request of every
+//! run: its shared prefix, turn, when it was sent, the pod that answered, its TTFT and cached
+//! tokens; no prompt text) under `--out`.
 
 use anyhow::Context;
 use clap::Parser;
@@ -309,12 +311,37 @@ struct LiveResult {
     pods_per_prefix: f64,
     /// TTFT p90 of every run of this router (this result is the median one).
     ttft_p90_runs_ms: Vec<f64>,
+    /// TTFT p90 of the requests sent after the cold start ([`cold_start`]), this run's.
+    ttft_p90_warm_ms: f64,
+    /// The same, of every run of this router.
+    ttft_p90_warm_runs_ms: Vec<f64>,
+}
+
+/// The cold start of a run: its first two simulated seconds (wall seconds at the time
+/// scale). The fleet's caches start empty, so the first requests in flight compute every
+/// shared prefix, and the next wave finds some prefixes new and others still computing: the
+/// TTFTs of this phase are a run's slowest, and how a router spreads a prefix it has not
+/// yet seen decides how many of them there are. By its end nearly every run has sent each
+/// of the 14 shared prefixes (the last at 0.4–0.9 s in most runs at time scale 0.5).
+fn cold_start(args: &Args) -> Duration {
+    Duration::from_secs_f64(2.0 * args.time_scale)
+}
+
+/// One request as sent and answered.
+struct Sent {
+    /// The shared prefix its job starts with ([`Job`]).
+    prefix: usize,
+    /// The turn of its chat session; `None` for a document question.
+    turn: Option<usize>,
+    /// When it was sent, from the run's start.
+    at: Duration,
+    measured: Measured,
 }
 
 const MAX_TOKENS: u64 = 24;
 
-/// Every request measured, with the shared prefix its job starts with.
-async fn run_workload(url: &str, jobs: &[Job], concurrency: usize) -> (Vec<(usize, Measured)>, Duration) {
+/// Every request measured.
+async fn run_workload(url: &str, jobs: &[Job], concurrency: usize) -> (Vec<Sent>, Duration) {
     let client = reqwest::Client::new();
     let gate = Arc::new(Semaphore::new(concurrency));
     let total: usize = jobs.iter().map(|j| if let Job::Session { turns, .. } = j { turns.len() } else { 1 }).sum();
@@ -335,14 +362,15 @@ async fn run_workload(url: &str, jobs: &[Job], concurrency: usize) -> (Vec<(usiz
             match job {
                 Job::Session { prefix, system, turns } => {
                     let mut history = system;
-                    for turn in turns {
+                    for (i, turn) in turns.into_iter().enumerate() {
                         history.push_str(&format!("\nUser: {turn}\nAssistant:"));
                         let body = json!({"model": MODEL, "prompt": history, "max_tokens": MAX_TOKENS, "stream": true,
                                           "stream_options": {"include_usage": true}});
                         let _permit = gate.acquire().await.expect("semaphore");
-                        let m = send(&client, &url, &body).await;
-                        history.push_str(&m.text);
-                        out.push((prefix, m));
+                        let at = started.elapsed();
+                        let measured = send(&client, &url, &body).await;
+                        history.push_str(&measured.text);
+                        out.push(Sent { prefix, turn: Some(i), at, measured });
                         progress(&done);
                     }
                 }
@@ -350,7 +378,8 @@ async fn run_workload(url: &str, jobs: &[Job], concurrency: usize) -> (Vec<(usiz
                     let body = json!({"model": MODEL, "prompt": format!("{document}\n{question}\nAnswer:"),
                                       "max_tokens": MAX_TOKENS, "stream": true, "stream_options": {"include_usage": true}});
                     let _permit = gate.acquire().await.expect("semaphore");
-                    out.push((prefix, send(&client, &url, &body).await));
+                    let at = started.elapsed();
+                    out.push(Sent { prefix, turn: None, at, measured: send(&client, &url, &body).await });
                     progress(&done);
                 }
             }
@@ -365,6 +394,11 @@ async fn run_workload(url: &str, jobs: &[Job], concurrency: usize) -> (Vec<(usiz
     (all, started.elapsed())
 }
 
+/// Each run's figure, rounded: `27 / 29 / 34`.
+fn runs(values: &[f64]) -> String {
+    values.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / ")
+}
+
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -377,15 +411,15 @@ struct Placement {
 }
 
 impl Placement {
-    fn of(measured: &[(usize, Measured)], pods: &[Sim]) -> Self {
+    fn of(sent: &[Sent], pods: &[Sim]) -> Self {
         let pod_of = |m: &Measured| pods.iter().position(|p| m.pod.as_deref() == Some(p.pod_id.as_str()));
         let (mut requests, mut computed_tokens) = (vec![0; pods.len()], vec![0; pods.len()]);
         let mut served: Vec<std::collections::BTreeSet<usize>> = vec![Default::default(); PREFIXES];
-        for (prefix, m) in measured {
-            let Some(pod) = pod_of(m) else { continue };
+        for s in sent {
+            let Some(pod) = pod_of(&s.measured) else { continue };
             requests[pod] += 1;
-            computed_tokens[pod] += m.prompt_tokens.saturating_sub(m.cached_tokens);
-            served[*prefix].insert(pod);
+            computed_tokens[pod] += s.measured.prompt_tokens.saturating_sub(s.measured.cached_tokens);
+            served[s.prefix].insert(pod);
         }
         let used: Vec<usize> = served.iter().map(|pods| pods.len()).filter(|&n| n > 0).collect();
         let pods_per_prefix = if used.is_empty() { 0.0 } else { used.iter().sum::<usize>() as f64 / used.len() as f64 };
@@ -393,9 +427,10 @@ impl Placement {
     }
 }
 
-/// Every router's median run, and the failed requests over all runs.
-async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, usize)> {
+/// Every router's median run, the failed requests over all runs, and `requests.csv`.
+async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, usize, String)> {
     let jobs = jobs(args);
+    let mut csv = String::from("router,run,prefix,turn,sent_s,pod,status,ttft_ms,prompt_tokens,cached_tokens\n");
     let tokenizer = qwen3_tokenizer();
     let tok = tokenizer.to_str().context("tokenizer path")?.to_string();
     let kinds = kinds(args)?;
@@ -425,10 +460,31 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
         let gateway = start(kind, &pods, &args.kvgate_policy).await?;
         let cpu_before: f64 = gateway.pids.iter().map(|&p| cpu_seconds(p, ticks)).sum();
         print!("    requests done:");
-        let (measured, wall) = run_workload(&gateway.url, &jobs, args.concurrency).await;
+        let (sent, wall) = run_workload(&gateway.url, &jobs, args.concurrency).await;
         let cpu = gateway.pids.iter().map(|&p| cpu_seconds(p, ticks)).sum::<f64>() - cpu_before;
-        let placement = Placement::of(&measured, &pods);
-        let mut measured: Vec<Measured> = measured.into_iter().map(|(_, m)| m).collect();
+        let placement = Placement::of(&sent, &pods);
+        for s in &sent {
+            let m = &s.measured;
+            csv.push_str(&format!(
+                "{},{},{},{},{:.4},{},{},{:.2},{},{}\n",
+                kind.name(),
+                rep + 1,
+                s.prefix,
+                s.turn.map_or(String::new(), |t| t.to_string()),
+                s.at.as_secs_f64(),
+                m.pod.as_deref().unwrap_or(""),
+                m.status,
+                ms(m.ttft),
+                m.prompt_tokens,
+                m.cached_tokens
+            ));
+        }
+        let mut warm: Vec<Duration> = sent
+            .iter()
+            .filter(|s| s.measured.status == 200 && s.at >= cold_start(args))
+            .map(|s| s.measured.ttft)
+            .collect();
+        let mut measured: Vec<Measured> = sent.into_iter().map(|s| s.measured).collect();
         let ok: Vec<&mut Measured> = measured.iter_mut().filter(|m| m.status == 200).collect();
         let mut ttft: Vec<Duration> = ok.iter().map(|m| m.ttft).collect();
         let mut total: Vec<Duration> = ok.iter().map(|m| m.total).collect();
@@ -451,11 +507,14 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
             computed_tokens_per_pod: placement.computed_tokens,
             pods_per_prefix: placement.pods_per_prefix,
             ttft_p90_runs_ms: Vec::new(),
+            ttft_p90_warm_ms: if warm.is_empty() { f64::NAN } else { ms(percentile(&mut warm, 0.9)) },
+            ttft_p90_warm_runs_ms: Vec::new(),
         };
         println!(
-            "    TTFT p50 {:.1} ms, p90 {:.1} ms; hits {:.1} %; {} errors; router CPU {:.2} s; per pod {:?}, computed {:?}; {:.1} pods per prefix",
+            "    TTFT p50 {:.1} ms, p90 {:.1} ms (after the cold start {:.1}); hits {:.1} %; {} errors; router CPU {:.2} s; per pod {:?}, computed {:?}; {:.1} pods per prefix",
             r.ttft_p50_ms,
             r.ttft_p90_ms,
+            r.ttft_p90_warm_ms,
             r.prefix_hit_rate * 100.0,
             r.errors,
             r.router_cpu_s,
@@ -471,12 +530,15 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
         .map(|mut rs| {
             rs.sort_by(|a, b| a.ttft_p90_ms.total_cmp(&b.ttft_p90_ms));
             let all: Vec<f64> = rs.iter().map(|r| r.ttft_p90_ms).collect();
+            let mut warm: Vec<f64> = rs.iter().map(|r| r.ttft_p90_warm_ms).collect();
+            warm.sort_by(f64::total_cmp);
             let mut median = rs.swap_remove(all.len() / 2);
             median.ttft_p90_runs_ms = all;
+            median.ttft_p90_warm_runs_ms = warm;
             median
         })
         .collect();
-    Ok((medians, errors))
+    Ok((medians, errors, csv))
 }
 
 /// What a router adds in front of an instant pod at fixed concurrency.
@@ -555,7 +617,7 @@ async fn main() -> anyhow::Result<()> {
         "Routing quality, live: {requests} requests ({} chat sessions × 6 turns over 6 system prompts, {} questions over 8 documents), {} in flight, {} pods of {} blocks at time scale {}",
         args.sessions, args.questions, args.concurrency, args.pods, args.num_blocks, args.time_scale
     );
-    let (quality, quality_errors) = quality(&args, ticks).await?;
+    let (quality, quality_errors, requests_csv) = quality(&args, ticks).await?;
     let overhead = if args.overhead_requests == 0 {
         Vec::new()
     } else {
@@ -568,22 +630,27 @@ async fn main() -> anyhow::Result<()> {
 
     let mut md = format!(
         "Live side by side: {requests} requests, {} in flight, {} simulated pods ({} KV blocks, time scale {}) per router; {:.0} s wall in all.\n\n\
-         The run with the median TTFT p90 of {} runs per router (interleaved) is shown; `p90 of each run` gives the spread.\n\n\
-         | router | TTFT p50 | TTFT p90 | p90 of each run | latency p50 | latency p90 | req/s | output tok/s | prefix hits | requests per pod | prompt tokens computed per pod | pods per prefix | errors | router CPU (s) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         The run with the median TTFT p90 of {} runs per router (interleaved) is shown; `p90 of each run` gives the spread. \
+         `after the cold start`: the p90 of the requests sent after each run's first {:.1} s (its cold start: the fleet's caches start empty), \
+         the median over the runs, then each run's.\n\n\
+         | router | TTFT p50 | TTFT p90 | p90 of each run | p90 after the cold start | latency p50 | latency p90 | req/s | output tok/s | prefix hits | requests per pod | prompt tokens computed per pod | pods per prefix | errors | router CPU (s) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         args.concurrency,
         args.pods,
         args.num_blocks,
         args.time_scale,
         started.elapsed().as_secs_f64(),
-        args.repeat.max(1)
+        args.repeat.max(1),
+        cold_start(&args).as_secs_f64()
     );
     for r in &quality {
         md.push_str(&format!(
-            "| {} | {:.1} ms | {:.1} ms | {} | {:.1} ms | {:.1} ms | {:.1} | {:.0} | {:.1} % | {:?} | {:?} | {:.1} | {} | {:.2} |\n",
+            "| {} | {:.1} ms | {:.1} ms | {} | {:.1} ms ({}) | {:.1} ms | {:.1} ms | {:.1} | {:.0} | {:.1} % | {:?} | {:?} | {:.1} | {} | {:.2} |\n",
             r.label,
             r.ttft_p50_ms,
             r.ttft_p90_ms,
-            r.ttft_p90_runs_ms.iter().map(|v| format!("{v:.0}")).collect::<Vec<_>>().join(" / "),
+            runs(&r.ttft_p90_runs_ms),
+            r.ttft_p90_warm_runs_ms[r.ttft_p90_warm_runs_ms.len() / 2],
+            runs(&r.ttft_p90_warm_runs_ms),
             r.latency_p50_ms,
             r.latency_p90_ms,
             r.requests_per_s,
@@ -619,7 +686,8 @@ async fn main() -> anyhow::Result<()> {
     let json = json!({"quality": quality, "overhead": overhead});
     std::fs::write(args.out.join("results.json"), serde_json::to_string_pretty(&json)?)?;
     std::fs::write(args.out.join("results.md"), &md)?;
-    println!("\n{md}\nwrote {}/results.{{json,md}} and ttft.svg", args.out.display());
+    std::fs::write(args.out.join("requests.csv"), requests_csv)?;
+    println!("\n{md}\nwrote {}/results.{{json,md}}, ttft.svg and requests.csv", args.out.display());
     let errors = quality_errors + overhead.iter().map(|r| r.errors).sum::<usize>();
     anyhow::ensure!(errors == 0, "{errors} requests failed");
     Ok(())
