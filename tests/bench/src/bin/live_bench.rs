@@ -6,8 +6,8 @@
 //! fixed concurrency, short and long prompts, against a direct connection.
 //!
 //! Writes `results.json`, `results.md`, `ttft.svg` and `requests.csv` (every request of every
-//! run: its shared prefix, turn, when it was sent, the pod that answered, its TTFT and cached
-//! tokens; no prompt text) under `--out`.
+//! run: its shared prefix, turn, when it was sent, the pod that answered, its TTFT, latency
+//! and cached tokens; no prompt text) under `--out`.
 
 use anyhow::Context;
 use clap::Parser;
@@ -430,7 +430,7 @@ impl Placement {
 /// Every router's median run, the failed requests over all runs, and `requests.csv`.
 async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, usize, String)> {
     let jobs = jobs(args);
-    let mut csv = String::from("router,run,prefix,turn,sent_s,pod,status,ttft_ms,prompt_tokens,cached_tokens\n");
+    let mut csv = String::from("router,run,prefix,turn,sent_s,pod,status,ttft_ms,total_ms,prompt_tokens,cached_tokens\n");
     let tokenizer = qwen3_tokenizer();
     let tok = tokenizer.to_str().context("tokenizer path")?.to_string();
     let kinds = kinds(args)?;
@@ -466,7 +466,7 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
         for s in &sent {
             let m = &s.measured;
             csv.push_str(&format!(
-                "{},{},{},{},{:.4},{},{},{:.2},{},{}\n",
+                "{},{},{},{},{:.4},{},{},{:.2},{:.2},{},{}\n",
                 kind.name(),
                 rep + 1,
                 s.prefix,
@@ -475,6 +475,7 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
                 m.pod.as_deref().unwrap_or(""),
                 m.status,
                 ms(m.ttft),
+                ms(m.total),
                 m.prompt_tokens,
                 m.cached_tokens
             ));
