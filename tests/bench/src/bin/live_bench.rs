@@ -315,6 +315,40 @@ struct LiveResult {
     ttft_p90_warm_ms: f64,
     /// The same, of every run of this router.
     ttft_p90_warm_runs_ms: Vec<f64>,
+    /// Requests at or over their run's TTFT p90 (of every run of this router, in the median
+    /// result), and how many of them were sent in the cold start.
+    slowest: usize,
+    slowest_in_cold_start: usize,
+    /// After the cold start, the busiest pod's requests in flight less the idlest's, as the
+    /// client saw them (sent, not yet answered), at each request's sending, averaged (over
+    /// every run of this router, in the median result): how evenly the router spread load.
+    inflight_spread: f64,
+}
+
+/// A run's [`LiveResult::slowest`], [`LiveResult::slowest_in_cold_start`] and
+/// [`LiveResult::inflight_spread`], given its TTFT p90.
+fn run_shape(sent: &[Sent], pods: &[Sim], p90: Duration, cold_start: Duration) -> (usize, usize, f64) {
+    let ok: Vec<&Sent> = sent.iter().filter(|s| s.measured.status == 200).collect();
+    let slowest = ok.iter().filter(|s| s.measured.ttft >= p90).count();
+    let in_cold_start = ok.iter().filter(|s| s.measured.ttft >= p90 && s.at < cold_start).count();
+    let spreads: Vec<usize> = ok
+        .iter()
+        .filter(|s| s.at >= cold_start)
+        .map(|s| {
+            let mut inflight = vec![0usize; pods.len()];
+            for o in &ok {
+                if let Some(pod) =
+                    pod_index(&o.measured, pods).filter(|_| o.at < s.at && s.at < o.at + o.measured.total)
+                {
+                    inflight[pod] += 1;
+                }
+            }
+            inflight.iter().max().unwrap_or(&0) - inflight.iter().min().unwrap_or(&0)
+        })
+        .collect();
+    let spread =
+        if spreads.is_empty() { f64::NAN } else { spreads.iter().sum::<usize>() as f64 / spreads.len() as f64 };
+    (slowest, in_cold_start, spread)
 }
 
 /// The cold start of a run: its first two simulated seconds (wall seconds at the time
@@ -403,6 +437,11 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// The index in `pods` of the pod that answered `m`.
+fn pod_index(m: &Measured, pods: &[Sim]) -> Option<usize> {
+    pods.iter().position(|p| m.pod.as_deref() == Some(p.pod_id.as_str()))
+}
+
 /// Where a run's requests went, per pod (in pod order) and per shared prefix.
 struct Placement {
     requests: Vec<usize>,
@@ -412,11 +451,10 @@ struct Placement {
 
 impl Placement {
     fn of(sent: &[Sent], pods: &[Sim]) -> Self {
-        let pod_of = |m: &Measured| pods.iter().position(|p| m.pod.as_deref() == Some(p.pod_id.as_str()));
         let (mut requests, mut computed_tokens) = (vec![0; pods.len()], vec![0; pods.len()]);
         let mut served: Vec<std::collections::BTreeSet<usize>> = vec![Default::default(); PREFIXES];
         for s in sent {
-            let Some(pod) = pod_of(&s.measured) else { continue };
+            let Some(pod) = pod_index(&s.measured, pods) else { continue };
             requests[pod] += 1;
             computed_tokens[pod] += s.measured.prompt_tokens.saturating_sub(s.measured.cached_tokens);
             served[s.prefix].insert(pod);
@@ -430,7 +468,8 @@ impl Placement {
 /// Every router's median run, the failed requests over all runs, and `requests.csv`.
 async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, usize, String)> {
     let jobs = jobs(args);
-    let mut csv = String::from("router,run,prefix,turn,sent_s,pod,status,ttft_ms,total_ms,prompt_tokens,cached_tokens\n");
+    let mut csv =
+        String::from("router,run,prefix,turn,sent_s,pod,status,ttft_ms,total_ms,prompt_tokens,cached_tokens\n");
     let tokenizer = qwen3_tokenizer();
     let tok = tokenizer.to_str().context("tokenizer path")?.to_string();
     let kinds = kinds(args)?;
@@ -485,9 +524,12 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
             .filter(|s| s.measured.status == 200 && s.at >= cold_start(args))
             .map(|s| s.measured.ttft)
             .collect();
+        let mut ttft: Vec<Duration> =
+            sent.iter().filter(|s| s.measured.status == 200).map(|s| s.measured.ttft).collect();
+        let p90 = percentile(&mut ttft, 0.9);
+        let (slowest, slowest_in_cold_start, inflight_spread) = run_shape(&sent, &pods, p90, cold_start(args));
         let mut measured: Vec<Measured> = sent.into_iter().map(|s| s.measured).collect();
         let ok: Vec<&mut Measured> = measured.iter_mut().filter(|m| m.status == 200).collect();
-        let mut ttft: Vec<Duration> = ok.iter().map(|m| m.ttft).collect();
         let mut total: Vec<Duration> = ok.iter().map(|m| m.total).collect();
         let (prompt, cached) = ok.iter().fold((0, 0), |(p, c), m| (p + m.prompt_tokens, c + m.cached_tokens));
         let r = LiveResult {
@@ -496,7 +538,7 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
             requests: measured.len(),
             errors: measured.iter().filter(|m| m.status != 200).count(),
             ttft_p50_ms: ms(percentile(&mut ttft, 0.5)),
-            ttft_p90_ms: ms(percentile(&mut ttft, 0.9)),
+            ttft_p90_ms: ms(p90),
             latency_p50_ms: ms(percentile(&mut total, 0.5)),
             latency_p90_ms: ms(percentile(&mut total, 0.9)),
             requests_per_s: measured.len() as f64 / wall.as_secs_f64(),
@@ -510,6 +552,9 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
             ttft_p90_runs_ms: Vec::new(),
             ttft_p90_warm_ms: if warm.is_empty() { f64::NAN } else { ms(percentile(&mut warm, 0.9)) },
             ttft_p90_warm_runs_ms: Vec::new(),
+            slowest,
+            slowest_in_cold_start,
+            inflight_spread,
         };
         println!(
             "    TTFT p50 {:.1} ms, p90 {:.1} ms (after the cold start {:.1}); hits {:.1} %; {} errors; router CPU {:.2} s; per pod {:?}, computed {:?}; {:.1} pods per prefix",
@@ -533,9 +578,15 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
             let all: Vec<f64> = rs.iter().map(|r| r.ttft_p90_ms).collect();
             let mut warm: Vec<f64> = rs.iter().map(|r| r.ttft_p90_warm_ms).collect();
             warm.sort_by(f64::total_cmp);
+            let slowest = rs.iter().map(|r| r.slowest).sum();
+            let slowest_in_cold_start = rs.iter().map(|r| r.slowest_in_cold_start).sum();
+            let inflight_spread = rs.iter().map(|r| r.inflight_spread).sum::<f64>() / rs.len() as f64;
             let mut median = rs.swap_remove(all.len() / 2);
             median.ttft_p90_runs_ms = all;
             median.ttft_p90_warm_runs_ms = warm;
+            median.slowest = slowest;
+            median.slowest_in_cold_start = slowest_in_cold_start;
+            median.inflight_spread = inflight_spread;
             median
         })
         .collect();
@@ -633,8 +684,10 @@ async fn main() -> anyhow::Result<()> {
         "Live side by side: {requests} requests, {} in flight, {} simulated pods ({} KV blocks, time scale {}) per router; {:.0} s wall in all.\n\n\
          The run with the median TTFT p90 of {} runs per router (interleaved) is shown; `p90 of each run` gives the spread. \
          `after the cold start`: the p90 of the requests sent after each run's first {:.1} s (its cold start: the fleet's caches start empty), \
-         the median over the runs, then each run's.\n\n\
-         | router | TTFT p50 | TTFT p90 | p90 of each run | p90 after the cold start | latency p50 | latency p90 | req/s | output tok/s | prefix hits | requests per pod | prompt tokens computed per pod | pods per prefix | errors | router CPU (s) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         the median over the runs, then each run's. `slowest tenth in the cold start`: of the requests at or over their run's p90, over all runs, \
+         those sent in the cold start. `in-flight spread`: after the cold start, the busiest pod's requests in flight less the idlest's \
+         at each request's sending, averaged over all runs.\n\n\
+         | router | TTFT p50 | TTFT p90 | p90 of each run | p90 after the cold start | slowest tenth in the cold start | in-flight spread | latency p50 | latency p90 | req/s | output tok/s | prefix hits | requests per pod | prompt tokens computed per pod | pods per prefix | errors | router CPU (s) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         args.concurrency,
         args.pods,
         args.num_blocks,
@@ -645,13 +698,16 @@ async fn main() -> anyhow::Result<()> {
     );
     for r in &quality {
         md.push_str(&format!(
-            "| {} | {:.1} ms | {:.1} ms | {} | {:.1} ms ({}) | {:.1} ms | {:.1} ms | {:.1} | {:.0} | {:.1} % | {:?} | {:?} | {:.1} | {} | {:.2} |\n",
+            "| {} | {:.1} ms | {:.1} ms | {} | {:.1} ms ({}) | {} of {} | {:.1} | {:.1} ms | {:.1} ms | {:.1} | {:.0} | {:.1} % | {:?} | {:?} | {:.1} | {} | {:.2} |\n",
             r.label,
             r.ttft_p50_ms,
             r.ttft_p90_ms,
             runs(&r.ttft_p90_runs_ms),
             r.ttft_p90_warm_runs_ms[r.ttft_p90_warm_runs_ms.len() / 2],
             runs(&r.ttft_p90_warm_runs_ms),
+            r.slowest_in_cold_start,
+            r.slowest,
+            r.inflight_spread,
             r.latency_p50_ms,
             r.latency_p90_ms,
             r.requests_per_s,
