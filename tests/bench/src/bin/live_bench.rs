@@ -325,30 +325,45 @@ struct LiveResult {
     inflight_spread: f64,
 }
 
-/// A run's [`LiveResult::slowest`], [`LiveResult::slowest_in_cold_start`] and
-/// [`LiveResult::inflight_spread`], given its TTFT p90.
-fn run_shape(sent: &[Sent], pods: &[Sim], p90: Duration, cold_start: Duration) -> (usize, usize, f64) {
-    let ok: Vec<&Sent> = sent.iter().filter(|s| s.measured.status == 200).collect();
-    let slowest = ok.iter().filter(|s| s.measured.ttft >= p90).count();
-    let in_cold_start = ok.iter().filter(|s| s.measured.ttft >= p90 && s.at < cold_start).count();
-    let spreads: Vec<usize> = ok
-        .iter()
-        .filter(|s| s.at >= cold_start)
-        .map(|s| {
-            let mut inflight = vec![0usize; pods.len()];
-            for o in &ok {
-                if let Some(pod) =
-                    pod_index(&o.measured, pods).filter(|_| o.at < s.at && s.at < o.at + o.measured.total)
-                {
-                    inflight[pod] += 1;
+/// How a run's slow requests and load fell around its cold start: the
+/// [`LiveResult::ttft_p90_warm_ms`], [`LiveResult::slowest`],
+/// [`LiveResult::slowest_in_cold_start`] and [`LiveResult::inflight_spread`] of one run, given
+/// its TTFT p90.
+struct Phases {
+    ttft_p90_warm_ms: f64,
+    slowest: usize,
+    slowest_in_cold_start: usize,
+    inflight_spread: f64,
+}
+
+impl Phases {
+    fn of(sent: &[Sent], pods: &[Sim], p90: Duration, cold_start: Duration) -> Self {
+        let ok: Vec<(&Sent, Option<usize>)> =
+            sent.iter().filter(|s| s.measured.status == 200).map(|s| (s, pod_index(&s.measured, pods))).collect();
+        let slowest = ok.iter().filter(|(s, _)| s.measured.ttft >= p90).count();
+        let slowest_in_cold_start = ok.iter().filter(|(s, _)| s.measured.ttft >= p90 && s.at < cold_start).count();
+        let warm: Vec<&Sent> = ok.iter().map(|&(s, _)| s).filter(|s| s.at >= cold_start).collect();
+        let mut warm_ttft: Vec<Duration> = warm.iter().map(|s| s.measured.ttft).collect();
+        let spreads: Vec<usize> = warm
+            .iter()
+            .map(|s| {
+                let mut inflight = vec![0usize; pods.len()];
+                for (o, pod) in &ok {
+                    if let Some(pod) = pod.filter(|_| o.at < s.at && s.at < o.at + o.measured.total) {
+                        inflight[pod] += 1;
+                    }
                 }
-            }
-            inflight.iter().max().unwrap_or(&0) - inflight.iter().min().unwrap_or(&0)
-        })
-        .collect();
-    let spread =
-        if spreads.is_empty() { f64::NAN } else { spreads.iter().sum::<usize>() as f64 / spreads.len() as f64 };
-    (slowest, in_cold_start, spread)
+                inflight.iter().max().unwrap_or(&0) - inflight.iter().min().unwrap_or(&0)
+            })
+            .collect();
+        let mean = |n: usize, len: usize| if len == 0 { f64::NAN } else { n as f64 / len as f64 };
+        Self {
+            ttft_p90_warm_ms: if warm_ttft.is_empty() { f64::NAN } else { ms(percentile(&mut warm_ttft, 0.9)) },
+            slowest,
+            slowest_in_cold_start,
+            inflight_spread: mean(spreads.iter().sum(), spreads.len()),
+        }
+    }
 }
 
 /// The cold start of a run: its first two simulated seconds (wall seconds at the time
@@ -519,15 +534,10 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
                 m.cached_tokens
             ));
         }
-        let mut warm: Vec<Duration> = sent
-            .iter()
-            .filter(|s| s.measured.status == 200 && s.at >= cold_start(args))
-            .map(|s| s.measured.ttft)
-            .collect();
         let mut ttft: Vec<Duration> =
             sent.iter().filter(|s| s.measured.status == 200).map(|s| s.measured.ttft).collect();
         let p90 = percentile(&mut ttft, 0.9);
-        let (slowest, slowest_in_cold_start, inflight_spread) = run_shape(&sent, &pods, p90, cold_start(args));
+        let phases = Phases::of(&sent, &pods, p90, cold_start(args));
         let mut measured: Vec<Measured> = sent.into_iter().map(|s| s.measured).collect();
         let ok: Vec<&mut Measured> = measured.iter_mut().filter(|m| m.status == 200).collect();
         let mut total: Vec<Duration> = ok.iter().map(|m| m.total).collect();
@@ -550,11 +560,11 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
             computed_tokens_per_pod: placement.computed_tokens,
             pods_per_prefix: placement.pods_per_prefix,
             ttft_p90_runs_ms: Vec::new(),
-            ttft_p90_warm_ms: if warm.is_empty() { f64::NAN } else { ms(percentile(&mut warm, 0.9)) },
+            ttft_p90_warm_ms: phases.ttft_p90_warm_ms,
             ttft_p90_warm_runs_ms: Vec::new(),
-            slowest,
-            slowest_in_cold_start,
-            inflight_spread,
+            slowest: phases.slowest,
+            slowest_in_cold_start: phases.slowest_in_cold_start,
+            inflight_spread: phases.inflight_spread,
         };
         println!(
             "    TTFT p50 {:.1} ms, p90 {:.1} ms (after the cold start {:.1}); hits {:.1} %; {} errors; router CPU {:.2} s; per pod {:?}, computed {:?}; {:.1} pods per prefix",
