@@ -7,7 +7,7 @@ use anyhow::Context;
 use clap::Parser;
 use kvgate_bench::cluster::{ClusterConfig, RunResult, run};
 use kvgate_bench::goodput::{Goodput, Point, bracket, goodput, over, ratio, svg_curves};
-use kvgate_bench::report::{Summary, ms, pod_table, svg, table};
+use kvgate_bench::report::{Summary, median, ms, pod_table, svg, table, ttft_p90_ms};
 use kvgate_bench::routers;
 use kvgate_bench::workload::{self, NAMES, Params, Workload};
 use kvgate_routing::policy::PolicyConfig;
@@ -125,6 +125,7 @@ fn simulate(
     in_flight: Option<usize>,
 ) -> (Summary, f64) {
     let mut pooled: Option<RunResult> = None;
+    let mut seed_p90s = Vec::new();
     let mut offered = 0.0;
     let mut decode_pods = Vec::new();
     for seed in params.seed..params.seed + seeds {
@@ -138,6 +139,7 @@ fn simulate(
         decode_pods = config.decode_pods();
         let mut r = routers::build(router, &config.roles, seed).expect("checked before");
         let result = run(&w, &config, r.as_mut());
+        seed_p90s.push(ttft_p90_ms(&result));
         pooled = Some(match pooled {
             None => result,
             Some(mut p) => {
@@ -153,7 +155,12 @@ fn simulate(
             }
         });
     }
-    (Summary::of(workload_name, router, &pooled.expect("at least one seed"), &decode_pods), offered)
+    let pooled = pooled.expect("at least one seed");
+    let summary = Summary {
+        ttft_p90_seed_median_ms: median(&seed_p90s),
+        ..Summary::of(workload_name, router, &pooled, &decode_pods)
+    };
+    (summary, offered)
 }
 
 /// Runs `f` over `jobs` on `threads` threads; the results in job order.
