@@ -45,7 +45,9 @@
 //! A prompt no pod holds `new_prompt_share` of starts a new prefix group: its miss is
 //! charged at each pod's cache fill (indexed blocks over KV capacity), so the group's home
 //! is the pod holding the fewest other groups rather than whichever was least busy at that
-//! instant (the capacity workload's busiest pod had taken 1.24× the mean of requests).
+//! instant (the capacity workload's busiest pod had taken 1.24× the mean of requests) —
+//! unless a pod offloads to another tier, whose size kvgate does not know: there a GPU's
+//! fill is churn (the cluster simulator's `tiered` at 64 pods: 312 → 316 req/s, `prefix` 319).
 //! `decode_read_weight` charges the per-sequence context each decode step reads (a prefix
 //! shared by ten sequences is held once but read ten times), which sets the pod's step
 //! time. `overflow_weight` charges the blocks a request would need beyond the pod's KV
@@ -193,7 +195,8 @@ pub struct KvPolicyConfig {
     /// its miss charge is then scaled on each pod by how full its cache is (indexed blocks
     /// over KV capacity; 90 % counts as full), so the group's home becomes the pod holding
     /// the least — the fewest other groups — rather than whichever was least busy at that
-    /// instant. Only while every pod states its KV capacity (`num_gpu_blocks`): one that
+    /// instant. Only while every pod states its KV capacity (`num_gpu_blocks`) and none
+    /// offloads to another tier (its GPU's fill then says nothing of its room): one that
     /// does not makes the charge flat on all. `None` = the charge is flat there too.
     #[default(Some(0.3))]
     pub new_prompt_share: Option<f64>,
@@ -293,11 +296,13 @@ impl KvPolicy {
     /// `new_prompt_share` of it (it is new to the fleet), and every pod states its KV
     /// capacity. The charge compares fills, so one pod of unknown capacity (not yet scraped,
     /// or an engine that does not say) makes it flat on all: charged in full there and at
-    /// its fill elsewhere, that pod would be passed over for no fault of its cache.
+    /// its fill elsewhere, that pod would be passed over for no fault of its cache. So does
+    /// a pod that [`offloads`](Candidate::offloads): what its GPU evicts stays in the other
+    /// tier, whose size no engine reports, so its GPU's fill is churn, not room.
     fn charges_at_fill(&self, input: &RouteInput, candidates: &[Candidate]) -> bool {
         let best = candidates.iter().map(Candidate::credited_tokens).max().unwrap_or(0);
         self.config.new_prompt_share.is_some_and(|share| f64::from(best) < share * f64::from(input.prompt_tokens))
-            && candidates.iter().all(|c| c.reported.is_some_and(|r| r.num_gpu_blocks > 0.0))
+            && candidates.iter().all(|c| !c.offloads && c.reported.is_some_and(|r| r.num_gpu_blocks > 0.0))
     }
 
     /// Whether `c` takes the overflow of the prompt's `home` at the price of its prefill
@@ -895,6 +900,11 @@ mod tests {
         let d = p.select(&INPUT, &[idle_empty, unscraped]);
         assert_eq!(d.costs, vec![Some(p.cost(&INPUT, &idle_empty)), Some(p.cost(&INPUT, &unscraped))]);
         assert_eq!(d.chosen, 1, "the quieter pod, as with the rule off");
+        // So does a pod that offloads: its GPU's fill is churn, whatever its other tier holds.
+        let offloading = Candidate { offloads: true, ..empty };
+        let d = p.select(&INPUT, &[full, offloading]);
+        assert_eq!(d.costs, vec![Some(p.cost(&INPUT, &full)), Some(p.cost(&INPUT, &offloading))]);
+        assert_eq!(d.chosen, 0, "the quieter pod, as with the rule off");
     }
 
     #[test]
