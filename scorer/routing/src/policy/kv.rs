@@ -94,7 +94,8 @@ use smart_default::SmartDefault;
 
 /// The fill from which a cache counts as full for a new prompt's miss charge: past it, fills
 /// differ by the engine's churn, not by room (at 64 pods with host-memory tiers, steering
-/// new prompts by those differences cost 3.5 % of goodput).
+/// new prompts by those differences had cost 3.5 % of goodput; such fleets are now charged
+/// flat, as [`KvPolicy::charges_at_fill`] says).
 const FULL_CACHE: f64 = 0.9;
 
 /// A home this many times slower than a pod (in slowness as applied: learned or declared)
