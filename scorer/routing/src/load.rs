@@ -205,6 +205,9 @@ struct Inflight {
     /// Requests in flight on its pod when it was booked (besides it): the sequences its
     /// prefill shares the engine's steps with.
     booked_beside: u32,
+    /// Booked past its pod's KV capacity ([`LoadTracker::past_capacity`]): its first token
+    /// waits for room, so it teaches nothing of the pod's speed.
+    booked_past_capacity: bool,
     expires_at: f64,
     /// Where the request sits in its pod's `inflight` and `decode` lists.
     slot: usize,
@@ -234,6 +237,8 @@ struct PodState {
     /// while a request in flight holds them).
     evicted_blocks: AHashSet<SequenceHash>,
     private_blocks: u64,
+    /// KV blocks the engine has (`num_gpu_blocks` from its metrics), 0 while unknown.
+    kv_capacity_blocks: f64,
 }
 
 impl Inflight {
@@ -382,6 +387,7 @@ impl LoadTracker {
             adapter: booking.adapter,
             booked_at: now,
             booked_beside: self.inflight_on(booking.pod),
+            booked_past_capacity: self.past_capacity(booking.pod, booking.prompt_tokens - booking.cached_tokens, now),
             expires_at: now + self.config.request_ttl_seconds,
             slot: 0,
         };
@@ -400,8 +406,25 @@ impl LoadTracker {
         req.pod = pod;
         req.booked_beside = self.inflight_on(pod);
         req.set_cached(cached_tokens);
+        req.booked_past_capacity = self.past_capacity(pod, req.prefill_tokens as u32, req.booked_at);
         self.insert(id, req);
         Ok(from)
+    }
+
+    /// `pod`'s engine has `blocks` KV blocks (`num_gpu_blocks` from its metrics; 0 = unknown),
+    /// until [`Self::clear_pod`] (a pod that comes back reports it again).
+    pub fn set_kv_capacity(&mut self, pod: PodId, blocks: f64) {
+        self.pods.get_mut(pod).kv_capacity_blocks = blocks.max(0.0);
+    }
+
+    /// Whether the blocks `pod`'s requests in flight hold, with `uncached_tokens` more, exceed
+    /// its KV capacity (false while that is unknown): vLLM admits a request only when its
+    /// blocks fit, so one booked there waits for others to finish. The same sum as the `kv`
+    /// policy's overflow charge.
+    fn past_capacity(&self, pod: PodId, uncached_tokens: u32, now: f64) -> bool {
+        let capacity = self.pods.get(pod).map_or(0.0, |p| p.kv_capacity_blocks);
+        capacity > 0.0
+            && self.load(pod, now).decode_blocks + f64::from(uncached_tokens) / self.block_size as f64 > capacity
     }
 
     /// Tokens per KV block from now on (learned from the engines): requests in flight keep
@@ -501,6 +524,7 @@ impl LoadTracker {
                 // The engine evicted part of the cache it was booked with: its prefill
                 // computed more than it was booked for.
                 credit_evicted: req.credit_evicted(self.pods.get(pod), self.block_size),
+                past_capacity: req.booked_past_capacity,
             };
             self.speeds.prefill_done(pod, prefill, now);
         }
@@ -788,6 +812,41 @@ mod tests {
 
     fn chain(n: u64) -> Vec<SequenceHash> {
         (0..n).map(SequenceHash).collect()
+    }
+
+    #[test]
+    fn a_prefill_booked_past_the_pods_kv_capacity_teaches_nothing_of_its_speed() {
+        let (mut t, a, b) = tracker();
+        let first_token = |t: &mut LoadTracker, key: &BookingKey, at: f64| {
+            t.report(key, Lifecycle::FirstToken, at).unwrap();
+        };
+        // The fleet's fit learns first (pod b, one prefill at a time).
+        for i in 0..6 {
+            let key = k(format!("b{i}"));
+            t.book(&key, &eight_tokens(b, &chain(2)), f64::from(i));
+            first_token(&mut t, &key, f64::from(i) + 0.1);
+            t.report(&key, Lifecycle::Done, f64::from(i) + 0.2).unwrap();
+        }
+        t.set_kv_capacity(a, 4.0);
+        // 16 tokens (4 blocks) fit an idle pod of 4 blocks: a sample.
+        let four = chain(4);
+        let holder = Booking { prompt_tokens: 16, ..eight_tokens(a, &four) };
+        t.book(&k("holder"), &holder, 10.0);
+        first_token(&mut t, &k("holder"), 10.1);
+        let taught = t.speed(a);
+        assert!(taught.samples > 0.0, "{taught:?}");
+        // Beside it (4 blocks and its output's 2), 2 more do not: the engine holds the
+        // request back until the holder ends, and its time is that wait.
+        let other = chain(2).into_iter().map(|h| SequenceHash(h.0 + 100)).collect::<Vec<_>>();
+        t.book(&k("waits"), &eight_tokens(a, &other), 11.0);
+        first_token(&mut t, &k("waits"), 13.0);
+        assert_eq!(t.speed(a), taught, "a wait for KV room is not a slow pod");
+        // Where the capacity is unknown the same wait is a sample (held at its outlier bound).
+        let other = chain(2).into_iter().map(|h| SequenceHash(h.0 + 200)).collect::<Vec<_>>();
+        t.set_kv_capacity(a, 0.0);
+        t.book(&k("unknown"), &eight_tokens(a, &other), 14.0);
+        first_token(&mut t, &k("unknown"), 16.0);
+        assert!(t.speed(a).samples > taught.samples);
     }
 
     #[test]

@@ -10,8 +10,13 @@
 //! affinity (the cluster simulator's capacity workload collapsed past its knee).
 //! Under sustained load a pod keeps what it learned when it had room. Nor does a prefill
 //! teach whose credited cache the engine evicted after its booking (it computed more than
-//! it was booked for), and a sample is held at [`OUTLIER_FACTOR`] times what the pod's
-//! learned speed predicts: an engine that holds a prefill back for KV room takes a second
+//! it was booked for), or one booked past its pod's KV capacity (the blocks its requests in
+//! flight hold, with its own new ones, exceed the pod's `num_gpu_blocks`): vLLM holds it
+//! back until room frees, so its time is that wait. On 64 pods of one type offloading to
+//! host memory, such waits set pods 1.45 times apart while their caches filled, the fleet
+//! was judged mixed, and prefix groups left pods taken for slow ones. A sample is held at
+//! [`OUTLIER_FACTOR`] times what the pod's learned speed predicts: an engine that holds a
+//! prefill back (for KV room kvgate's bookings did not see, a preemption) takes a second
 //! over a 20 ms prefill, and a few such samples had made pods of one GPU type look up to
 //! 2.4× apart on 64 pods under load.
 //!
@@ -198,13 +203,17 @@ pub struct Prefill {
     /// The engine evicted part of the cache it was booked with: it computed more than
     /// `tokens`.
     pub credit_evicted: bool,
+    /// Booked past the pod's KV capacity: its requests in flight and its new blocks needed
+    /// more blocks than the pod has, so the engine held it back until others freed room, and
+    /// its time measures that wait.
+    pub past_capacity: bool,
 }
 
 impl Prefill {
     /// `tokens` booked at `booked_at` on an idle pod, its cache kept.
     #[cfg(test)]
     fn alone(booked_at: f64, tokens: u64) -> Self {
-        Self { booked_at, tokens, beside: 0, credit_evicted: false }
+        Self { booked_at, tokens, beside: 0, credit_evicted: false, past_capacity: false }
     }
 }
 
@@ -264,7 +273,7 @@ impl PodSpeeds {
 
     /// `prefill` on `pod` finished at `now`.
     pub fn prefill_done(&mut self, pod: PodId, prefill: Prefill, now: f64) {
-        let Prefill { booked_at, tokens, beside, credit_evicted } = prefill;
+        let Prefill { booked_at, tokens, beside, credit_evicted, past_capacity } = prefill;
         let keep = self.keep;
         if tokens == 0 {
             return; // Nothing computed there (its KV came from a prefill pod).
@@ -274,7 +283,7 @@ impl PodSpeeds {
         // behind others measures the queue, and a pod under load looks slower than it is.
         let queued = booked_at < state.busy_until;
         state.busy_until = state.busy_until.max(now);
-        if queued || credit_evicted || now < booked_at {
+        if queued || credit_evicted || past_capacity || now < booked_at {
             return;
         }
         let learned = self.fleet_learned();
@@ -619,6 +628,10 @@ mod tests {
         let before = speeds.view(PodId(2));
         speeds.prefill_done(PodId(2), Prefill { credit_evicted: true, ..Prefill::alone(t, 100) }, t + 0.5);
         assert_eq!(speeds.view(PodId(2)), before, "it teaches nothing");
+        // Nor does one booked past the pod's KV capacity: it waited for room.
+        t += 1.0;
+        speeds.prefill_done(PodId(2), Prefill { past_capacity: true, ..Prefill::alone(t, 100) }, t + 0.5);
+        assert_eq!(speeds.view(PodId(2)), before, "it teaches nothing either");
     }
 
     #[test]

@@ -186,6 +186,7 @@ impl Router {
         }
         state.healthy = true;
         state.reported = Some(reported);
+        self.load.set_kv_capacity(pod, reported.num_gpu_blocks);
     }
 
     /// The pod's scrape named the LoRA adapters it runs and has waiting, and its slots.

@@ -205,6 +205,28 @@ fn a_prompt_held_offloaded_is_loaded_not_recomputed() {
 }
 
 #[test]
+fn a_prefill_booked_past_its_pods_reported_kv_capacity_does_not_teach_the_pods_speed() {
+    let mut r = router(1 << 20);
+    let pod = r.add_pod(Role::Both, false);
+    // 40 blocks of 16 tokens.
+    r.reported(pod, ReportedLoad { num_gpu_blocks: 40.0, ..ReportedLoad::default() });
+    for i in 0..6 {
+        let (id, c) = (format!("short-{i}"), chain(10 + i, 64));
+        let at = f64::from(i);
+        r.route(&RouteRequest::new(&id, &c, 64, Some(8)), at).unwrap();
+        r.report(&id, Lifecycle::FirstToken, false, at + 0.02).unwrap();
+        r.report(&id, Lifecycle::Done, false, at + 0.1).unwrap();
+    }
+    let taught = r.load().speed(pod);
+    assert!(taught.samples > 0.0, "short prefills that fit teach: {taught:?}");
+    // 1,024 tokens need 64 blocks: the engine holds the request back for room.
+    let c = chain(99, 1024);
+    r.route(&RouteRequest::new("long", &c, 1024, Some(8)), 10.0).unwrap();
+    r.report("long", Lifecycle::FirstToken, false, 12.0).unwrap();
+    assert_eq!(r.load().speed(pod), taught, "its wait is not the pod's speed");
+}
+
+#[test]
 fn routes_a_repeated_prefix_back_and_books_until_done() {
     let mut r = router(1024);
     let pods = [r.add_pod(Role::Both, false), r.add_pod(Role::Both, false)];
