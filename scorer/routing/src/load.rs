@@ -387,7 +387,11 @@ impl LoadTracker {
             adapter: booking.adapter,
             booked_at: now,
             booked_beside: self.inflight_on(booking.pod),
-            booked_past_capacity: self.past_capacity(booking.pod, booking.prompt_tokens - booking.cached_tokens, now),
+            booked_past_capacity: self.past_capacity(
+                booking.pod,
+                booking.prompt_tokens.saturating_sub(booking.cached_tokens),
+                now,
+            ),
             expires_at: now + self.config.request_ttl_seconds,
             slot: 0,
         };
