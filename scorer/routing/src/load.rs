@@ -185,6 +185,15 @@ pub struct PodLoad {
     pub decode_read_blocks: f64,
 }
 
+impl PodLoad {
+    /// Blocks past `capacity` (the pod's `num_gpu_blocks`; 0 = unknown, then none) that its
+    /// requests in flight would hold with `new_blocks` more: vLLM admits a request only when
+    /// its blocks fit, so past capacity it waits for others to finish.
+    pub fn blocks_past_capacity(&self, new_blocks: f64, capacity: f64) -> f64 {
+        if capacity > 0.0 { (self.decode_blocks + new_blocks - capacity).max(0.0) } else { 0.0 }
+    }
+}
+
 #[derive(Debug)]
 struct Inflight {
     pod: PodId,
@@ -421,14 +430,14 @@ impl LoadTracker {
         self.pods.get_mut(pod).kv_capacity_blocks = blocks.max(0.0);
     }
 
-    /// Whether the blocks `pod`'s requests in flight hold, with `uncached_tokens` more, exceed
-    /// its KV capacity (false while that is unknown): vLLM admits a request only when its
-    /// blocks fit, so one booked there waits for others to finish. The same sum as the `kv`
-    /// policy's overflow charge.
+    /// Whether a request with `uncached_tokens` to compute, booked on `pod` now, waits for KV
+    /// room ([`PodLoad::blocks_past_capacity`], as the `kv` policy's overflow charge); false
+    /// while the pod's capacity is unknown.
     fn past_capacity(&self, pod: PodId, uncached_tokens: u32, now: f64) -> bool {
         let capacity = self.pods.get(pod).map_or(0.0, |p| p.kv_capacity_blocks);
         capacity > 0.0
-            && self.load(pod, now).decode_blocks + f64::from(uncached_tokens) / self.block_size as f64 > capacity
+            && self.load(pod, now).blocks_past_capacity(f64::from(uncached_tokens) / self.block_size as f64, capacity)
+                > 0.0
     }
 
     /// Tokens per KV block from now on (learned from the engines): requests in flight keep

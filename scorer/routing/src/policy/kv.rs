@@ -367,12 +367,8 @@ impl KvPolicy {
             }
         };
         let block_size = f64::from(input.block_size.max(1));
-        let overflow = match c.reported {
-            Some(r) if r.num_gpu_blocks > 0.0 => {
-                (c.load.decode_blocks + uncached as f64 / block_size - r.num_gpu_blocks).max(0.0)
-            }
-            _ => 0.0,
-        };
+        let capacity = c.reported.map_or(0.0, |r| r.num_gpu_blocks);
+        let overflow = c.load.blocks_past_capacity(uncached as f64 / block_size, capacity);
         let work = self.config.prefill_weight
             * (queued + own + input.fixed_prefill_tokens + self.adapter_wait_tokens(c))
             / block_size
