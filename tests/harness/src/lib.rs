@@ -615,9 +615,17 @@ impl ScorerProcess {
         self.child.id()
     }
 
-    /// Freezes the scorer (SIGSTOP): it accepts connections but never answers.
+    /// Freezes the scorer (SIGSTOP): it accepts connections but never answers. Returns once
+    /// every thread has stopped: a stop reaches a process's threads one by one, and on a
+    /// loaded machine the others may run (and answer) for a while meanwhile.
     pub fn pause(&self) {
-        signal(self.child.id(), "-STOP");
+        let pid = self.child.id();
+        signal(pid, "-STOP");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !all_threads_stopped(pid) {
+            assert!(Instant::now() < deadline, "scorer {pid} did not stop within 10 s");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Thaws a paused scorer (SIGCONT).
@@ -772,6 +780,16 @@ impl ScorerProcess {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+/// Whether every thread of process `pid` is stopped (state `T` in `/proc/<pid>/task/*/stat`).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    tasks.flatten().all(|task| {
+        let stat = std::fs::read_to_string(task.path().join("stat")).unwrap_or_default();
+        // `pid (comm) state …`; the command name may hold spaces or parentheses.
+        stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()) == Some("T")
+    })
 }
 
 fn signal(pid: u32, which: &str) {
@@ -1091,5 +1109,32 @@ impl NatsServer {
 impl Drop for NatsServer {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stopped_process_is_seen_stopped_and_a_continued_one_running() {
+        let mut child = Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        let pid = child.id();
+        assert!(!all_threads_stopped(pid));
+        signal(pid, "-STOP");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !all_threads_stopped(pid) {
+            assert!(Instant::now() < deadline, "never seen stopped");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        signal(pid, "-CONT");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while all_threads_stopped(pid) {
+            assert!(Instant::now() < deadline, "never seen running again");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(!all_threads_stopped(pid), "a reaped process has no threads to be stopped");
     }
 }
