@@ -621,11 +621,10 @@ impl ScorerProcess {
     pub fn pause(&self) {
         let pid = self.child.id();
         signal(pid, "-STOP");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !all_threads_stopped(pid) {
-            assert!(Instant::now() < deadline, "scorer {pid} did not stop within 10 s");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        assert!(
+            holds_within(Duration::from_secs(10), || all_threads_stopped(pid)),
+            "scorer {pid} did not stop within 10 s"
+        );
     }
 
     /// Thaws a paused scorer (SIGCONT).
@@ -780,6 +779,18 @@ impl ScorerProcess {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+/// Whether `check` holds within `limit` (polled every millisecond).
+fn holds_within(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    while !check() {
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    true
 }
 
 /// Whether every thread of process `pid` is stopped (state `T` in `/proc/<pid>/task/*/stat`).
@@ -1122,17 +1133,9 @@ mod tests {
         let pid = child.id();
         assert!(!all_threads_stopped(pid));
         signal(pid, "-STOP");
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while !all_threads_stopped(pid) {
-            assert!(Instant::now() < deadline, "never seen stopped");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        assert!(holds_within(Duration::from_secs(5), || all_threads_stopped(pid)), "never seen stopped");
         signal(pid, "-CONT");
-        let deadline = Instant::now() + Duration::from_secs(5);
-        while all_threads_stopped(pid) {
-            assert!(Instant::now() < deadline, "never seen running again");
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        assert!(holds_within(Duration::from_secs(5), || !all_threads_stopped(pid)), "never seen running again");
         let _ = child.kill();
         let _ = child.wait();
         assert!(!all_threads_stopped(pid), "a reaped process has no threads to be stopped");
