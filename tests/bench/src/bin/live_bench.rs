@@ -1,8 +1,8 @@
 //! `kvgate-live-bench`: the routers a user would pick, side by side on the same simulated
 //! pods (live `kvgate-sim` processes, fast time scale) and one identical workload, in turn:
 //! Envoy + kvgate, `vllm-router --policy kv_aware` (fed the pods' KV events),
-//! `sglang-router --policy cache_aware`, and Envoy round robin. Each router gets fresh pods
-//! (cold caches). Then the overhead: each router in front of one instant pod (time scale 0) at a
+//! `sglang-router --policy cache_aware`, and Envoy round robin — and, with `--kvgate-variant`,
+//! kvgate with a second policy on the same runs. Each router gets fresh pods (cold caches). Then the overhead: each router in front of one instant pod (time scale 0) at a
 //! fixed concurrency, short and long prompts, against a direct connection.
 //!
 //! Writes `results.json`, `results.md`, `ttft.svg` and `requests.csv` (every request of every
@@ -63,8 +63,13 @@ struct Args {
     /// The kvgate scorer's `policy:` (YAML), e.g. "{name: kv, miss_weight: 1}".
     #[arg(long, default_value = "{name: kv}")]
     kvgate_policy: String,
-    /// Routers to run (all by default): kvgate, kvgate-epp, vllm-router, sglang-router,
-    /// envoy-round-robin.
+    /// A second kvgate policy to run beside the first on the same runs (router
+    /// `kvgate-variant`: the wasm filter, this policy), so that two policies are compared
+    /// side by side, interleaved, rather than in runs minutes apart.
+    #[arg(long)]
+    kvgate_variant: Option<String>,
+    /// Routers to run (all by default, and `kvgate-variant` with `--kvgate-variant`):
+    /// kvgate, kvgate-epp, kvgate-variant, vllm-router, sglang-router, envoy-round-robin.
     #[arg(long, value_delimiter = ',')]
     routers: Vec<String>,
     /// Seed of the workload's order.
@@ -80,18 +85,27 @@ struct Args {
 enum Kind {
     Kvgate,
     KvgateEpp,
+    KvgateVariant,
     VllmRouter,
     SglangRouter,
     EnvoyRoundRobin,
 }
 
 impl Kind {
-    const ALL: [Kind; 5] = [Kind::Kvgate, Kind::KvgateEpp, Kind::VllmRouter, Kind::SglangRouter, Kind::EnvoyRoundRobin];
+    const ALL: [Kind; 6] = [
+        Kind::Kvgate,
+        Kind::KvgateEpp,
+        Kind::KvgateVariant,
+        Kind::VllmRouter,
+        Kind::SglangRouter,
+        Kind::EnvoyRoundRobin,
+    ];
 
     fn name(self) -> &'static str {
         match self {
             Kind::Kvgate => "kvgate",
             Kind::KvgateEpp => "kvgate-epp",
+            Kind::KvgateVariant => "kvgate-variant",
             Kind::VllmRouter => "vllm-router",
             Kind::SglangRouter => "sglang-router",
             Kind::EnvoyRoundRobin => "envoy-round-robin",
@@ -102,6 +116,7 @@ impl Kind {
         match self {
             Kind::Kvgate => "Envoy + kvgate wasm filter (kv)",
             Kind::KvgateEpp => "Envoy + kvgate Endpoint Picker (kv)",
+            Kind::KvgateVariant => "Envoy + kvgate wasm filter (--kvgate-variant)",
             Kind::VllmRouter => "vllm-router kv_aware",
             Kind::SglangRouter => "sglang-router cache_aware",
             Kind::EnvoyRoundRobin => "Envoy round robin",
@@ -150,10 +165,15 @@ fn scorer_config(pods: &[Sim], policy: &str) -> String {
     config
 }
 
-async fn start(kind: Kind, pods: &[Sim], policy: &str) -> anyhow::Result<Gateway> {
+/// Starts `kind`'s router in front of `pods`; kvgate's scorer with the policy `args` give it.
+async fn start(kind: Kind, pods: &[Sim], args: &Args) -> anyhow::Result<Gateway> {
     let none = Gateway { url: String::new(), pids: vec![], _scorer: None, _envoy: None, _peer: None, _config: None };
+    let policy = match kind {
+        Kind::KvgateVariant => args.kvgate_variant.as_deref().context("router kvgate-variant needs --kvgate-variant")?,
+        _ => args.kvgate_policy.as_str(),
+    };
     Ok(match kind {
-        Kind::Kvgate | Kind::KvgateEpp => {
+        Kind::Kvgate | Kind::KvgateEpp | Kind::KvgateVariant => {
             let (epp, picker) = match kind {
                 Kind::KvgateEpp => {
                     (format!("epp: {{listen: '127.0.0.1:{EPP_PORT}', tls: {{mode: plaintext}}}}\n"), "epp")
@@ -213,19 +233,27 @@ async fn start(kind: Kind, pods: &[Sim], policy: &str) -> anyhow::Result<Gateway
     })
 }
 
-/// The routers `--routers` names (all by default).
+/// The routers `--routers` names (all by default; the variant only with its policy).
 fn kinds(args: &Args) -> anyhow::Result<Vec<Kind>> {
+    let with_variant = args.kvgate_variant.is_some();
     if args.routers.is_empty() {
-        return Ok(Kind::ALL.to_vec());
+        return Ok(Kind::ALL.into_iter().filter(|&k| k != Kind::KvgateVariant || with_variant).collect());
     }
-    args.routers
+    let kinds = args
+        .routers
         .iter()
         .map(|n| {
             Kind::ALL.into_iter().find(|k| k.name() == n).with_context(|| {
-                format!("unknown router {n:?} (kvgate, kvgate-epp, vllm-router, sglang-router, envoy-round-robin)")
+                let names: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
+                format!("unknown router {n:?} ({})", names.join(", "))
             })
         })
-        .collect()
+        .collect::<anyhow::Result<Vec<Kind>>>()?;
+    anyhow::ensure!(
+        with_variant || !kinds.contains(&Kind::KvgateVariant),
+        "router kvgate-variant needs its policy: --kvgate-variant \"{{name: kv, ...}}\""
+    );
+    Ok(kinds)
 }
 
 /// User + system CPU seconds of `pid` and its waited-for children, from `/proc`.
@@ -511,7 +539,7 @@ async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, us
             ];
             pods.push(Sim::start(&format!("pod-{i}"), &extra).await);
         }
-        let gateway = start(kind, &pods, &args.kvgate_policy).await?;
+        let gateway = start(kind, &pods, args).await?;
         let cpu_before: f64 = gateway.pids.iter().map(|&p| cpu_seconds(p, ticks)).sum();
         print!("    requests done:");
         let (sent, wall) = run_workload(&gateway.url, &jobs, args.concurrency).await;
@@ -622,7 +650,7 @@ async fn overhead(args: &Args) -> anyhow::Result<Vec<OverheadResult>> {
     let pods = std::slice::from_ref(&pod);
     let mut gateways = vec![("direct to the pod".to_string(), None)];
     for kind in kinds(args)? {
-        gateways.push((kind.label().to_string(), Some(start(kind, pods, &args.kvgate_policy).await?)));
+        gateways.push((kind.label().to_string(), Some(start(kind, pods, args).await?)));
     }
     let client = reqwest::Client::new();
     let mut out = Vec::new();
@@ -671,6 +699,7 @@ async fn overhead(args: &Args) -> anyhow::Result<Vec<OverheadResult>> {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.pods >= 2 && args.concurrency >= 1, "--pods must be ≥ 2 and --concurrency ≥ 1");
+    kinds(&args)?; // router names checked before any pod starts
     kvgate_test_harness::quiet_children();
     let ticks = clock_ticks();
     let started = Instant::now();
@@ -696,7 +725,7 @@ async fn main() -> anyhow::Result<()> {
          `after the cold start`: the p90 of the requests sent after each run's first {:.1} s (its cold start: the fleet's caches start empty), \
          the median over the runs, then each run's. `slowest tenth in the cold start`: of the requests at or over their run's p90, over all runs, \
          those sent in the cold start. `in-flight spread`: after the cold start, the busiest pod's requests in flight less the idlest's \
-         at each request's sending, averaged over all runs.\n\n\
+         at each request's sending, averaged over all runs. kvgate's policy: `{}`{}.\n\n\
          | router | TTFT p50 | TTFT p90 | p90 of each run | p90 after the cold start | slowest tenth in the cold start | in-flight spread | latency p50 | latency p90 | req/s | output tok/s | prefix hits | requests per pod | prompt tokens computed per pod | pods per prefix | errors | router CPU (s) |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         args.concurrency,
         args.pods,
@@ -704,7 +733,9 @@ async fn main() -> anyhow::Result<()> {
         args.time_scale,
         started.elapsed().as_secs_f64(),
         args.repeat.max(1),
-        cold_start(&args).as_secs_f64()
+        cold_start(&args).as_secs_f64(),
+        args.kvgate_policy,
+        args.kvgate_variant.as_ref().map_or(String::new(), |v| format!("; `--kvgate-variant`: `{v}`"))
     );
     for r in &quality {
         md.push_str(&format!(
