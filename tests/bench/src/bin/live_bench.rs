@@ -169,7 +169,9 @@ fn scorer_config(pods: &[Sim], policy: &str) -> String {
 async fn start(kind: Kind, pods: &[Sim], args: &Args) -> anyhow::Result<Gateway> {
     let none = Gateway { url: String::new(), pids: vec![], _scorer: None, _envoy: None, _peer: None, _config: None };
     let policy = match kind {
-        Kind::KvgateVariant => args.kvgate_variant.as_deref().context("router kvgate-variant needs --kvgate-variant")?,
+        Kind::KvgateVariant => {
+            args.kvgate_variant.as_deref().context("router kvgate-variant needs --kvgate-variant")?
+        }
         _ => args.kvgate_policy.as_str(),
     };
     Ok(match kind {
