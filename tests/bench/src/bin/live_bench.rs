@@ -2,8 +2,9 @@
 //! pods (live `kvgate-sim` processes, fast time scale) and one identical workload, in turn:
 //! Envoy + kvgate, `vllm-router --policy kv_aware` (fed the pods' KV events),
 //! `sglang-router --policy cache_aware`, and Envoy round robin — and, with `--kvgate-variant`,
-//! kvgate with a second policy on the same runs. Each router gets fresh pods (cold caches). Then the overhead: each router in front of one instant pod (time scale 0) at a
-//! fixed concurrency, short and long prompts, against a direct connection.
+//! kvgate with a second policy on the same runs. Each router gets fresh pods (cold caches).
+//! Then the overhead: each router in front of one instant pod (time scale 0) at a fixed
+//! concurrency, short and long prompts, against a direct connection.
 //!
 //! Writes `results.json`, `results.md`, `ttft.svg` and `requests.csv` (every request of every
 //! run: its shared prefix, turn, when it was sent, the pod that answered, its TTFT, latency
@@ -511,13 +512,12 @@ impl Placement {
 }
 
 /// Every router's median run, the failed requests over all runs, and `requests.csv`.
-async fn quality(args: &Args, ticks: f64) -> anyhow::Result<(Vec<LiveResult>, usize, String)> {
+async fn quality(args: &Args, kinds: &[Kind], ticks: f64) -> anyhow::Result<(Vec<LiveResult>, usize, String)> {
     let jobs = jobs(args);
     let mut csv =
         String::from("router,run,prefix,turn,sent_s,pod,status,ttft_ms,total_ms,prompt_tokens,cached_tokens\n");
     let tokenizer = qwen3_tokenizer();
     let tok = tokenizer.to_str().context("tokenizer path")?.to_string();
-    let kinds = kinds(args)?;
     let mut runs: Vec<Vec<LiveResult>> = vec![Vec::new(); kinds.len()];
     for (rep, (k, &kind)) in (0..args.repeat.max(1)).flat_map(|r| kinds.iter().enumerate().map(move |k| (r, k))) {
         println!(
@@ -645,13 +645,13 @@ struct OverheadResult {
     errors: usize,
 }
 
-async fn overhead(args: &Args) -> anyhow::Result<Vec<OverheadResult>> {
+async fn overhead(args: &Args, kinds: &[Kind]) -> anyhow::Result<Vec<OverheadResult>> {
     let tokenizer = qwen3_tokenizer();
     let tok = tokenizer.to_str().context("tokenizer path")?;
     let pod = Sim::start("instant", &["--tokenizer", tok, "--model", MODEL, "--time-scale", "0"]).await;
     let pods = std::slice::from_ref(&pod);
     let mut gateways = vec![("direct to the pod".to_string(), None)];
-    for kind in kinds(args)? {
+    for &kind in kinds {
         gateways.push((kind.label().to_string(), Some(start(kind, pods, args).await?)));
     }
     let client = reqwest::Client::new();
@@ -701,7 +701,7 @@ async fn overhead(args: &Args) -> anyhow::Result<Vec<OverheadResult>> {
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     anyhow::ensure!(args.pods >= 2 && args.concurrency >= 1, "--pods must be ≥ 2 and --concurrency ≥ 1");
-    kinds(&args)?; // router names checked before any pod starts
+    let kinds = kinds(&args)?; // before any pod starts
     kvgate_test_harness::quiet_children();
     let ticks = clock_ticks();
     let started = Instant::now();
@@ -710,7 +710,7 @@ async fn main() -> anyhow::Result<()> {
         "Routing quality, live: {requests} requests ({} chat sessions × 6 turns over 6 system prompts, {} questions over 8 documents), {} in flight, {} pods of {} blocks at time scale {}",
         args.sessions, args.questions, args.concurrency, args.pods, args.num_blocks, args.time_scale
     );
-    let (quality, quality_errors, requests_csv) = quality(&args, ticks).await?;
+    let (quality, quality_errors, requests_csv) = quality(&args, &kinds, ticks).await?;
     let overhead = if args.overhead_requests == 0 {
         Vec::new()
     } else {
@@ -718,7 +718,7 @@ async fn main() -> anyhow::Result<()> {
             "Overhead: one instant pod, {} requests per path and prompt at concurrency {}",
             args.overhead_requests, args.concurrency
         );
-        overhead(&args).await?
+        overhead(&args, &kinds).await?
     };
 
     let mut md = format!(
