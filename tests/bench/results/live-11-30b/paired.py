@@ -32,13 +32,19 @@ def phase(index, sent_s):
     return "1-2 s" if sent_s < 2.0 else "after 2 s"
 
 
-def main(paths):
-    runs = collections.defaultdict(list)  # (path, router, run) -> rows
+def read_runs(paths):
+    """The answered requests of each run: (path, router, run) -> rows."""
+    runs = collections.defaultdict(list)
     for path in paths:
         with open(path) as f:
             for r in csv.DictReader(f):
                 if r["status"] == "200":
                     runs[(path, r["router"], r["run"])].append(r)
+    return runs
+
+
+def main(paths):
+    runs = read_runs(paths)
     p90s = {key: p90(float(r["ttft_ms"]) for r in rows) for key, rows in runs.items()}
     routers = sorted({router for _, router, _ in runs})
     phases = ["first wave", "cold start", "1-2 s", "after 2 s"]
