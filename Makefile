@@ -155,9 +155,10 @@ bench-goodput:
 	$(CARGO) run --release -p kvgate-bench --bin kvgate-cluster-sim -- --sweep $(SWEEP) --seeds 2 \
 	  --out target/bench/goodput $(GOODPUT_ARGS)
 
-# Live side by side on simulated pods: Envoy + kvgate, vllm-router, sglang-router, Envoy
-# round robin; then each router's overhead. Results in target/bench/live/.
-bench-live: setup wasm
+# Live side by side on simulated pods: Envoy + kvgate (wasm filter, native module, Endpoint
+# Picker), vllm-router, sglang-router, Envoy round robin; then each router's overhead.
+# Results in target/bench/live/.
+bench-live: setup wasm native
 	$(CARGO) build --workspace --release --bins
 	$(CARGO) run --release -p kvgate-bench --bin kvgate-live-bench -- $(LIVE_ARGS)
 

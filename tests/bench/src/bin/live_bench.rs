@@ -1,8 +1,9 @@
 //! `kvgate-live-bench`: the routers a user would pick, side by side on the same simulated
 //! pods (live `kvgate-sim` processes, fast time scale) and one identical workload, in turn:
-//! Envoy + kvgate, `vllm-router --policy kv_aware` (fed the pods' KV events),
-//! `sglang-router --policy cache_aware`, and Envoy round robin — and, with `--kvgate-variant`,
-//! kvgate with a second policy on the same runs. Each router gets fresh pods (cold caches).
+//! Envoy + kvgate (its wasm filter, native module and Endpoint Picker), `vllm-router --policy
+//! kv_aware` (fed the pods' KV events), `sglang-router --policy cache_aware`, and Envoy round
+//! robin — and, with `--kvgate-variant`, kvgate with a second policy on the same runs. Each
+//! router gets fresh pods (cold caches).
 //! Then the overhead: each router in front of one instant pod (time scale 0) at a fixed
 //! concurrency, short and long prompts, against a direct connection.
 //!
@@ -70,7 +71,7 @@ struct Args {
     #[arg(long)]
     kvgate_variant: Option<String>,
     /// Routers to run (all by default, and `kvgate-variant` with `--kvgate-variant`):
-    /// kvgate, kvgate-epp, kvgate-variant, vllm-router, sglang-router, envoy-round-robin.
+    /// kvgate, kvgate-native, kvgate-epp, kvgate-variant, vllm-router, sglang-router, envoy-round-robin.
     #[arg(long, value_delimiter = ',')]
     routers: Vec<String>,
     /// Seed of the workload's order.
@@ -85,6 +86,7 @@ struct Args {
 #[serde(rename_all = "kebab-case")]
 enum Kind {
     Kvgate,
+    KvgateNative,
     KvgateEpp,
     KvgateVariant,
     VllmRouter,
@@ -93,8 +95,9 @@ enum Kind {
 }
 
 impl Kind {
-    const ALL: [Kind; 6] = [
+    const ALL: [Kind; 7] = [
         Kind::Kvgate,
+        Kind::KvgateNative,
         Kind::KvgateEpp,
         Kind::KvgateVariant,
         Kind::VllmRouter,
@@ -105,6 +108,7 @@ impl Kind {
     fn name(self) -> &'static str {
         match self {
             Kind::Kvgate => "kvgate",
+            Kind::KvgateNative => "kvgate-native",
             Kind::KvgateEpp => "kvgate-epp",
             Kind::KvgateVariant => "kvgate-variant",
             Kind::VllmRouter => "vllm-router",
@@ -116,6 +120,7 @@ impl Kind {
     fn label(self) -> &'static str {
         match self {
             Kind::Kvgate => "Envoy + kvgate wasm filter (kv)",
+            Kind::KvgateNative => "Envoy + kvgate native module (kv)",
             Kind::KvgateEpp => "Envoy + kvgate Endpoint Picker (kv)",
             Kind::KvgateVariant => "Envoy + kvgate wasm filter (--kvgate-variant)",
             Kind::VllmRouter => "vllm-router kv_aware",
@@ -176,11 +181,12 @@ async fn start(kind: Kind, pods: &[Sim], args: &Args) -> anyhow::Result<Gateway>
         _ => args.kvgate_policy.as_str(),
     };
     Ok(match kind {
-        Kind::Kvgate | Kind::KvgateEpp | Kind::KvgateVariant => {
+        Kind::Kvgate | Kind::KvgateNative | Kind::KvgateEpp | Kind::KvgateVariant => {
             let (epp, picker) = match kind {
                 Kind::KvgateEpp => {
                     (format!("epp: {{listen: '127.0.0.1:{EPP_PORT}', tls: {{mode: plaintext}}}}\n"), "epp")
                 }
+                Kind::KvgateNative => (String::new(), "native"),
                 _ => (String::new(), "wasm"),
             };
             let scorer = ScorerProcess::start(&format!("{epp}{}", scorer_config(pods, policy))).await;
