@@ -1,9 +1,13 @@
 """How the real vllm-router's `kv_aware` places a shared prefix under load.
 
-Starts three `kvgate-sim` pods (KV events on) and `vllm-router --policy kv_aware` fed their
-events, all on loopback ports the OS picks; warms one pod with a prompt, then sends twelve
-requests sharing its prefix at once (300 output tokens each, so they stay in flight) and
-prints which pod took each, with the router's own decisions from its debug log.
+Twice, on fresh pods each time: starts three `kvgate-sim` pods (KV events on) and
+`vllm-router --policy kv_aware` fed their events, all on loopback ports the OS picks; warms
+one pod with a prompt, then sends twelve requests sharing its prefix at once (300 output
+tokens each, so they stay in flight) and prints which pod took each. The first fleet gets
+them answered whole, then — once the pods that computed the prompt afresh hold it too —
+twelve more streamed; the second fleet gets its twelve streamed. Each fleet's end prints the
+router's own decisions from its debug log (the chosen pod, the prompt tokens it computes and
+those its cache credits).
 
     .kvgate/venv/bin/python tests/tools/vllm_router_probe.py
 
@@ -50,7 +54,8 @@ def start_pod(name: str) -> tuple[subprocess.Popen, dict]:
     return pod, sockets
 
 
-def main() -> None:
+def probe(bursts: list[bool]) -> None:
+    """One fleet: a warm-up, then a burst of twelve per entry of `bursts` (streamed or not)."""
     pods = [start_pod(f"pod-{i}") for i in range(3)]
     urls = [f"http://{s['http']}" for _, s in pods]
     port = free_port()
@@ -74,32 +79,47 @@ def main() -> None:
             sys.exit("vllm-router did not answer /health within 30 s")
         time.sleep(2)  # its event subscriptions connect
 
-        def send(question: str, max_tokens: int, out: list) -> None:
-            body = {"model": MODEL, "prompt": PREFIX + question, "max_tokens": max_tokens, "ignore_eos": True}
+        def send(question: str, max_tokens: int, out: list, stream: bool = False) -> None:
+            body = {"model": MODEL, "prompt": PREFIX + question, "max_tokens": max_tokens, "ignore_eos": True,
+                    "stream": stream}
             req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                          headers={"content-type": "application/json"})
-            out.append(urllib.request.urlopen(req, timeout=60).headers.get("x-kvgate-pod"))
+            with urllib.request.urlopen(req, timeout=60) as response:
+                out.append(response.headers.get("x-kvgate-pod"))
+                response.read()  # a stream stays in flight until its last token
 
         warm: list = []
         send(" warm", 4, warm)
         time.sleep(1.5)  # the pod's KV events reach the router
         print(f"warm-up request: {warm[0]}")
-        taken: list = []
-        threads = [threading.Thread(target=send, args=(f" Q{k}: year {1800 + k}?", 300, taken)) for k in range(12)]
-        for t in threads:
-            t.start()
-            time.sleep(0.05)
-        for t in threads:
-            t.join()
-        print("12 requests sharing its prefix, at once:", dict(collections.Counter(taken)))
+        for n, stream in enumerate(bursts):
+            taken: list = []
+            threads = [threading.Thread(target=send, args=(f" Q{n}.{k}: year {1800 + k}?", 300, taken, stream))
+                       for k in range(12)]
+            for t in threads:
+                t.start()
+                time.sleep(0.05)
+            for t in threads:
+                t.join()
+            how = "streamed" if stream else "answered whole"
+            print(f"12 requests sharing its prefix, at once, {how}:", dict(collections.Counter(taken)))
+            time.sleep(1.5)  # the pods' KV events reach the router
         log.seek(0)
+        pod_of = {url: f"pod-{i}" for i, url in enumerate(urls)}
         decisions = [re.sub(r"\x1b\[[0-9;]*m", "", line).split("outcome=", 1)[1].strip()
                      for line in log if "KV prefix decision" in line]
+        decisions = [re.sub(r"http://127\.0\.0\.1:\d+", lambda m: pod_of.get(m.group(0), m.group(0)), d)
+                     for d in decisions]
         print("the router's decisions:", *decisions, sep="\n  ")
     finally:
         router.terminate()
         for pod, _ in pods:
             pod.terminate()
+
+
+def main() -> None:
+    probe([False, True])
+    probe([True])
 
 
 if __name__ == "__main__":

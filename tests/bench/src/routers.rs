@@ -6,7 +6,7 @@
 use crate::clairvoyant::{self, Clairvoyant};
 use crate::cluster::{Arrival, Choice, ClusterRouter, EngineAdapters, Foreseen, HASH_SEED, PodRole, reported_load};
 use crate::sglang::CacheAware;
-use crate::vllm_router::KvAware;
+use crate::vllm_router::{KvAware, KvAwareConfig};
 use kvgate_routing::adapters::{AdapterId, ReportedAdapters};
 use kvgate_routing::events::decode_batch;
 use kvgate_routing::hash::{SequenceHash, root_hash, sequence_hashes};
@@ -343,7 +343,8 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
     }
 }
 
-/// A router by name: `sglang-cache-aware`, `vllm-kv-aware`, `lora-affinity` (the Inference
+/// A router by name: `sglang-cache-aware`, `vllm-kv-aware` (`@streamed`: vllm-router 0.1.17's rule
+/// for streamed requests, [`KvAwareConfig::streamed`]), `lora-affinity` (the Inference
 /// Extension's picker; `@lora-first` weighs its adapter score 10×), the `clairvoyant` bound
 /// (`@look-ahead`: seeing the arrivals to come), or a kvgate policy (`kv`, `prefix`, `ttft`,
 /// `least-loaded`, `power-of-two`, `round-robin`, `random`) with the scorer's defaults;
@@ -362,6 +363,12 @@ pub fn build(name: &str, roles: &[PodRole], seed: u64) -> anyhow::Result<Box<dyn
     match name {
         "sglang-cache-aware" => return Ok(Box::new(Peer::new(roles, seed, CacheAware::new))),
         "vllm-kv-aware" => return Ok(Box::new(Peer::new(roles, seed, |workers, _| KvAware::new(workers, HASH_SEED)))),
+        "vllm-kv-aware@streamed" => {
+            let config = KvAwareConfig { streamed: true, ..KvAwareConfig::default() };
+            return Ok(Box::new(Peer::new(roles, seed, move |workers, _| {
+                KvAware::with_config(config, workers, HASH_SEED)
+            })));
+        }
         "lora-affinity" => return Ok(Box::new(crate::lora_affinity::LoraAffinity::new(roles, seed, 1.0))),
         "lora-affinity@lora-first" => return Ok(Box::new(crate::lora_affinity::LoraAffinity::new(roles, seed, 10.0))),
         "clairvoyant" => return Ok(Box::new(Clairvoyant::new(roles, 1.0, 0.0))),

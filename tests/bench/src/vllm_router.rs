@@ -19,10 +19,14 @@
 //! request for its prefix however busy it is.
 //!
 //! This is the rule of the router's earlier source. The PyPI release the live benchmark runs
-//! (0.1.17) decides by a cost that trades load against prefill instead: with six requests in
-//! flight on the pod caching a prompt, it computes the prompt afresh on an idle pod
-//! (`tests/tools/vllm_router_probe.py`; docs/benchmarks.md, "The real vllm-router balances
-//! load"). Figures of this rule are not figures of that release.
+//! (0.1.17) decides by a cost that trades load against prefill for requests answered whole
+//! (with six of them in flight on the pod caching a prompt, it computes the prompt afresh on
+//! an idle pod), but not for streamed ones, which the live benchmark sends: twelve at once
+//! all stay on the warm pod (`tests/tools/vllm_router_probe.py`). For those it credits only
+//! what the pods' events announced — no speculative entries: a prompt sent again while its
+//! first copy is still computing is computed afresh elsewhere — and rotates ties among the
+//! pods holding the longest match: that is [`KvAwareConfig::streamed`]
+//! (docs/benchmarks.md, "The real vllm-router balances load").
 
 use ahash::AHashMap;
 use kvgate_sim::cache::{CacheChange, EngineBlockHash, HashKeys, hash_blocks, root_hash};
@@ -32,11 +36,15 @@ use kvgate_sim::cache::{CacheChange, EngineBlockHash, HashKeys, hash_blocks, roo
 pub struct KvAwareConfig {
     pub block_size: usize,
     pub speculative_ttl_secs: f64,
+    /// 0.1.17's rule for streamed requests, probed: only blocks the pods' events announced
+    /// count (no speculative entries), and the pods tied for the longest match (all of them
+    /// when none holds the first block) take turns.
+    pub streamed: bool,
 }
 
 impl Default for KvAwareConfig {
     fn default() -> Self {
-        Self { block_size: 16, speculative_ttl_secs: 2.0 }
+        Self { block_size: 16, speculative_ttl_secs: 2.0, streamed: false }
     }
 }
 
@@ -54,6 +62,8 @@ pub struct KvAware {
     index: AHashMap<u64, Vec<Holder>>,
     load: Vec<usize>,
     scores: Vec<usize>,
+    /// Where the streamed rule's turn-taking among tied pods starts next.
+    next_turn: usize,
 }
 
 impl KvAware {
@@ -68,7 +78,17 @@ impl KvAware {
             index: AHashMap::new(),
             load: vec![0; workers],
             scores: vec![0; workers],
+            next_turn: 0,
         }
+    }
+
+    /// Of the workers with the highest score, the first at or after the turn's start.
+    fn next_of_best(&mut self) -> usize {
+        let n = self.scores.len();
+        let best = self.scores.iter().copied().max().unwrap_or(0);
+        let chosen = (0..n).map(|i| (self.next_turn + i) % n).find(|&w| self.scores[w] == best).unwrap_or(0);
+        self.next_turn = (self.next_turn + 1) % n;
+        chosen
     }
 
     fn least_loaded(&self) -> usize {
@@ -82,12 +102,18 @@ impl KvAware {
             .map(EngineBlockHash::as_u64)
             .collect();
         let chosen = if keys.is_empty() {
-            self.least_loaded()
+            if self.config.streamed {
+                self.scores.fill(0);
+                self.next_of_best()
+            } else {
+                self.least_loaded()
+            }
         } else {
             self.scores.fill(0);
             for (i, key) in keys.iter().enumerate() {
                 let mut extended = false;
                 for h in self.index.get(key).map(Vec::as_slice).unwrap_or_default() {
+                    // The streamed rule makes no speculative entries; the other's expire.
                     if h.expires.is_none_or(|t| now <= t) && self.scores[h.worker] == i {
                         self.scores[h.worker] = i + 1;
                         extended = true;
@@ -96,6 +122,11 @@ impl KvAware {
                 if !extended {
                     break;
                 }
+            }
+            if self.config.streamed {
+                let chosen = self.next_of_best();
+                self.load[chosen] += 1;
+                return chosen;
             }
             let best = (0..self.load.len()).max_by_key(|&w| self.scores[w]).expect("at least one worker");
             let best_score = self.scores[best];
@@ -185,6 +216,26 @@ mod tests {
         let second = hash_blocks(&root_hash(Some("0")), &doc, 16, &HashKeys::default())[1];
         kv.kv_events(1, &[CacheChange::Removed { hash: second, group: None }]);
         assert_eq!(kv.route(&doc, 0.0), 2);
+    }
+
+    #[test]
+    fn streamed_rule_credits_only_announced_blocks_and_rotates_ties() {
+        let config = KvAwareConfig { streamed: true, ..KvAwareConfig::default() };
+        let mut kv = KvAware::with_config(config, 3, "0");
+        let doc: Vec<u32> = (0..64).collect();
+        // Cold: every worker ties, and they take turns — the same prompt again is computed
+        // afresh elsewhere while nothing is announced.
+        assert_eq!([kv.route(&doc, 0.0), kv.route(&doc, 0.0), kv.route(&doc, 0.0)], [0, 1, 2]);
+        // Worker 1 announces it: it takes every request, however many are in flight.
+        kv.kv_events(1, &[stored(&doc)]);
+        assert!((0..5).all(|_| kv.route(&doc, 0.1) == 1));
+        assert_eq!(kv.load, vec![1, 6, 1]);
+        // Workers 1 and 2 both hold it: they alternate; worker 0 holds half and gets none.
+        kv.kv_events(2, &[stored(&doc)]);
+        kv.kv_events(0, &[stored(&doc[..32])]);
+        let taken: Vec<usize> = (0..4).map(|_| kv.route(&doc, 0.2)).collect();
+        assert_eq!(taken.iter().filter(|&&w| w == 1).count(), 2, "{taken:?}");
+        assert_eq!(taken.iter().filter(|&&w| w == 2).count(), 2, "{taken:?}");
     }
 
     #[test]
