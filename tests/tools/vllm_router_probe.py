@@ -2,18 +2,22 @@
 
 Twice, on fresh pods each time: starts three `kvgate-sim` pods (KV events on) and
 `vllm-router --policy kv_aware` fed their events, all on loopback ports the OS picks; warms
-one pod with a prompt, then sends twelve requests sharing its prefix at once (300 output
+one pod with a prompt, then sends twelve requests (`--requests`) sharing its prefix at once (300 output
 tokens each, so they stay in flight) and prints which pod took each. The first fleet gets
 them answered whole, then — once the pods that computed the prompt afresh hold it too —
 twelve more streamed; the second fleet gets its twelve streamed. Each fleet's end prints the
 router's own decisions from its debug log (the chosen pod, the prompt tokens it computes and
 those its cache credits).
 
-    .kvgate/venv/bin/python tests/tools/vllm_router_probe.py
+    .kvgate/venv/bin/python tests/tools/vllm_router_probe.py [--prefix-repeat N] [--requests K]
+
+`--prefix-repeat` sets the prompt's length (its sentence N times: 60 ≈ 850 tokens), and
+`--requests` the size of each burst (12).
 
 Needs `cargo build --release -p kvgate-sim` and the project's venv (`make setup`).
 """
 
+import argparse
 import collections
 import json
 import re
@@ -29,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = ROOT / ".kvgate/tokenizers/qwen3/tokenizer.json"
 MODEL = "Qwen/Qwen3-8B"
-PREFIX = "You are a helpful assistant who answers questions about the history of shipping. " * 60
+SENTENCE = "You are a helpful assistant who answers questions about the history of shipping. "
 
 
 def free_port() -> int:
@@ -54,8 +58,8 @@ def start_pod(name: str) -> tuple[subprocess.Popen, dict]:
     return pod, sockets
 
 
-def probe(bursts: list[bool]) -> None:
-    """One fleet: a warm-up, then a burst of twelve per entry of `bursts` (streamed or not)."""
+def probe(bursts: list[bool], prefix: str, requests: int) -> None:
+    """One fleet: a warm-up, then a burst of `requests` per entry of `bursts` (streamed or not)."""
     pods = [start_pod(f"pod-{i}") for i in range(3)]
     urls = [f"http://{s['http']}" for _, s in pods]
     port = free_port()
@@ -80,7 +84,7 @@ def probe(bursts: list[bool]) -> None:
         time.sleep(2)  # its event subscriptions connect
 
         def send(question: str, max_tokens: int, out: list, stream: bool = False) -> None:
-            body = {"model": MODEL, "prompt": PREFIX + question, "max_tokens": max_tokens, "ignore_eos": True,
+            body = {"model": MODEL, "prompt": prefix + question, "max_tokens": max_tokens, "ignore_eos": True,
                     "stream": stream}
             req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                          headers={"content-type": "application/json"})
@@ -95,14 +99,14 @@ def probe(bursts: list[bool]) -> None:
         for n, stream in enumerate(bursts):
             taken: list = []
             threads = [threading.Thread(target=send, args=(f" Q{n}.{k}: year {1800 + k}?", 300, taken, stream))
-                       for k in range(12)]
+                       for k in range(requests)]
             for t in threads:
                 t.start()
                 time.sleep(0.05)
             for t in threads:
                 t.join()
             how = "streamed" if stream else "answered whole"
-            print(f"12 requests sharing its prefix, at once, {how}:", dict(collections.Counter(taken)))
+            print(f"{requests} requests sharing its prefix, at once, {how}:", dict(collections.Counter(taken)))
             time.sleep(1.5)  # the pods' KV events reach the router
         log.seek(0)
         pod_of = {url: f"pod-{i}" for i, url in enumerate(urls)}
@@ -118,8 +122,13 @@ def probe(bursts: list[bool]) -> None:
 
 
 def main() -> None:
-    probe([False, True])
-    probe([True])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefix-repeat", type=int, default=60, help="the prompt's sentence this many times")
+    parser.add_argument("--requests", type=int, default=12, help="requests per burst")
+    args = parser.parse_args()
+    prefix = SENTENCE * args.prefix_repeat
+    probe([False, True], prefix, args.requests)
+    probe([True], prefix, args.requests)
 
 
 if __name__ == "__main__":

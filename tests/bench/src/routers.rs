@@ -255,15 +255,17 @@ impl ClusterRouter for Replicas {
 
 /// A peer router's rule over some of the cluster's pods, by pool-local worker index.
 trait PeerRule {
-    /// Chooses a worker and counts the request in flight there.
-    fn route(&mut self, prompt: &[u32], now: f64) -> usize;
+    /// Chooses a worker for request `id` and counts it in flight there.
+    fn route(&mut self, id: u64, prompt: &[u32], now: f64) -> usize;
+    /// Request `id`'s first token came back (for rules that count requests awaiting theirs).
+    fn first_token(&mut self, _id: u64) {}
     fn finished(&mut self, worker: usize);
     /// The worker's KV events (for rules that follow them).
     fn kv_events(&mut self, _worker: usize, _changes: &[CacheChange]) {}
 }
 
 impl PeerRule for CacheAware {
-    fn route(&mut self, prompt: &[u32], now: f64) -> usize {
+    fn route(&mut self, _id: u64, prompt: &[u32], now: f64) -> usize {
         CacheAware::route(self, prompt, now)
     }
     fn finished(&mut self, worker: usize) {
@@ -272,8 +274,11 @@ impl PeerRule for CacheAware {
 }
 
 impl PeerRule for KvAware {
-    fn route(&mut self, prompt: &[u32], now: f64) -> usize {
-        KvAware::route(self, prompt, now)
+    fn route(&mut self, id: u64, prompt: &[u32], now: f64) -> usize {
+        KvAware::route(self, id, prompt, now)
+    }
+    fn first_token(&mut self, id: u64) {
+        KvAware::first_token(self, id)
     }
     fn finished(&mut self, worker: usize) {
         KvAware::finished(self, worker)
@@ -316,8 +321,8 @@ impl<R: PeerRule> Peer<R> {
 
 impl<R: PeerRule> ClusterRouter for Peer<R> {
     fn route(&mut self, request: &Arrival<'_>, now: f64) -> Choice {
-        let prefill = self.prefill.as_mut().map(|p| p.rule.route(request.prompt, now));
-        let decode = self.decode.rule.route(request.prompt, now);
+        let prefill = self.prefill.as_mut().map(|p| p.rule.route(request.id, request.prompt, now));
+        let decode = self.decode.rule.route(request.id, request.prompt, now);
         self.inflight.insert(request.id, (decode, prefill));
         Choice {
             decode: self.decode.pods[decode],
@@ -326,7 +331,14 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
         }
     }
 
-    fn done(&mut self, id: u64, _output_tokens: Option<u32>, _now: f64) {
+    fn first_token(&mut self, id: u64, _now: f64) {
+        for pool in std::iter::once(&mut self.decode).chain(self.prefill.as_mut()) {
+            pool.rule.first_token(id);
+        }
+    }
+
+    fn done(&mut self, id: u64, _output_tokens: Option<u32>, now: f64) {
+        self.first_token(id, now); // a request that failed before its first token
         let Some((decode, prefill)) = self.inflight.remove(&id) else { return };
         self.decode.rule.finished(decode);
         if let (Some(p), Some(pool)) = (prefill, self.prefill.as_mut()) {
@@ -344,7 +356,7 @@ impl<R: PeerRule> ClusterRouter for Peer<R> {
 }
 
 /// A router by name: `sglang-cache-aware`, `vllm-kv-aware` (`@streamed`: vllm-router 0.1.17's rule
-/// for streamed requests, [`KvAwareConfig::streamed`]), `lora-affinity` (the Inference
+/// as fitted to probes, [`KvAwareConfig::streamed`]), `lora-affinity` (the Inference
 /// Extension's picker; `@lora-first` weighs its adapter score 10×), the `clairvoyant` bound
 /// (`@look-ahead`: seeing the arrivals to come), or a kvgate policy (`kv`, `prefix`, `ttft`,
 /// `least-loaded`, `power-of-two`, `round-robin`, `random`) with the scorer's defaults;

@@ -19,26 +19,37 @@
 //! request for its prefix however busy it is.
 //!
 //! This is the rule of the router's earlier source. The PyPI release the live benchmark runs
-//! (0.1.17) decides by a cost that trades load against prefill for requests answered whole
-//! (with six of them in flight on the pod caching a prompt, it computes the prompt afresh on
-//! an idle pod), but not for streamed ones, which the live benchmark sends: twelve at once
-//! all stay on the warm pod (`tests/tools/vllm_router_probe.py`). For those it credits only
-//! what the pods' events announced — no speculative entries: a prompt sent again while its
-//! first copy is still computing is computed afresh elsewhere — and rotates ties among the
-//! pods holding the longest match: that is [`KvAwareConfig::streamed`]
-//! (docs/benchmarks.md, "The real vllm-router balances load").
+//! (0.1.17) trades load against prefill for requests answered whole (with six of them in
+//! flight on the pod caching a prompt, it computes the prompt afresh on an idle pod), but
+//! not for streamed ones, which the live benchmark sends: twelve at once all stay on the warm
+//! pod (`tests/tools/vllm_router_probe.py`). It credits only what the pods' events announced
+//! — no speculative entries: a prompt sent again while its first copy is still computing is
+//! computed afresh elsewhere. [`KvAwareConfig::streamed`] is a rule fitted to what the probe
+//! shows: each pod is priced by the prompt tokens it would compute plus, for every request
+//! routed there still awaiting its first token (a request answered whole shows none until
+//! its end), the tokens that request computes and [`AWAITING_TOKENS`]; the cheapest pods take
+//! turns (docs/benchmarks.md, "The real vllm-router balances load").
 
 use ahash::AHashMap;
 use kvgate_sim::cache::{CacheChange, EngineBlockHash, HashKeys, hash_blocks, root_hash};
+
+/// What the fitted streamed rule adds to a pod's price per request routed there that awaits
+/// its first token, in prompt tokens. Fitted to `tests/tools/vllm_router_probe.py`'s
+/// requests answered whole, which the router sees answer only at their end: with an
+/// 850-token prompt cached on one pod the seventh request at once goes elsewhere, with a
+/// 1,700-token one (`--prefix-repeat 120 --requests 16`) the twelfth: 140–147 tokens per
+/// request beside the tokens each computes.
+pub const AWAITING_TOKENS: f64 = 140.0;
 
 /// Defaults of vllm-router's `KvAwareConfig`.
 #[derive(Clone, Copy, Debug)]
 pub struct KvAwareConfig {
     pub block_size: usize,
     pub speculative_ttl_secs: f64,
-    /// 0.1.17's rule for streamed requests, probed: only blocks the pods' events announced
-    /// count (no speculative entries), and the pods tied for the longest match (all of them
-    /// when none holds the first block) take turns.
+    /// 0.1.17's rule for streamed requests, as fitted: only blocks the pods' events
+    /// announced count (no speculative entries); each pod is priced by the prompt tokens it
+    /// would compute plus, per request awaiting its first token there, the tokens that
+    /// request computes and [`AWAITING_TOKENS`]; the cheapest pods take turns.
     pub streamed: bool,
 }
 
@@ -62,8 +73,12 @@ pub struct KvAware {
     index: AHashMap<u64, Vec<Holder>>,
     load: Vec<usize>,
     scores: Vec<usize>,
-    /// Where the streamed rule's turn-taking among tied pods starts next.
+    /// The streamed rule's turn: the cheapest pods, in order, take turns by it.
     next_turn: usize,
+    /// The streamed rule's requests awaiting their first token: id → (worker, its price).
+    awaiting: AHashMap<u64, (usize, f64)>,
+    /// Per worker, the price of its requests awaiting their first token.
+    awaiting_price: Vec<f64>,
 }
 
 impl KvAware {
@@ -79,24 +94,42 @@ impl KvAware {
             load: vec![0; workers],
             scores: vec![0; workers],
             next_turn: 0,
+            awaiting: AHashMap::new(),
+            awaiting_price: vec![0.0; workers],
         }
     }
 
-    /// Of the workers with the highest score, the first at or after the turn's start.
-    fn next_of_best(&mut self) -> usize {
+    /// The streamed rule's choice for request `id` of `tokens` prompt tokens, `scores`
+    /// filled: the cheapest workers take turns.
+    fn cheapest_in_turn(&mut self, id: u64, tokens: usize) -> usize {
         let n = self.scores.len();
-        let best = self.scores.iter().copied().max().unwrap_or(0);
-        let chosen = (0..n).map(|i| (self.next_turn + i) % n).find(|&w| self.scores[w] == best).unwrap_or(0);
-        self.next_turn = (self.next_turn + 1) % n;
+        let block_size = self.config.block_size;
+        let computed = |w: usize| tokens.saturating_sub(self.scores[w] * block_size) as f64;
+        let price = |w: usize| computed(w) + self.awaiting_price[w];
+        let cheapest = (0..n).map(price).fold(f64::INFINITY, f64::min);
+        let tied: Vec<usize> = (0..n).filter(|&w| price(w) <= cheapest).collect();
+        let chosen = tied[self.next_turn % tied.len()];
+        self.next_turn = self.next_turn.wrapping_add(1);
+        let own = computed(chosen) + AWAITING_TOKENS;
+        self.awaiting_price[chosen] += own;
+        self.awaiting.insert(id, (chosen, own));
         chosen
+    }
+
+    /// Request `id`'s first token came back: it no longer adds to its worker's price.
+    pub fn first_token(&mut self, id: u64) {
+        if let Some((worker, own)) = self.awaiting.remove(&id) {
+            self.awaiting_price[worker] = (self.awaiting_price[worker] - own).max(0.0);
+        }
     }
 
     fn least_loaded(&self) -> usize {
         (0..self.load.len()).min_by_key(|&w| self.load[w]).expect("at least one worker")
     }
 
-    /// Chooses a worker for `tokens` at time `now` and counts it in flight there.
-    pub fn route(&mut self, tokens: &[u32], now: f64) -> usize {
+    /// Chooses a worker for request `id` of `tokens` at time `now` and counts it in flight
+    /// there.
+    pub fn route(&mut self, id: u64, tokens: &[u32], now: f64) -> usize {
         let keys: Vec<u64> = hash_blocks(&self.root, tokens, self.config.block_size, &HashKeys::default())
             .iter()
             .map(EngineBlockHash::as_u64)
@@ -104,7 +137,7 @@ impl KvAware {
         let chosen = if keys.is_empty() {
             if self.config.streamed {
                 self.scores.fill(0);
-                self.next_of_best()
+                self.cheapest_in_turn(id, tokens.len())
             } else {
                 self.least_loaded()
             }
@@ -124,7 +157,7 @@ impl KvAware {
                 }
             }
             if self.config.streamed {
-                let chosen = self.next_of_best();
+                let chosen = self.cheapest_in_turn(id, tokens.len());
                 self.load[chosen] += 1;
                 return chosen;
             }
@@ -209,31 +242,49 @@ mod tests {
         kv.kv_events(1, &[stored(&doc)]);
         kv.kv_events(2, &[stored(&doc[..32])]);
         for _ in 0..10 {
-            assert_eq!(kv.route(&doc, 0.0), 1, "4 blocks beat 2, however busy worker 1 is");
+            assert_eq!(kv.route(0, &doc, 0.0), 1, "4 blocks beat 2, however busy worker 1 is");
         }
         assert_eq!(kv.load, vec![0, 10, 0]);
         // Evicting worker 1's second block caps it at one block: worker 2's two win.
         let second = hash_blocks(&root_hash(Some("0")), &doc, 16, &HashKeys::default())[1];
         kv.kv_events(1, &[CacheChange::Removed { hash: second, group: None }]);
-        assert_eq!(kv.route(&doc, 0.0), 2);
+        assert_eq!(kv.route(0, &doc, 0.0), 2);
     }
 
     #[test]
-    fn streamed_rule_credits_only_announced_blocks_and_rotates_ties() {
+    fn streamed_rule_prices_requests_awaiting_their_first_token_and_rotates_ties() {
         let config = KvAwareConfig { streamed: true, ..KvAwareConfig::default() };
         let mut kv = KvAware::with_config(config, 3, "0");
-        let doc: Vec<u32> = (0..64).collect();
-        // Cold: every worker ties, and they take turns — the same prompt again is computed
-        // afresh elsewhere while nothing is announced.
-        assert_eq!([kv.route(&doc, 0.0), kv.route(&doc, 0.0), kv.route(&doc, 0.0)], [0, 1, 2]);
-        // Worker 1 announces it: it takes every request, however many are in flight.
+        let doc: Vec<u32> = (0..640).collect();
+        // Cold: the workers take turns — the same prompt again is computed afresh elsewhere
+        // while no event has announced it.
+        let mut first = [kv.route(0, &doc, 0.0), kv.route(1, &doc, 0.0), kv.route(2, &doc, 0.0)];
+        first.sort_unstable();
+        assert_eq!(first, [0, 1, 2]);
+        (0..3).for_each(|id| kv.first_token(id));
+        // Worker 1 announces it: requests whose first tokens come back at once all go there,
+        // however many are in flight.
         kv.kv_events(1, &[stored(&doc)]);
-        assert!((0..5).all(|_| kv.route(&doc, 0.1) == 1));
-        assert_eq!(kv.load, vec![1, 6, 1]);
-        // Workers 1 and 2 both hold it: they alternate; worker 0 holds half and gets none.
+        for id in 3..13 {
+            assert_eq!(kv.route(id, &doc, 0.1), 1);
+            kv.first_token(id);
+        }
+        // Awaiting their first tokens, five (5 × 140 tokens > 640) price it above computing
+        // the prompt afresh: the sixth goes elsewhere.
+        let taken: Vec<usize> = (13..19).map(|id| kv.route(id, &doc, 0.2)).collect();
+        assert_eq!(&taken[..5], &[1; 5]);
+        assert_ne!(taken[5], 1);
+        (13..19).for_each(|id| kv.first_token(id));
+        // Workers 1 and 2 both hold it: they alternate; worker 0, holding half, gets none.
         kv.kv_events(2, &[stored(&doc)]);
-        kv.kv_events(0, &[stored(&doc[..32])]);
-        let taken: Vec<usize> = (0..4).map(|_| kv.route(&doc, 0.2)).collect();
+        kv.kv_events(0, &[stored(&doc[..320])]);
+        let taken: Vec<usize> = (19..23)
+            .map(|id| {
+                let worker = kv.route(id, &doc, 0.3);
+                kv.first_token(id);
+                worker
+            })
+            .collect();
         assert_eq!(taken.iter().filter(|&&w| w == 1).count(), 2, "{taken:?}");
         assert_eq!(taken.iter().filter(|&&w| w == 2).count(), 2, "{taken:?}");
     }
@@ -243,18 +294,18 @@ mod tests {
         let mut kv = KvAware::new(2, "0");
         let a: Vec<u32> = (100..148).collect();
         let b: Vec<u32> = (500..548).collect();
-        assert_eq!(kv.route(&a, 0.0), 0, "nothing cached, both idle: the first");
-        assert_eq!(kv.route(&a, 1.0), 0, "its speculative blocks hold for 2 s, busy or not");
-        assert_eq!(kv.route(&b, 1.0), 1, "a new prompt goes to the less loaded worker");
-        assert_eq!(kv.route(&a, 3.5), 1, "expired (last written at 1 s): least loaded, 2 vs 1");
+        assert_eq!(kv.route(0, &a, 0.0), 0, "nothing cached, both idle: the first");
+        assert_eq!(kv.route(0, &a, 1.0), 0, "its speculative blocks hold for 2 s, busy or not");
+        assert_eq!(kv.route(0, &b, 1.0), 1, "a new prompt goes to the less loaded worker");
+        assert_eq!(kv.route(0, &a, 3.5), 1, "expired (last written at 1 s): least loaded, 2 vs 1");
         // A real event keeps the blocks past any TTL.
         kv.kv_events(0, &[stored(&a)]);
-        assert_eq!(kv.route(&a, 100.0), 0);
+        assert_eq!(kv.route(0, &a, 100.0), 0);
         assert_eq!(kv.load, vec![3, 2]);
-        assert_eq!(kv.route(&a[..10], 100.0), 1, "shorter than a block: least loaded");
+        assert_eq!(kv.route(0, &a[..10], 100.0), 1, "shorter than a block: least loaded");
         kv.finished(1);
         kv.finished(1);
         kv.kv_events(0, &[CacheChange::Cleared]);
-        assert_eq!(kv.route(&a, 100.0), 1, "cleared, worker 1's guesses long expired: least loaded");
+        assert_eq!(kv.route(0, &a, 100.0), 1, "cleared, worker 1's guesses long expired: least loaded");
     }
 }

@@ -52,8 +52,8 @@ struct Args {
     /// round-robin, random, sglang-cache-aware, vllm-kv-aware (P/D variants kv@pd-always,
     /// kv@no-pd are added on pd-mixed, kv@fixed-speed and kv@known-speed on heterogeneous,
     /// kv@gpu-only on tiered, kv@no-adapters, lora-affinity and lora-affinity@lora-first on
-    /// adapters); also (not in `all`) vllm-kv-aware@streamed, vllm-router 0.1.17's rule for
-    /// streamed requests; a kvgate policy may be given as the scorer's YAML, e.g.
+    /// adapters); also (not in `all`) vllm-kv-aware@streamed, vllm-router 0.1.17's rule as
+    /// fitted to probes; a kvgate policy may be given as the scorer's YAML, e.g.
     /// "{name: kv, decode_weight: 0.2}".
     #[arg(long, num_args = 1.., default_values_t = ["all".to_string()])]
     routers: Vec<String>,
