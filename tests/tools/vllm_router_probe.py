@@ -2,10 +2,10 @@
 
 Twice, on fresh pods each time: starts three `kvgate-sim` pods (KV events on) and
 `vllm-router --policy kv_aware` fed their events, all on loopback ports the OS picks; warms
-one pod with a prompt, then sends twelve requests (`--requests`) sharing its prefix at once (300 output
-tokens each, so they stay in flight) and prints which pod took each. The first fleet gets
-them answered whole, then — once the pods that computed the prompt afresh hold it too —
-twelve more streamed; the second fleet gets its twelve streamed. Each fleet's end prints the
+one pod with a prompt, then sends a burst of requests sharing its prefix at once (300 output
+tokens each, so they stay in flight) and prints which pod took each. The first fleet gets a
+burst answered whole, then — once the pods that computed the prompt afresh hold it too — a
+burst streamed; the second fleet gets one streamed burst. Each fleet's end prints the
 router's own decisions from its debug log (the chosen pod, the prompt tokens it computes and
 those its cache credits).
 
@@ -110,10 +110,9 @@ def probe(bursts: list[bool], prefix: str, requests: int) -> None:
             time.sleep(1.5)  # the pods' KV events reach the router
         log.seek(0)
         pod_of = {url: f"pod-{i}" for i, url in enumerate(urls)}
-        decisions = [re.sub(r"\x1b\[[0-9;]*m", "", line).split("outcome=", 1)[1].strip()
+        decisions = [re.sub(r"http://127\.0\.0\.1:\d+", lambda m: pod_of.get(m.group(0), m.group(0)),
+                            re.sub(r"\x1b\[[0-9;]*m", "", line).split("outcome=", 1)[1].strip())
                      for line in log if "KV prefix decision" in line]
-        decisions = [re.sub(r"http://127\.0\.0\.1:\d+", lambda m: pod_of.get(m.group(0), m.group(0)), d)
-                     for d in decisions]
         print("the router's decisions:", *decisions, sep="\n  ")
     finally:
         router.terminate()

@@ -134,33 +134,26 @@ impl KvAware {
             .iter()
             .map(EngineBlockHash::as_u64)
             .collect();
-        let chosen = if keys.is_empty() {
-            if self.config.streamed {
-                self.scores.fill(0);
-                self.cheapest_in_turn(id, tokens.len())
-            } else {
-                self.least_loaded()
+        // Each worker's leading blocks held without a gap (none for a prompt shorter than a
+        // block); speculative entries, which only the earlier rule makes, count until they expire.
+        self.scores.fill(0);
+        for (i, key) in keys.iter().enumerate() {
+            let mut extended = false;
+            for h in self.index.get(key).map(Vec::as_slice).unwrap_or_default() {
+                if h.expires.is_none_or(|t| now <= t) && self.scores[h.worker] == i {
+                    self.scores[h.worker] = i + 1;
+                    extended = true;
+                }
             }
+            if !extended {
+                break;
+            }
+        }
+        let chosen = if self.config.streamed {
+            self.cheapest_in_turn(id, tokens.len())
+        } else if keys.is_empty() {
+            self.least_loaded()
         } else {
-            self.scores.fill(0);
-            for (i, key) in keys.iter().enumerate() {
-                let mut extended = false;
-                for h in self.index.get(key).map(Vec::as_slice).unwrap_or_default() {
-                    // The streamed rule makes no speculative entries; the other's expire.
-                    if h.expires.is_none_or(|t| now <= t) && self.scores[h.worker] == i {
-                        self.scores[h.worker] = i + 1;
-                        extended = true;
-                    }
-                }
-                if !extended {
-                    break;
-                }
-            }
-            if self.config.streamed {
-                let chosen = self.cheapest_in_turn(id, tokens.len());
-                self.load[chosen] += 1;
-                return chosen;
-            }
             let best = (0..self.load.len()).max_by_key(|&w| self.scores[w]).expect("at least one worker");
             let best_score = self.scores[best];
             let chosen = if best_score == 0 { self.least_loaded() } else { best };
