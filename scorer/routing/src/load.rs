@@ -25,6 +25,7 @@ use crate::validate::{Invalid, check, non_negative, positive};
 use ahash::{AHashMap, AHashSet};
 use serde::Deserialize;
 use smart_default::SmartDefault;
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 /// In-flight bookkeeping (`load`).
@@ -63,6 +64,12 @@ pub struct LoadConfig {
     /// last half of this window to the whole of it.
     #[default(30.0)]
     pub recent_window_seconds: f64,
+    /// How long the prompt blocks of a request that ended are still credited on its pod:
+    /// the engine holds them (computed, then kept in its prefix cache) before its KV events
+    /// may have said so, and a follow-up sent at once would otherwise find them uncredited.
+    /// An eviction on the pod ends this credit at once. 0 = off.
+    #[default(1.0)]
+    pub finished_credit_seconds: f64,
 }
 
 impl LoadConfig {
@@ -72,6 +79,7 @@ impl LoadConfig {
         check(non_negative(reconcile), "reconcile_after_seconds", "must be >= 0 (0: off)")?;
         check(positive(self.request_ttl_seconds), "request_ttl_seconds", "must be positive")?;
         check(positive(self.recent_window_seconds), "recent_window_seconds", "must be positive")?;
+        check(non_negative(self.finished_credit_seconds), "finished_credit_seconds", "must be >= 0 (0: off)")?;
         self.pod_speed.validate().map_err(|e| e.under("pod_speed"))
     }
 }
@@ -246,8 +254,40 @@ struct PodState {
     /// while a request in flight holds them).
     evicted_blocks: AHashSet<SequenceHash>,
     private_blocks: u64,
+    /// Prompt blocks of requests that ended here lately, until when each is credited
+    /// (`finished_credit_seconds`), and those prompts in the order they ended.
+    finished_blocks: AHashMap<SequenceHash, f64>,
+    finished: VecDeque<(f64, Arc<[SequenceHash]>)>,
     /// KV blocks the engine has (`num_gpu_blocks` from its metrics), 0 while unknown.
     kv_capacity_blocks: f64,
+}
+
+impl PodState {
+    /// A request that ended here left `prompt` in the engine's cache: credited until `until`.
+    fn finished(&mut self, prompt: Arc<[SequenceHash]>, until: f64) {
+        self.finished_blocks.extend(prompt.iter().map(|&h| (h, until)));
+        self.finished.push_back((until, prompt));
+    }
+
+    /// Ends the credit of ended requests' prompts due by `now` (a block another prompt
+    /// ended with later keeps that one's).
+    fn expire_finished(&mut self, now: f64) {
+        while let Some((until, _)) = self.finished.front()
+            && *until <= now
+        {
+            let (_, prompt) = self.finished.pop_front().expect("front exists");
+            for h in prompt.iter() {
+                if self.finished_blocks.get(h).is_some_and(|&u| u <= now) {
+                    self.finished_blocks.remove(h);
+                }
+            }
+        }
+    }
+
+    fn forget_finished(&mut self) {
+        self.finished_blocks.clear();
+        self.finished.clear();
+    }
 }
 
 impl Inflight {
@@ -446,12 +486,29 @@ impl LoadTracker {
         self.block_size = block_size;
     }
 
-    /// The engine of `pod` evicted `block`: noted if a request in flight there holds it.
+    /// The engine of `pod` evicted `block`: noted if a request in flight there holds it. If
+    /// a request that ended there lately left it, the credit of every such request there
+    /// ends: a cache evicting that soon may be evicting the rest of them.
     pub fn evicted(&mut self, pod: PodId, block: SequenceHash) {
-        if let Some(state) = self.pods.get(pod)
-            && state.shared_blocks.contains_key(&block)
-        {
-            self.pods.get_mut(pod).evicted_blocks.insert(block);
+        let Some(state) = self.pods.get(pod) else { return };
+        let (inflight, finished) =
+            (state.shared_blocks.contains_key(&block), state.finished_blocks.contains_key(&block));
+        if inflight || finished {
+            let state = self.pods.get_mut(pod);
+            if inflight {
+                state.evicted_blocks.insert(block);
+            }
+            if finished {
+                state.forget_finished();
+            }
+        }
+    }
+
+    /// The pod's cache can no longer be trusted (its index was cleared): what requests that
+    /// ended there left is not credited either.
+    pub fn forget_finished(&mut self, pod: PodId) {
+        if self.pods.get(pod).is_some() {
+            self.pods.get_mut(pod).forget_finished();
         }
     }
 
@@ -506,6 +563,14 @@ impl LoadTracker {
         chain.partition_point(|h| blocks.contains_key(h))
     }
 
+    /// Leading blocks of `chain` that requests ended on `pod` lately left in its cache
+    /// (`finished_credit_seconds`). Found by bisection as [`Self::inflight_prefix`]: an
+    /// eviction ends every such credit on the pod, so none leaves a hole in a chain.
+    pub fn finished_prefix(&self, pod: PodId, chain: &[SequenceHash]) -> usize {
+        let Some(blocks) = self.pods.get(pod).map(|p| &p.finished_blocks).filter(|b| !b.is_empty()) else { return 0 };
+        chain.partition_point(|h| blocks.contains_key(h))
+    }
+
     /// Requests in flight on `pod` whose prompts hold `block`.
     pub fn inflight_sharing(&self, pod: PodId, block: SequenceHash) -> u32 {
         self.pods.get(pod).and_then(|p| p.shared_blocks.get(&block)).copied().unwrap_or(0)
@@ -551,7 +616,8 @@ impl LoadTracker {
                     state.queued_prefill_work -= req.prefill_work;
                 }
             }
-            Lifecycle::Done | Lifecycle::Cancelled => self.release(key),
+            Lifecycle::Done => self.finish(key, now),
+            Lifecycle::Cancelled => self.release(key),
         }
         Ok(pod)
     }
@@ -582,6 +648,23 @@ impl LoadTracker {
 
     fn release(&mut self, key: &BookingKey) {
         self.remove(key);
+    }
+
+    /// A request ended whole: its load is released, and its prompt stays credited on its
+    /// pod for `finished_credit_seconds` (its engine's events may not have announced it yet).
+    /// A prompt the engine evicted a block of while it ran (the eviction reached kvgate
+    /// before the request's end) is not credited.
+    fn finish(&mut self, key: &BookingKey, now: f64) {
+        let evicted = self.requests.get(key).is_some_and(|r| {
+            self.pods.get(r.pod).is_some_and(|p| r.prompt_blocks.iter().any(|b| p.evicted_blocks.contains(b)))
+        });
+        let Some((_, req)) = self.remove(key) else { return };
+        let credit = self.config.finished_credit_seconds;
+        let pod = self.pods.get_mut(req.pod);
+        pod.expire_finished(now);
+        if credit > 0.0 && !evicted && !req.prompt_blocks.is_empty() {
+            pod.finished(req.prompt_blocks, now + credit);
+        }
     }
 
     /// Takes a request's load off its pod and returns it.
@@ -622,6 +705,7 @@ impl LoadTracker {
             self.release(id);
         }
         self.ended_with_pod.retain(|_, &mut (_, expires_at)| expires_at > now);
+        self.pods.values_mut().for_each(|p| p.expire_finished(now));
         self.expired += stale.len() as u64;
         stale.len()
     }
@@ -990,6 +1074,63 @@ mod tests {
         assert_eq!((t.inflight_sharing(a, long[0]), t.inflight_sharing(a, long[9])), (1, 0));
     }
 
+    #[test]
+    fn an_ended_prompt_stays_credited_until_its_credit_ends_or_its_pod_evicts() {
+        let (mut t, a, b) = tracker();
+        let c = chain(6);
+        let book = |t: &mut LoadTracker, id: &str, at: f64| {
+            let booking = Booking {
+                pod: a,
+                prompt_tokens: 24,
+                cached_tokens: 0,
+                chain: &c,
+                max_output_tokens: Some(2),
+                adapter: None,
+            };
+            t.book(&k(id), &booking, at);
+            t.report(&k(id), Lifecycle::FirstToken, at + 0.1).unwrap();
+        };
+        book(&mut t, "r1", 0.0);
+        t.report(&k("r1"), Lifecycle::Done, 0.2).unwrap();
+        assert_eq!(t.load(a, 0.2), PodLoad::default(), "no load is left");
+        assert_eq!((t.finished_prefix(a, &c), t.finished_prefix(b, &c)), (6, 0), "credited where it ran");
+        assert_eq!((t.finished_prefix(a, &c[..3]), t.inflight_prefix(a, &c)), (3, 0));
+        t.expire(1.1);
+        assert_eq!(t.finished_prefix(a, &c), 6, "credited for finished_credit_seconds (1 s)");
+        t.expire(1.2);
+        assert_eq!(t.finished_prefix(a, &c), 0, "then the pod's events are trusted alone");
+
+        book(&mut t, "r2", 2.0);
+        t.report(&k("r2"), Lifecycle::Done, 2.2).unwrap();
+        t.evicted(a, c[5]);
+        assert_eq!(t.finished_prefix(a, &c), 0, "an eviction there ends the credit");
+
+        // Evicted while it ran (the event came before its end): not credited after it.
+        book(&mut t, "r3", 3.0);
+        t.evicted(a, c[2]);
+        t.report(&k("r3"), Lifecycle::Done, 3.2).unwrap();
+        assert_eq!(t.finished_prefix(a, &c), 0);
+        // Nor a cancelled request (its prefill may not have run), nor on a cleared index.
+        t.book(
+            &k("r4"),
+            &Booking {
+                pod: a,
+                prompt_tokens: 24,
+                cached_tokens: 0,
+                chain: &c,
+                max_output_tokens: Some(2),
+                adapter: None,
+            },
+            4.0,
+        );
+        t.report(&k("r4"), Lifecycle::Cancelled, 4.1).unwrap();
+        assert_eq!(t.finished_prefix(a, &c), 0);
+        book(&mut t, "r5", 5.0);
+        t.report(&k("r5"), Lifecycle::Done, 5.2).unwrap();
+        t.forget_finished(a);
+        assert_eq!(t.finished_prefix(a, &c), 0);
+    }
+
     /// Chained block hashes of a prompt made of `groups` (each group's tokens a run of 4).
     fn prompt_chain(groups: &[u32]) -> Vec<SequenceHash> {
         let tokens: Vec<u32> = groups.iter().flat_map(|&g| [g; 4]).collect();
@@ -1014,7 +1155,7 @@ mod tests {
             };
             t.book(&k(format!("r{i}")), &booking, 0.0);
         }
-        t.report(&k("r1"), Lifecycle::Done, 1.0).unwrap();
+        t.report(&k("r1"), Lifecycle::Cancelled, 1.0).unwrap();
         let held: Vec<Vec<SequenceHash>> = [0, 2, 3].iter().map(|&i| prompt_chain(&booked[i])).collect();
         let walked = |c: &[SequenceHash]| c.iter().take_while(|h| held.iter().any(|b| b.contains(h))).count();
         for query in

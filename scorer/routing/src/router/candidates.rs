@@ -73,7 +73,13 @@ impl Router {
                             indexed =
                                 self.index.hybrid_prefix(request.chain, p, indexed as usize, max_hit as usize) as u32;
                         }
-                        let blocks = indexed.max(self.load.inflight_prefix(p, request.chain) as u32).min(max_hit);
+                        let mut routed = self.load.inflight_prefix(p, request.chain);
+                        // A hybrid model's window evicts an ended prompt unannounced as a
+                        // block evicted: there only what the events say is credited.
+                        if !self.index.is_hybrid(p) {
+                            routed = routed.max(self.load.finished_prefix(p, request.chain));
+                        }
+                        let blocks = indexed.max(routed as u32).min(max_hit);
                         let cached = tokens(blocks);
                         // Blocks past the GPU prefix the pod holds offloaded: loaded, not computed.
                         let run = if offloaded {

@@ -324,6 +324,7 @@ impl Router {
     pub fn clear_index(&mut self, pod: PodId) {
         self.index.clear_pod(pod);
         self.approx.clear_pod(pod);
+        self.load.forget_finished(pod);
     }
 
     /// Drops expired bookings and approximate entries; returns the bookings expired.
