@@ -1110,20 +1110,10 @@ mod tests {
         t.evicted(a, c[2]);
         t.report(&k("r3"), Lifecycle::Done, 3.2).unwrap();
         assert_eq!(t.finished_prefix(a, &c), 0);
-        // Nor a cancelled request (its prefill may not have run), nor on a cleared index.
-        t.book(
-            &k("r4"),
-            &Booking {
-                pod: a,
-                prompt_tokens: 24,
-                cached_tokens: 0,
-                chain: &c,
-                max_output_tokens: Some(2),
-                adapter: None,
-            },
-            4.0,
-        );
-        t.report(&k("r4"), Lifecycle::Cancelled, 4.1).unwrap();
+        // Nor a cancelled request, even past its first token (a cancel may come before its
+        // prefill ends: never credited), nor on a cleared index.
+        book(&mut t, "r4", 4.0);
+        t.report(&k("r4"), Lifecycle::Cancelled, 4.2).unwrap();
         assert_eq!(t.finished_prefix(a, &c), 0);
         book(&mut t, "r5", 5.0);
         t.report(&k("r5"), Lifecycle::Done, 5.2).unwrap();

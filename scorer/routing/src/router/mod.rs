@@ -313,9 +313,14 @@ impl Router {
 
     /// Applies one decoded event batch of a pod.
     pub fn apply_events(&mut self, pod: PodId, batch: &EventBatch<'_>) {
+        let clears = self.index.stats(pod).clears;
         self.index.apply(pod, batch);
         for &block in self.index.evicted() {
             self.load.evicted(pod, block);
+        }
+        // `AllBlocksCleared` (a reset prefix cache): what ended requests left is gone too.
+        if self.index.stats(pod).clears != clears {
+            self.load.forget_finished(pod);
         }
     }
 

@@ -246,6 +246,27 @@ fn routes_a_repeated_prefix_back_and_books_until_done() {
 }
 
 #[test]
+fn a_prompt_that_ended_is_credited_on_its_pod_until_the_pod_clears_its_cache() {
+    use crate::events::{EventBatch, KvEvent};
+    let mut r = router(u32::MAX);
+    let pods = [r.add_pod(Role::Both, true), r.add_pod(Role::Both, true)];
+    let c = chain(1, 512);
+    let req = |id| RouteRequest::new(id, &c, 512, Some(8));
+    let first = r.route(&req("a"), 0.0).unwrap();
+    r.report("a", Lifecycle::FirstToken, false, 0.1).unwrap();
+    r.report("a", Lifecycle::Done, false, 0.2).unwrap();
+    // No event has announced the prompt yet: what the request left is credited there.
+    let again = r.route(&req("b"), 0.3).unwrap();
+    assert_eq!((again.decode.pod, again.cached_tokens()), (first.decode.pod, 496));
+    r.report("b", Lifecycle::Done, false, 0.4).unwrap();
+    let home = first.decode.pod;
+    r.apply_events(home, &EventBatch { ts: 0.0, events: vec![KvEvent::AllBlocksCleared], data_parallel_rank: None });
+    let after = r.route(&req("c"), 0.5).unwrap();
+    assert_eq!(after.cached_tokens(), 0, "a reset cache holds nothing: {after:?}");
+    assert!(pods.contains(&after.decode.pod));
+}
+
+#[test]
 fn the_homes_group_counts_the_requests_in_flight_that_share_the_prompts_first_block() {
     let mut r = router(u32::MAX);
     let _pods = [r.add_pod(Role::Both, false), r.add_pod(Role::Both, false)];
