@@ -67,7 +67,7 @@ pub struct LoadConfig {
     /// How long the prompt blocks of a request that ended are still credited on its pod:
     /// the engine holds them (computed, then kept in its prefix cache) before its KV events
     /// may have said so, and a follow-up sent at once would otherwise find them uncredited.
-    /// An eviction on the pod ends this credit at once. 0 = off.
+    /// An eviction on the pod, or a reset of its cache, ends this credit at once. 0 = off.
     #[default(1.0)]
     pub finished_credit_seconds: f64,
 }
@@ -299,8 +299,14 @@ impl Inflight {
     /// Whether the engine of its pod (`state`) evicted a block of its credited prefix since
     /// the booking.
     fn credit_evicted(&self, state: Option<&PodState>, block_size: usize) -> bool {
-        let mut credited = self.prompt_blocks.iter().take((self.credited_tokens() as usize).div_ceil(block_size));
-        state.is_some_and(|p| !p.evicted_blocks.is_empty() && credited.any(|b| p.evicted_blocks.contains(b)))
+        self.evicted_among(state, (self.credited_tokens() as usize).div_ceil(block_size))
+    }
+
+    /// Whether the engine of its pod (`state`) evicted one of its first `blocks` prompt
+    /// blocks since the booking.
+    fn evicted_among(&self, state: Option<&PodState>, blocks: usize) -> bool {
+        let mut leading = self.prompt_blocks.iter().take(blocks);
+        state.is_some_and(|p| !p.evicted_blocks.is_empty() && leading.any(|b| p.evicted_blocks.contains(b)))
     }
 
     /// The prefill still to compute when `cached` of the prompt's tokens are cached.
@@ -310,6 +316,14 @@ impl Inflight {
         self.prefill_tokens = prompt - cached;
         self.prefill_work = prefill_work(prompt, cached);
     }
+}
+
+/// Leading blocks of `chain` in `blocks`. Every booking (and every ended request's prompt)
+/// holds its whole chain from the first block, and a block's hash names its whole prefix, so
+/// the blocks held of any chain are a prefix of it: the first block not held is found by
+/// bisection, not by walking the chain.
+fn leading_blocks<V>(blocks: &AHashMap<SequenceHash, V>, chain: &[SequenceHash]) -> usize {
+    if blocks.is_empty() { 0 } else { chain.partition_point(|h| blocks.contains_key(h)) }
 }
 
 /// The cache a booking was credited with ([`LoadTracker::booked_credit`]).
@@ -556,19 +570,14 @@ impl LoadTracker {
     /// computed there now, which a request routed there next will find cached (its own
     /// prefill is queued behind theirs) before any KV event has announced them.
     pub fn inflight_prefix(&self, pod: PodId, chain: &[SequenceHash]) -> usize {
-        let Some(blocks) = self.pods.get(pod).map(|p| &p.shared_blocks).filter(|b| !b.is_empty()) else { return 0 };
-        // Every booking holds its whole chain from the first block, and a block's hash names
-        // its whole prefix, so the blocks held of any chain are a prefix of it: the first
-        // block not held is found by bisection, not by walking the chain.
-        chain.partition_point(|h| blocks.contains_key(h))
+        self.pods.get(pod).map_or(0, |p| leading_blocks(&p.shared_blocks, chain))
     }
 
     /// Leading blocks of `chain` that requests ended on `pod` lately left in its cache
-    /// (`finished_credit_seconds`). Found by bisection as [`Self::inflight_prefix`]: an
+    /// (`finished_credit_seconds`). Found by bisection (`leading_blocks`): an
     /// eviction ends every such credit on the pod, so none leaves a hole in a chain.
     pub fn finished_prefix(&self, pod: PodId, chain: &[SequenceHash]) -> usize {
-        let Some(blocks) = self.pods.get(pod).map(|p| &p.finished_blocks).filter(|b| !b.is_empty()) else { return 0 };
-        chain.partition_point(|h| blocks.contains_key(h))
+        self.pods.get(pod).map_or(0, |p| leading_blocks(&p.finished_blocks, chain))
     }
 
     /// Requests in flight on `pod` whose prompts hold `block`.
@@ -655,9 +664,7 @@ impl LoadTracker {
     /// A prompt the engine evicted a block of while it ran (the eviction reached kvgate
     /// before the request's end) is not credited.
     fn finish(&mut self, key: &BookingKey, now: f64) {
-        let evicted = self.requests.get(key).is_some_and(|r| {
-            self.pods.get(r.pod).is_some_and(|p| r.prompt_blocks.iter().any(|b| p.evicted_blocks.contains(b)))
-        });
+        let evicted = self.requests.get(key).is_some_and(|r| r.evicted_among(self.pods.get(r.pod), usize::MAX));
         let Some((_, req)) = self.remove(key) else { return };
         let credit = self.config.finished_credit_seconds;
         let pod = self.pods.get_mut(req.pod);
