@@ -1,18 +1,22 @@
 """How the real vllm-router's `kv_aware` places a shared prefix under load.
 
-Twice, on fresh pods each time: starts three `kvgate-sim` pods (KV events on) and
+Three times, on fresh pods each time: starts three `kvgate-sim` pods (KV events on) and
 `vllm-router --policy kv_aware` fed their events, all on loopback ports the OS picks; warms
-one pod with a prompt, then sends a burst of requests sharing its prefix at once (300 output
-tokens each, so they stay in flight) and prints which pod took each. The first fleet gets a
-burst answered whole, then — once the pods that computed the prompt afresh hold it too — a
-burst streamed; the second fleet gets one streamed burst. Each fleet's end prints the
-router's own decisions from its debug log (the chosen pod, the prompt tokens it computes and
-those its cache credits).
+one pod with a prompt, then sends a burst of requests sharing its prefix, one every
+`--spacing` seconds (300 output tokens each, so they stay in flight), and prints which pod
+took each. The first fleet gets a burst answered whole, then — once the pods that computed
+the prompt afresh hold it too — a burst streamed; the second fleet gets one streamed burst;
+the third a long streamed burst (1,000 output tokens each), and prints which of its
+requests first went to another pod. The first two fleets' ends print the router's own
+decisions from its debug log (the chosen pod, the prompt tokens it computes and those its
+cache credits).
 
     .kvgate/venv/bin/python tests/tools/vllm_router_probe.py [--prefix-repeat N] [--requests K]
+        [--long-requests L] [--spacing S]
 
-`--prefix-repeat` sets the prompt's length (its sentence N times: 60 ≈ 850 tokens), and
-`--requests` the size of each burst (12).
+`--prefix-repeat` sets the prompt's length (its sentence N times: 60 ≈ 850 tokens),
+`--requests` the size of the first two fleets' bursts (12), `--long-requests` the third's
+(48), `--spacing` the seconds between a burst's requests (0.05).
 
 Needs `cargo build --release -p kvgate-sim` and the project's venv (`make setup`).
 """
@@ -58,8 +62,10 @@ def start_pod(name: str) -> tuple[subprocess.Popen, dict]:
     return pod, sockets
 
 
-def probe(bursts: list[bool], prefix: str, requests: int) -> None:
-    """One fleet: a warm-up, then a burst of `requests` per entry of `bursts` (streamed or not)."""
+def probe(bursts: list[bool], prefix: str, requests: int, spacing: float, max_tokens: int = 300,
+          decisions: bool = True) -> None:
+    """One fleet: a warm-up, then a burst of `requests` per entry of `bursts` (streamed or not),
+    each asking for `max_tokens`."""
     pods = [start_pod(f"pod-{i}") for i in range(3)]
     urls = [f"http://{s['http']}" for _, s in pods]
     port = free_port()
@@ -89,25 +95,31 @@ def probe(bursts: list[bool], prefix: str, requests: int) -> None:
             req = urllib.request.Request(f"{base}/v1/completions", data=json.dumps(body).encode(),
                                          headers={"content-type": "application/json"})
             with urllib.request.urlopen(req, timeout=60) as response:
-                out.append(response.headers.get("x-kvgate-pod"))
+                out.append((question, response.headers.get("x-kvgate-pod")))
                 response.read()  # a stream stays in flight until its last token
 
         warm: list = []
         send(" warm", 4, warm)
         time.sleep(1.5)  # the pod's KV events reach the router
-        print(f"warm-up request: {warm[0]}")
+        print(f"warm-up request: {warm[0][1]}")
         for n, stream in enumerate(bursts):
             taken: list = []
-            threads = [threading.Thread(target=send, args=(f" Q{n}.{k}: year {1800 + k}?", 300, taken, stream))
+            threads = [threading.Thread(target=send, args=(f" Q{n}.{k:03}: year {1800 + k}?", max_tokens, taken, stream))
                        for k in range(requests)]
             for t in threads:
                 t.start()
-                time.sleep(0.05)
+                time.sleep(spacing)
             for t in threads:
                 t.join()
             how = "streamed" if stream else "answered whole"
-            print(f"{requests} requests sharing its prefix, at once, {how}:", dict(collections.Counter(taken)))
+            order = [pod for _, pod in sorted(taken)]  # in sending order
+            print(f"{requests} requests sharing its prefix, at once, {how}:", dict(collections.Counter(order)))
+            if not decisions:
+                left = next((i for i, pod in enumerate(order) if pod != warm[0][1]), None)
+                print("  the first sent to another pod:", "none" if left is None else f"request {left + 1}")
             time.sleep(1.5)  # the pods' KV events reach the router
+        if not decisions:
+            return
         log.seek(0)
         pod_of = {url: f"pod-{i}" for i, url in enumerate(urls)}
         decisions = [re.sub(r"http://127\.0\.0\.1:\d+", lambda m: pod_of.get(m.group(0), m.group(0)),
@@ -124,10 +136,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefix-repeat", type=int, default=60, help="the prompt's sentence this many times")
     parser.add_argument("--requests", type=int, default=12, help="requests per burst")
+    parser.add_argument("--long-requests", type=int, default=48, help="requests in the third fleet's burst")
+    parser.add_argument("--spacing", type=float, default=0.05, help="seconds between a burst's requests")
     args = parser.parse_args()
     prefix = SENTENCE * args.prefix_repeat
-    probe([False, True], prefix, args.requests)
-    probe([True], prefix, args.requests)
+    probe([False, True], prefix, args.requests, args.spacing)
+    probe([True], prefix, args.requests, args.spacing)
+    print("long answers:")
+    probe([True], prefix, args.long_requests, args.spacing, max_tokens=1000, decisions=False)
 
 
 if __name__ == "__main__":

@@ -19,37 +19,32 @@
 //! request for its prefix however busy it is.
 //!
 //! This is the rule of the router's earlier source. The PyPI release the live benchmark runs
-//! (0.1.17) trades load against prefill for requests answered whole (with six of them in
-//! flight on the pod caching a prompt, it computes the prompt afresh on an idle pod), but
-//! not for streamed ones, which the live benchmark sends: twelve at once all stay on the warm
-//! pod (`tests/tools/vllm_router_probe.py`). It credits only what the pods' events announced
-//! — no speculative entries: a prompt sent again while its first copy is still computing is
-//! computed afresh elsewhere. [`KvAwareConfig::streamed`] is a rule fitted to what the probe
-//! shows: each pod is priced by the prompt tokens it would compute plus, for every request
-//! routed there still awaiting its first token (a request answered whole shows none until
-//! its end), the tokens that request computes and [`AWAITING_TOKENS`]; the cheapest pods take
-//! turns (docs/benchmarks.md, "The real vllm-router balances load").
+//! (0.1.17) trades load against prefill (`tests/tools/vllm_router_probe.py`): it credits only
+//! what the pods' events announced — no speculative entries: a prompt sent again while its
+//! first copy is still computing is computed afresh elsewhere — and prices each pod by the
+//! prompt tokens still to compute there (this request's, and those of the requests routed
+//! there that have not yet sent back their first token) times one plus the requests it has
+//! in flight. The cheapest pod wins; tied pods take turns. [`KvAwareConfig::streamed`] is
+//! that rule, as the probe measures it (docs/benchmarks.md, "The real vllm-router balances
+//! load"): a pod warm with an 850-token prompt keeps 37 streamed requests sharing it, which
+//! compute 23 tokens each, and the 38th goes elsewhere (23 × 38 > 855); answered whole, a
+//! request shows the router no first token until its end, and the seventh goes elsewhere
+//! ((6 + 1) × 21 × 7 > 853); with a 1,700-token prompt the twelfth
+//! ((11 + 1) × 13 × 12 > 1,693), and 90 streamed all stay (13 × 91 < 1,693).
 
 use ahash::AHashMap;
 use kvgate_sim::cache::{CacheChange, EngineBlockHash, HashKeys, hash_blocks, root_hash};
-
-/// What the fitted streamed rule adds to a pod's price per request routed there that awaits
-/// its first token, in prompt tokens. Fitted to `tests/tools/vllm_router_probe.py`'s
-/// requests answered whole, which the router sees answer only at their end: with an
-/// 850-token prompt cached on one pod the seventh request at once goes elsewhere, with a
-/// 1,700-token one (`--prefix-repeat 120 --requests 16`) the twelfth: 140–147 tokens per
-/// request beside the tokens each computes.
-pub const AWAITING_TOKENS: f64 = 140.0;
 
 /// Defaults of vllm-router's `KvAwareConfig`.
 #[derive(Clone, Copy, Debug)]
 pub struct KvAwareConfig {
     pub block_size: usize,
     pub speculative_ttl_secs: f64,
-    /// 0.1.17's rule for streamed requests, as fitted: only blocks the pods' events
-    /// announced count (no speculative entries); each pod is priced by the prompt tokens it
-    /// would compute plus, per request awaiting its first token there, the tokens that
-    /// request computes and [`AWAITING_TOKENS`]; the cheapest pods take turns.
+    /// 0.1.17's rule, as probed: only blocks the pods' events announced count (no
+    /// speculative entries); each pod is priced by the prompt tokens to compute there (this
+    /// request's and those of its requests awaiting their first token) times one plus its
+    /// requests in flight; the cheapest pods take turns. Named for the requests the live
+    /// benchmark sends, whose first tokens the router sees.
     pub streamed: bool,
 }
 
@@ -75,10 +70,11 @@ pub struct KvAware {
     scores: Vec<usize>,
     /// The streamed rule's turn: the cheapest pods, in order, take turns by it.
     next_turn: usize,
-    /// The streamed rule's requests awaiting their first token: id → (worker, its price).
+    /// The streamed rule's requests awaiting their first token: id → (worker, the prompt
+    /// tokens it computes).
     awaiting: AHashMap<u64, (usize, f64)>,
-    /// Per worker, the price of its requests awaiting their first token.
-    awaiting_price: Vec<f64>,
+    /// Per worker, the prompt tokens its requests awaiting their first token compute.
+    awaiting_tokens: Vec<f64>,
 }
 
 impl KvAware {
@@ -95,7 +91,7 @@ impl KvAware {
             scores: vec![0; workers],
             next_turn: 0,
             awaiting: AHashMap::new(),
-            awaiting_price: vec![0.0; workers],
+            awaiting_tokens: vec![0.0; workers],
         }
     }
 
@@ -105,21 +101,21 @@ impl KvAware {
         let n = self.scores.len();
         let block_size = self.config.block_size;
         let computed = |w: usize| tokens.saturating_sub(self.scores[w] * block_size) as f64;
-        let price = |w: usize| computed(w) + self.awaiting_price[w];
+        let price = |w: usize| (computed(w) + self.awaiting_tokens[w]) * (1 + self.load[w]) as f64;
         let cheapest = (0..n).map(price).fold(f64::INFINITY, f64::min);
         let tied: Vec<usize> = (0..n).filter(|&w| price(w) <= cheapest).collect();
         let chosen = tied[self.next_turn % tied.len()];
         self.next_turn = self.next_turn.wrapping_add(1);
-        let own = computed(chosen) + AWAITING_TOKENS;
-        self.awaiting_price[chosen] += own;
+        let own = computed(chosen);
+        self.awaiting_tokens[chosen] += own;
         self.awaiting.insert(id, (chosen, own));
         chosen
     }
 
-    /// Request `id`'s first token came back: it no longer adds to its worker's price.
+    /// Request `id`'s first token came back: its prompt no longer counts as to compute.
     pub fn first_token(&mut self, id: u64) {
         if let Some((worker, own)) = self.awaiting.remove(&id) {
-            self.awaiting_price[worker] = (self.awaiting_price[worker] - own).max(0.0);
+            self.awaiting_tokens[worker] = (self.awaiting_tokens[worker] - own).max(0.0);
         }
     }
 
@@ -245,37 +241,52 @@ mod tests {
     }
 
     #[test]
-    fn streamed_rule_prices_requests_awaiting_their_first_token_and_rotates_ties() {
+    fn streamed_rule_prices_the_prompt_tokens_to_compute_by_the_requests_in_flight() {
         let config = KvAwareConfig { streamed: true, ..KvAwareConfig::default() };
         let mut kv = KvAware::with_config(config, 3, "0");
         let doc: Vec<u32> = (0..640).collect();
+        let prompt: Vec<u32> = (0..664).collect(); // the document and a 24-token question
+        let finish = |kv: &mut KvAware, ids: std::ops::Range<u64>, workers: &[usize]| {
+            for (id, &w) in ids.zip(workers) {
+                kv.first_token(id);
+                kv.finished(w);
+            }
+        };
         // Cold: the workers take turns — the same prompt again is computed afresh elsewhere
         // while no event has announced it.
-        let mut first = [kv.route(0, &doc, 0.0), kv.route(1, &doc, 0.0), kv.route(2, &doc, 0.0)];
-        first.sort_unstable();
-        assert_eq!(first, [0, 1, 2]);
-        (0..3).for_each(|id| kv.first_token(id));
-        // Worker 1 announces it: requests whose first tokens come back at once all go there,
-        // however many are in flight.
+        let cold = [kv.route(0, &prompt, 0.0), kv.route(1, &prompt, 0.0), kv.route(2, &prompt, 0.0)];
+        let mut sorted = cold;
+        sorted.sort_unstable();
+        assert_eq!(sorted, [0, 1, 2]);
+        finish(&mut kv, 0..3, &cold);
+        // Worker 1 announces the document. Requests whose first tokens come back at once stay
+        // there while 24 tokens times one plus those in flight cost no more than the whole
+        // prompt on an idle worker: 24 × 27 ≤ 664 < 24 × 28.
         kv.kv_events(1, &[stored(&doc)]);
-        for id in 3..13 {
-            assert_eq!(kv.route(id, &doc, 0.1), 1);
-            kv.first_token(id);
-        }
-        // Awaiting their first tokens, five (5 × 140 tokens > 640) price it above computing
-        // the prompt afresh: the sixth goes elsewhere.
-        let taken: Vec<usize> = (13..19).map(|id| kv.route(id, &doc, 0.2)).collect();
+        let taken: Vec<usize> = (3..31)
+            .map(|id| {
+                let w = kv.route(id, &prompt, 0.1);
+                kv.first_token(id);
+                w
+            })
+            .collect();
+        assert_eq!(&taken[..27], &[1; 27]);
+        assert_ne!(taken[27], 1, "the 28th goes elsewhere");
+        finish(&mut kv, 3..31, &taken);
+        // Awaiting their first tokens, requests count their own tokens too: 24 × 6 × 6 > 664,
+        // so five awaiting send the sixth elsewhere.
+        let taken: Vec<usize> = (31..37).map(|id| kv.route(id, &prompt, 0.2)).collect();
         assert_eq!(&taken[..5], &[1; 5]);
         assert_ne!(taken[5], 1);
-        (13..19).for_each(|id| kv.first_token(id));
+        finish(&mut kv, 31..37, &taken);
         // Workers 1 and 2 both hold it: they alternate; worker 0, holding half, gets none.
         kv.kv_events(2, &[stored(&doc)]);
         kv.kv_events(0, &[stored(&doc[..320])]);
-        let taken: Vec<usize> = (19..23)
+        let taken: Vec<usize> = (37..41)
             .map(|id| {
-                let worker = kv.route(id, &doc, 0.3);
+                let w = kv.route(id, &prompt, 0.3);
                 kv.first_token(id);
-                worker
+                w
             })
             .collect();
         assert_eq!(taken.iter().filter(|&&w| w == 1).count(), 2, "{taken:?}");

@@ -19,8 +19,9 @@ use std::time::Instant;
 fn routers() -> impl Iterator<Item = &'static str> {
     PolicyConfig::NAMES.iter().copied().chain(PEERS)
 }
-/// The peers' rules among them.
-const PEERS: [&str; 2] = ["sglang-cache-aware", "vllm-kv-aware"];
+/// The peers' rules among them: SGLang's, vllm-router's earlier source's and its 0.1.17
+/// release's (the one the live benchmark runs).
+const PEERS: [&str; 3] = ["sglang-cache-aware", "vllm-kv-aware", "vllm-kv-aware@streamed"];
 /// Extra variants on the P/D workload.
 const PD_VARIANTS: [&str; 2] = ["kv@pd-always", "kv@no-pd"];
 /// Extra variant on fleets of unlike pods: kv without learning their speeds.
@@ -49,11 +50,11 @@ struct Args {
     #[arg(long, default_value = "all")]
     workloads: String,
     /// Routers (space-separated), or `all`: kv, prefix, ttft, least-loaded, power-of-two,
-    /// round-robin, random, sglang-cache-aware, vllm-kv-aware (P/D variants kv@pd-always,
+    /// round-robin, random, sglang-cache-aware, vllm-kv-aware (vllm-router's earlier source),
+    /// vllm-kv-aware@streamed (its 0.1.17 release, as probed) (P/D variants kv@pd-always,
     /// kv@no-pd are added on pd-mixed, kv@fixed-speed and kv@known-speed on heterogeneous,
     /// kv@gpu-only on tiered, kv@no-adapters, lora-affinity and lora-affinity@lora-first on
-    /// adapters); also (not in `all`) vllm-kv-aware@streamed, vllm-router 0.1.17's rule as
-    /// fitted to probes; a kvgate policy may be given as the scorer's YAML, e.g.
+    /// adapters); a kvgate policy may be given as the scorer's YAML, e.g.
     /// "{name: kv, decode_weight: 0.2}".
     #[arg(long, num_args = 1.., default_values_t = ["all".to_string()])]
     routers: Vec<String>,
