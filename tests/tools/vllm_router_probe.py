@@ -63,7 +63,7 @@ def start_pod(name: str) -> tuple[subprocess.Popen, dict]:
 
 
 def probe(bursts: list[bool], prefix: str, requests: int, spacing: float, max_tokens: int = 300,
-          decisions: bool = True) -> None:
+          show_decisions: bool = True) -> None:
     """One fleet: a warm-up, then a burst of `requests` per entry of `bursts` (streamed or not),
     each asking for `max_tokens`."""
     pods = [start_pod(f"pod-{i}") for i in range(3)]
@@ -114,11 +114,11 @@ def probe(bursts: list[bool], prefix: str, requests: int, spacing: float, max_to
             how = "streamed" if stream else "answered whole"
             order = [pod for _, pod in sorted(taken)]  # in sending order
             print(f"{requests} requests sharing its prefix, at once, {how}:", dict(collections.Counter(order)))
-            if not decisions:
+            if not show_decisions:
                 left = next((i for i, pod in enumerate(order) if pod != warm[0][1]), None)
                 print("  the first sent to another pod:", "none" if left is None else f"request {left + 1}")
             time.sleep(1.5)  # the pods' KV events reach the router
-        if not decisions:
+        if not show_decisions:
             return
         log.seek(0)
         pod_of = {url: f"pod-{i}" for i, url in enumerate(urls)}
@@ -143,7 +143,7 @@ def main() -> None:
     probe([False, True], prefix, args.requests, args.spacing)
     probe([True], prefix, args.requests, args.spacing)
     print("long answers:")
-    probe([True], prefix, args.long_requests, args.spacing, max_tokens=1000, decisions=False)
+    probe([True], prefix, args.long_requests, args.spacing, max_tokens=1000, show_decisions=False)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,10 @@
 //! in flight. The cheapest pod wins; tied pods take turns. [`KvAwareConfig::streamed`] is
 //! that rule, as the probe measures it (docs/benchmarks.md, "The real vllm-router balances
 //! load"): a pod warm with an 850-token prompt keeps 37 streamed requests sharing it, which
-//! compute 23 tokens each, and the 38th goes elsewhere (23 × 38 > 855); answered whole, a
-//! request shows the router no first token until its end, and the seventh goes elsewhere
-//! ((6 + 1) × 21 × 7 > 853); with a 1,700-token prompt the twelfth
-//! ((11 + 1) × 13 × 12 > 1,693), and 90 streamed all stay (13 × 91 < 1,693).
+//! compute 23 tokens each, and the 38th goes elsewhere (23 × 37 ≤ 855 < 23 × 38); answered
+//! whole, a request shows the router no first token until its end, so its 23 tokens count
+//! until then, and the seventh goes elsewhere ((6 × 23 + 23) × 7 > 855); with a 1,700-token
+//! prompt, where a cache hit computes 15 tokens, the eleventh ((10 × 15 + 15) × 11 > 1,695).
 
 use ahash::AHashMap;
 use kvgate_sim::cache::{CacheChange, EngineBlockHash, HashKeys, hash_blocks, root_hash};
