@@ -249,7 +249,8 @@ fn routes_a_repeated_prefix_back_and_books_until_done() {
 fn a_prompt_that_ended_is_credited_on_its_pod_until_the_pod_clears_its_cache() {
     use crate::events::{EventBatch, KvEvent};
     let mut r = router(u32::MAX);
-    let pods = [r.add_pod(Role::Both, true), r.add_pod(Role::Both, true)];
+    r.add_pod(Role::Both, true);
+    r.add_pod(Role::Both, true);
     let c = chain(1, 512);
     let req = |id| RouteRequest::new(id, &c, 512, Some(8));
     let first = r.route(&req("a"), 0.0).unwrap();
@@ -263,7 +264,6 @@ fn a_prompt_that_ended_is_credited_on_its_pod_until_the_pod_clears_its_cache() {
     r.apply_events(home, &EventBatch { ts: 0.0, events: vec![KvEvent::AllBlocksCleared], data_parallel_rank: None });
     let after = r.route(&req("c"), 0.5).unwrap();
     assert_eq!(after.cached_tokens(), 0, "a reset cache holds nothing: {after:?}");
-    assert!(pods.contains(&after.decode.pod));
 }
 
 #[test]
