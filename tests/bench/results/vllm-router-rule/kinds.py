@@ -12,28 +12,19 @@ same pod within 5 ms of each (its burst), for the slow and the fast ones.
 """
 
 import collections
-import csv
+import pathlib
 import statistics
 import sys
 
-SLOW_MS = 30.0
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "live-11-30b"))
+from paired import SLOW_MS, phase, read_runs  # noqa: E402
+
 COMPUTED_TOKENS = 500
-PHASES = ["first wave", "cold start", "1-2 s", "after 2 s"]
-
-
-def phase(index, sent_s):
-    if index < 24:
-        return PHASES[0]
-    return PHASES[1] if sent_s < 1.0 else PHASES[2] if sent_s < 2.0 else PHASES[3]
+PHASES = ["first wave", "cold start", "1-2 s", "after 2 s"]  # paired.phase's, in order
 
 
 def main(paths):
-    runs = collections.defaultdict(list)
-    for path in paths:
-        with open(path) as f:
-            for r in csv.DictReader(f):
-                if r["status"] == "200":
-                    runs[(path, r["router"], r["run"])].append(r)
+    runs = read_runs(paths)
     counts = collections.defaultdict(collections.Counter)
     for (_, router, _), rows in runs.items():
         rows.sort(key=lambda r: float(r["sent_s"]))
