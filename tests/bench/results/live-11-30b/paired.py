@@ -17,6 +17,9 @@ import statistics
 import sys
 
 SLOW_MS = 30.0
+# A request whose pod computed more of its prompt than this made a copy; less, it found the
+# prompt cached.
+COMPUTED_TOKENS = 500
 
 
 def p90(ttfts):
@@ -30,6 +33,11 @@ def phase(index, sent_s):
     if sent_s < 1.0:
         return "cold start"
     return "1-2 s" if sent_s < 2.0 else "after 2 s"
+
+
+def computed(row):
+    """Whether the pod computed most of the request's prompt (`COMPUTED_TOKENS`)."""
+    return int(row["prompt_tokens"]) - int(row["cached_tokens"]) > COMPUTED_TOKENS
 
 
 def read_runs(paths):

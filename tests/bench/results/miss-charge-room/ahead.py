@@ -16,13 +16,7 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "live-11-30b"))
-from paired import SLOW_MS, phase, read_runs  # noqa: E402
-
-COMPUTED_TOKENS = 500
-
-
-def computed(r):
-    return int(r["prompt_tokens"]) - int(r["cached_tokens"]) > COMPUTED_TOKENS
+from paired import SLOW_MS, computed, phase, read_runs  # noqa: E402
 
 
 def main(paths):

@@ -17,9 +17,8 @@ import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "live-11-30b"))
-from paired import SLOW_MS, phase, read_runs  # noqa: E402
+from paired import SLOW_MS, computed, phase, read_runs  # noqa: E402
 
-COMPUTED_TOKENS = 500
 PHASES = ["first wave", "cold start", "1-2 s", "after 2 s"]  # paired.phase's, in order
 
 
@@ -30,9 +29,8 @@ def main(paths):
         rows.sort(key=lambda r: float(r["sent_s"]))
         for i, r in enumerate(rows):
             kind = "turn" if r["turn"] else "question"
-            computed = int(r["prompt_tokens"]) - int(r["cached_tokens"]) > COMPUTED_TOKENS
             slow = float(r["ttft_ms"]) > SLOW_MS
-            counts[router][(phase(i, float(r["sent_s"])), kind, computed, slow)] += 1
+            counts[router][(phase(i, float(r["sent_s"])), kind, computed(r), slow)] += 1
     columns = [(k, c) for k in ("question", "turn") for c in (False, True)]
     head = " | ".join(f"{k}s {'computed' if c else 'cached'}: slow / fast" for k, c in columns)
     print(f"| router | phase | {head} |")
