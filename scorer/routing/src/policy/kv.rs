@@ -48,6 +48,13 @@
 //! instant (the capacity workload's busiest pod had taken 1.24× the mean of requests) —
 //! unless a pod offloads to another tier, whose size kvgate does not know: there a GPU's
 //! fill is churn (the cluster simulator's `tiered` at 64 pods: 312 → 316 req/s, `prefix` 319).
+//! Copies of a prompt take turns (`copy_share`): of the pods holding at least half what its
+//! home holds, only the one where the request would start soonest by vllm-router's measure,
+//! (prefill queued + its own) × (1 + requests in flight), competes with the other pods; the
+//! cost alone sent a group's requests that come back together (a system prompt's turns) to
+//! one copy, each behind the last. Only while the fleet has compute to spare, averaged over
+//! the last hundred decisions (`copy_busy_pods`): at chat's knee such a turn computes its
+//! history again on another copy (goodput at 8 pods 514 req/s ungated, 523 gated, 524 off).
 //! `decode_read_weight` charges the per-sequence context each decode step reads (a prefix
 //! shared by ten sequences is held once but read ten times), which sets the pod's step
 //! time. `overflow_weight` charges the blocks a request would need beyond the pod's KV
@@ -201,6 +208,24 @@ pub struct KvPolicyConfig {
     /// does not makes the charge flat on all. `None` = the charge is flat there too.
     #[default(Some(0.3))]
     pub new_prompt_share: Option<f64>,
+    /// Copies of a prompt take turns: of the pods holding at least this share of what its
+    /// home holds, only the one where the request would start soonest by vllm-router's
+    /// measure — (prefill queued + the request's own) × (1 + requests in flight); on a fleet
+    /// of mixed speeds with a first token's fixed time, in the pod's time; plus any adapter
+    /// wait — competes with the other pods at its cost; the other copies are passed over.
+    /// The cost alone sends a group's requests that come back together (a system prompt's
+    /// turns) to one copy, each behind the last. Only while the fleet has compute to spare
+    /// (`copy_busy_pods`), and not among the decode pods of a disaggregated request (each
+    /// receives the prompt's KV: none is a copy). `None` = off.
+    #[default(Some(0.5))]
+    pub copy_share: Option<f64>,
+    /// Copies take turns (`copy_share`) only while, averaged over the last hundred routing
+    /// decisions, fewer than this share of the pods had prefill queued: at a fleet's knee a
+    /// turn sent to another copy of its system prompt computes its history again with no
+    /// compute to spare. Averaged, because a fleet with room still has moments when every
+    /// pod is computing (a cold start's first wave), and those are when the turns pay.
+    #[default(0.5)]
+    pub copy_busy_pods: f64,
     /// Drop pods reporting at least this many waiting requests.
     pub max_waiting: Option<f64>,
     /// Drop pods reporting at least this KV-cache usage (0–1).
@@ -248,6 +273,11 @@ impl KvPolicyConfig {
                 &format!("{share} must be a fraction (0-1], or null"),
             )?;
         }
+        if let Some(share) = self.copy_share {
+            check(share > 0.0 && share <= 1.0, "copy_share", &format!("{share} must be a fraction (0-1], or null"))?;
+        }
+        let busy = self.copy_busy_pods;
+        check((0.0..=1.0).contains(&busy), "copy_busy_pods", &format!("{busy} must be a fraction (0-1)"))?;
         if let Some(usage) = self.max_kv_usage {
             check((0.0..=1.0).contains(&usage), "max_kv_usage", &format!("{usage} must be a fraction (0-1)"))?;
         }
@@ -255,13 +285,23 @@ impl KvPolicyConfig {
     }
 }
 
-#[derive(derive_more::Constructor)]
 pub struct KvPolicy {
     config: KvPolicyConfig,
     rng: StdRng,
+    /// The share of pods with prefill queued, averaged over the last [`BUSY_DECISIONS`]
+    /// routing decisions (`copy_busy_pods`).
+    busy_pods: f64,
 }
 
+/// How many routing decisions [`KvPolicy::busy_pods`] averages over (as an exponential
+/// moving average).
+const BUSY_DECISIONS: f64 = 100.0;
+
 impl KvPolicy {
+    pub fn new(config: KvPolicyConfig, rng: StdRng) -> Self {
+        Self { config, rng, busy_pods: 0.0 }
+    }
+
     /// Linear-equivalent prefill tokens of `n` uncached tokens after `cached`.
     fn prefill_tokens(&self, prompt: u64, cached: u64) -> f64 {
         let n = prompt.saturating_sub(cached) as f64;
@@ -353,6 +393,51 @@ impl KvPolicy {
             && c.load.inflight_requests < home.load.inflight_requests
     }
 
+    /// Copies take turns (`copy_share`): of the pods still priced that hold at least that
+    /// share of what the prompt's `home` holds, all but the one where the request would
+    /// start soonest are priced just above it: passed over this time, still the first
+    /// fallbacks.
+    fn take_turns(
+        &self,
+        input: &RouteInput,
+        shown: &[Candidate],
+        home: &Candidate,
+        by_speed: Option<&ByPodSpeed>,
+        second_slot_seconds: f64,
+        costs: &mut [Option<f64>],
+    ) {
+        let at_home = f64::from(home.credited_tokens());
+        let Some(share) = self.config.copy_share.filter(|_| at_home > 0.0) else { return };
+        let prompt = u64::from(input.prompt_tokens);
+        let turn_price = |c: &Candidate| {
+            let c = by_speed.map_or(*c, |s| s.priced(c));
+            let own = self.prefill_tokens(prompt, u64::from(c.credited_tokens()).min(prompt));
+            // On pods of one speed a first token's fixed time is the same everywhere: left
+            // out, as vllm-router's measure leaves it (counted, the live mix in the
+            // simulator: p90 66.8 → 70.1 ms). On a fleet of mixed speeds it is not.
+            let (slowness, fixed) =
+                if by_speed.is_some() { (c.slowness, input.fixed_prefill_tokens) } else { (1.0, 0.0) };
+            let takes_slot = matches!(c.adapter, AdapterFit::Free { .. } | AdapterFit::Full { joins: false, .. });
+            let slot = if takes_slot { second_slot_seconds * self.config.prefill_tokens_per_second } else { 0.0 };
+            (c.load.queued_prefill_tokens as f64 + own + fixed) * slowness * (1.0 + f64::from(c.load.inflight_requests))
+                + self.adapter_wait_tokens(&c)
+                + slot
+        };
+        let is_copy =
+            |c: &Candidate, cost: &Option<f64>| cost.is_some() && f64::from(c.credited_tokens()) >= share * at_home;
+        let turn = (0..shown.len())
+            .filter(|&i| is_copy(&shown[i], &costs[i]))
+            .map(|i| (i, turn_price(&shown[i])))
+            .min_by(|a, b| a.1.total_cmp(&b.1));
+        let Some((turn, _)) = turn else { return };
+        let Some(after_turn) = costs[turn].map(f64::next_up) else { return };
+        for (i, (c, cost)) in shown.iter().zip(costs.iter_mut()).enumerate() {
+            if i != turn && is_copy(c, cost) {
+                *cost = cost.map(|own| own.max(after_turn));
+            }
+        }
+    }
+
     /// `second_slot_seconds`: what taking another adapter slot for the request's adapter
     /// costs the fleet ([`second_slot_seconds`]), charged where it would take one.
     fn cost_with(&self, input: &RouteInput, c: &Candidate, miss_weight: f64, second_slot_seconds: f64) -> f64 {
@@ -393,7 +478,7 @@ impl Policy for KvPolicy {
         let home = home(shown).map(|h| &shown[h]);
         let second_slot = second_slot_seconds(input, shown);
         let at_fill = self.charges_at_fill(input, shown);
-        let costs: Vec<Option<f64>> = shown
+        let mut costs: Vec<Option<f64>> = shown
             .iter()
             .map(|c| {
                 let priced;
@@ -415,6 +500,14 @@ impl Policy for KvPolicy {
                 (all_busy || !self.busy(c)).then(|| self.cost_with(input, c, miss_weight, second_slot))
             })
             .collect();
+        let busy_now = shown.iter().filter(|c| c.load.queued_prefill_tokens > 0).count() as f64 / shown.len() as f64;
+        self.busy_pods += (busy_now - self.busy_pods) / BUSY_DECISIONS;
+        if let Some(home) = home
+            && !input.kv_received
+            && self.busy_pods < self.config.copy_busy_pods
+        {
+            self.take_turns(input, shown, home, by_speed.as_ref(), second_slot, &mut costs);
+        }
         let chosen = if self.config.temperature > 0.0 {
             softmax_sample(&costs, self.config.temperature, &mut self.rng)
         } else {
@@ -795,6 +888,39 @@ mod tests {
         assert_eq!(d.costs[1], Some(p.cost(&INPUT, &cold)), "pod 1 is charged the miss");
         let mut any_pile = policy(KvPolicyConfig { balance_group_share: 0.0, ..Default::default() });
         assert_eq!(any_pile.select(&INPUT, &[home, cold]).chosen, 1, "counting any pile-up, pod 1 relieves it");
+    }
+
+    #[test]
+    fn copies_take_turns_by_where_the_request_starts_soonest_while_the_fleet_has_compute_to_spare() {
+        // Two copies of the prompt: pod 0 computing 300 tokens with one request in flight,
+        // pod 1 with no prefill queued but six requests in flight. The cost alone prefers
+        // pod 1 (its decode load weighs less than pod 0's queue); by (queued + own) × (1 + in
+        // flight) pod 0 starts the request sooner: 500 × 2 against 200 × 7.
+        let queued = candidate(0, 800, 1, 300);
+        let crowded = candidate(1, 800, 6, 0);
+        let cold = candidate(2, 0, 0, 0);
+        let cands = [queued, crowded, cold];
+        let mut off = policy(KvPolicyConfig { copy_share: None, ..Default::default() });
+        assert_eq!(off.select(&INPUT, &cands).chosen, 1);
+        let mut p = policy(KvPolicyConfig::default());
+        let d = p.select(&INPUT, &cands);
+        assert_eq!(d.chosen, 0);
+        assert!(d.costs[1] > d.costs[0], "the other copy is passed over");
+        assert!(d.costs[1] < d.costs[2], "and still ahead of the pods without the prompt");
+        assert_eq!(d.costs[2], Some(p.cost(&INPUT, &cold)), "a pod without the prompt is priced as ever");
+        // A pod holding under half what the home holds is not a copy.
+        let partial = candidate(1, 320, 6, 0);
+        assert_eq!(p.select(&INPUT, &[queued, partial, cold]).costs[1], Some(p.cost(&INPUT, &partial)));
+
+        // On a fleet whose pods have prefill queued, the turns stop once that has lasted:
+        // averaged over the last hundred decisions, half the pods or more were computing.
+        let busy = |c: Candidate| Candidate { load: crate::load::PodLoad { queued_prefill_tokens: 10, ..c.load }, ..c };
+        let cands = [queued, busy(crowded), busy(cold)];
+        let mut p = policy(KvPolicyConfig::default());
+        assert_eq!(p.select(&INPUT, &cands).chosen, 0, "a moment's load: the copies still take turns");
+        let chosen: Vec<usize> = (0..100).map(|_| p.select(&INPUT, &cands).chosen).collect();
+        assert_eq!(chosen[..60], [0; 60]);
+        assert_eq!(chosen[80..], [1; 20], "a lasting load: the cost alone");
     }
 
     #[test]

@@ -100,6 +100,10 @@ pub struct RouteInput {
     /// fleet of one speed it is the same everywhere, on a mixed one a slower pod takes
     /// longer over it, however short the prompt.
     pub fixed_prefill_tokens: f64,
+    /// The pod receives the prompt's KV from a prefill pod (the decode leg of a
+    /// disaggregated request): every candidate is priced holding the whole prompt, a
+    /// transfer rather than a cache.
+    pub kv_received: bool,
 }
 
 /// A policy's choice: the index of the chosen candidate and, per candidate, the cost it was
@@ -131,8 +135,9 @@ pub trait Policy: Send {
 #[serde(tag = "name", rename_all = "kebab-case", deny_unknown_fields)]
 #[strum(serialize_all = "kebab-case")]
 pub enum PolicyConfig {
+    /// Boxed: its many weights would size every other variant.
     #[default]
-    Kv(KvPolicyConfig),
+    Kv(Box<KvPolicyConfig>),
     Prefix,
     Ttft,
     LeastLoaded,
@@ -162,7 +167,7 @@ impl PolicyConfig {
     pub fn build(&self, seed: u64) -> Box<dyn Policy> {
         let rng = StdRng::seed_from_u64(seed);
         match self {
-            PolicyConfig::Kv(config) => Box::new(KvPolicy::new(config.clone(), rng)),
+            PolicyConfig::Kv(config) => Box::new(KvPolicy::new(KvPolicyConfig::clone(config), rng)),
             PolicyConfig::Prefix => Box::new(LongestPrefix::new(rng)),
             PolicyConfig::Ttft => Box::new(TtftPolicy::new(rng)),
             PolicyConfig::LeastLoaded => Box::new(LeastLoaded::default()),
@@ -241,8 +246,13 @@ pub(crate) mod test_support {
         }
     }
 
-    pub const INPUT: RouteInput =
-        RouteInput { prompt_tokens: 1000, block_size: 16, slot_seconds: 0.0, fixed_prefill_tokens: 0.0 };
+    pub const INPUT: RouteInput = RouteInput {
+        prompt_tokens: 1000,
+        block_size: 16,
+        slot_seconds: 0.0,
+        fixed_prefill_tokens: 0.0,
+        kv_received: false,
+    };
 
     /// How often each candidate index is chosen over `n` selections.
     pub fn histogram(policy: &mut dyn Policy, candidates: &[Candidate], n: usize) -> Vec<usize> {

@@ -191,6 +191,7 @@ impl Router {
             block_size: self.block_size,
             slot_seconds,
             fixed_prefill_tokens: self.load.fixed_prefill_tokens(),
+            kv_received: false,
         };
         let mut direct = self.candidates(&decoders, request, now, None);
         if let Some(admission) = &self.admission {

@@ -44,7 +44,7 @@ impl Router {
         now: f64,
     ) -> (Vec<Candidate>, Decision, &'static str) {
         let candidates = self.candidates(decoders, request, now, Some(request.prompt_tokens));
-        let decision = self.decode_policy.select(input, &candidates);
+        let decision = self.decode_policy.select(&RouteInput { kv_received: true, ..*input }, &candidates);
         self.book(
             request.request_id,
             Leg::Prefill,
