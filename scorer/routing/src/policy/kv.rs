@@ -903,6 +903,8 @@ mod tests {
         let mut off = policy(KvPolicyConfig { copy_share: None, ..Default::default() });
         assert_eq!(off.select(&INPUT, &cands).chosen, 1);
         let mut p = policy(KvPolicyConfig::default());
+        let received = RouteInput { kv_received: true, ..INPUT };
+        assert_eq!(p.select(&received, &cands).chosen, 1, "a decode leg: each pod receives the KV, none is a copy");
         let d = p.select(&INPUT, &cands);
         assert_eq!(d.chosen, 0);
         assert!(d.costs[1] > d.costs[0], "the other copy is passed over");
@@ -991,6 +993,12 @@ mod tests {
         for (thrashing, new_prompt, overcommit) in refused {
             let config = with(thrashing, new_prompt, overcommit);
             assert!(config.validate().is_err(), "{thrashing:?} {new_prompt:?} {overcommit:?}");
+        }
+        for share in [0.0, 1.5, f64::NAN] {
+            assert!(KvPolicyConfig { copy_share: Some(share), ..Default::default() }.validate().is_err());
+        }
+        for busy in [-0.1, 1.5] {
+            assert!(KvPolicyConfig { copy_busy_pods: busy, ..Default::default() }.validate().is_err());
         }
     }
 
