@@ -322,6 +322,13 @@ impl KvPolicy {
         seconds * self.config.prefill_tokens_per_second
     }
 
+    /// `second_slot_seconds` in tokens of prefill where the request would take another slot
+    /// for its adapter on `c` (a free one, or one another adapter leaves); 0 where it joins.
+    fn second_slot_tokens(&self, c: &Candidate, second_slot_seconds: f64) -> f64 {
+        let takes_slot = matches!(c.adapter, AdapterFit::Free { .. } | AdapterFit::Full { joins: false, .. });
+        if takes_slot { second_slot_seconds * self.config.prefill_tokens_per_second } else { 0.0 }
+    }
+
     fn busy(&self, c: &Candidate) -> bool {
         let Some(r) = c.reported else { return false };
         self.config.max_waiting.is_some_and(|m| r.waiting >= m)
@@ -417,11 +424,9 @@ impl KvPolicy {
             // simulator: p90 66.8 → 70.1 ms). On a fleet of mixed speeds it is not.
             let (slowness, fixed) =
                 if by_speed.is_some() { (c.slowness, input.fixed_prefill_tokens) } else { (1.0, 0.0) };
-            let takes_slot = matches!(c.adapter, AdapterFit::Free { .. } | AdapterFit::Full { joins: false, .. });
-            let slot = if takes_slot { second_slot_seconds * self.config.prefill_tokens_per_second } else { 0.0 };
             (c.load.queued_prefill_tokens as f64 + own + fixed) * slowness * (1.0 + f64::from(c.load.inflight_requests))
                 + self.adapter_wait_tokens(&c)
-                + slot
+                + self.second_slot_tokens(&c, second_slot_seconds)
         };
         let is_copy =
             |c: &Candidate, cost: &Option<f64>| cost.is_some() && f64::from(c.credited_tokens()) >= share * at_home;
@@ -463,8 +468,7 @@ impl KvPolicy {
         // In the pod's time: the same work takes a slower pod longer. The miss and slot
         // charges are not: they price what the fleet recomputes or waits for later, not this
         // request's wait.
-        let takes_slot = matches!(c.adapter, AdapterFit::Free { .. } | AdapterFit::Full { joins: false, .. });
-        let slot = if takes_slot { second_slot_seconds * self.config.prefill_tokens_per_second } else { 0.0 };
+        let slot = self.second_slot_tokens(c, second_slot_seconds);
         let miss = self.config.prefill_weight * (miss_weight * uncached as f64 + slot) / block_size;
         work * c.slowness + miss
     }
@@ -500,13 +504,16 @@ impl Policy for KvPolicy {
                 (all_busy || !self.busy(c)).then(|| self.cost_with(input, c, miss_weight, second_slot))
             })
             .collect();
-        let busy_now = shown.iter().filter(|c| c.load.queued_prefill_tokens > 0).count() as f64 / shown.len() as f64;
-        self.busy_pods += (busy_now - self.busy_pods) / BUSY_DECISIONS;
-        if let Some(home) = home
-            && !input.kv_received
-            && self.busy_pods < self.config.copy_busy_pods
-        {
-            self.take_turns(input, shown, home, by_speed.as_ref(), second_slot, &mut costs);
+        if self.config.copy_share.is_some() {
+            let busy_now =
+                shown.iter().filter(|c| c.load.queued_prefill_tokens > 0).count() as f64 / shown.len() as f64;
+            self.busy_pods += (busy_now - self.busy_pods) / BUSY_DECISIONS;
+            if let Some(home) = home
+                && !input.kv_received
+                && self.busy_pods < self.config.copy_busy_pods
+            {
+                self.take_turns(input, shown, home, by_speed.as_ref(), second_slot, &mut costs);
+            }
         }
         let chosen = if self.config.temperature > 0.0 {
             softmax_sample(&costs, self.config.temperature, &mut self.rng)

@@ -16,13 +16,9 @@ import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "live-11-30b"))
-from paired import computed, read_runs  # noqa: E402
+from paired import computed, new_tokens, read_runs  # noqa: E402
 
 IN_FLIGHT = ((0, 2), (3, 5), (6, 8), (9, None))
-
-
-def new_tokens(row):
-    return int(row["prompt_tokens"]) - int(row["cached_tokens"])
 
 
 def main(paths):

@@ -35,9 +35,14 @@ def phase(index, sent_s):
     return "1-2 s" if sent_s < 2.0 else "after 2 s"
 
 
+def new_tokens(row):
+    """Prompt tokens the pod computed (not found cached)."""
+    return int(row["prompt_tokens"]) - int(row["cached_tokens"])
+
+
 def computed(row):
     """Whether the pod computed most of the request's prompt (`COMPUTED_TOKENS`)."""
-    return int(row["prompt_tokens"]) - int(row["cached_tokens"]) > COMPUTED_TOKENS
+    return new_tokens(row) > COMPUTED_TOKENS
 
 
 def read_runs(paths):
