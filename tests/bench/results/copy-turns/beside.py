@@ -1,6 +1,6 @@
 """Where each router's cached requests waited, in runs of `kvgate-live-bench` series.
 
-    python3 tests/bench/results/miss-charge-room/beside.py DIR/requests.csv [...]
+    python3 tests/bench/results/copy-turns/beside.py DIR/requests.csv [...]
 
 Takes the requests the pod found cached (at most 500 tokens computed) that no request
 computing more (a document or a session's history) overlapped on their pod, and sorts them
