@@ -75,6 +75,8 @@ struct Stack {
     names: HashMap<String, String>,
     /// Follow-up turns sent, and those served where their conversation's previous turn was.
     follow_ups: (u32, u32),
+    /// The follow-ups served elsewhere: where from, where to, what was cached there.
+    moved: Vec<String>,
     checked: u64,
 }
 
@@ -104,7 +106,7 @@ impl Stack {
         let envoy = EnvoyProcess::start_patched(&scorer.config_path, &path.envoy_flags(&[]), name_the_upstream).await;
         let names = pods.iter().map(|(e, _)| (format!("127.0.0.1:{}", e.port), e.name.clone())).collect();
         let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-        Stack { path, scorer, envoy, collector, client, names, follow_ups: (0, 0), checked: 0 }
+        Stack { path, scorer, envoy, collector, client, names, follow_ups: (0, 0), moved: Vec::new(), checked: 0 }
     }
 
     /// Every request judged `exact` so far has its trace: kvgate's decision under the
@@ -185,6 +187,12 @@ impl Stack {
         if let Some(last) = last {
             self.follow_ups.0 += 1;
             self.follow_ups.1 += u32::from(last == engine);
+            if last != engine {
+                self.moved.push(format!(
+                    "{what}: {last} -> {engine}, {} of {} prompt tokens cached there",
+                    answer.cached_tokens, answer.prompt_tokens
+                ));
+            }
         }
         (answer, engine)
     }
@@ -514,7 +522,11 @@ async fn leg(path: Path, engines: &mut [Engine], stop: Option<Stop>) {
         s.checked,
         started.elapsed()
     );
-    assert!(f64::from(home) >= 0.95 * f64::from(follow_ups), "{path:?}: {home} of {follow_ups} follow-ups stayed");
+    assert!(
+        f64::from(home) >= 0.95 * f64::from(follow_ups),
+        "{path:?}: {home} of {follow_ups} follow-ups stayed; moved: {:?}",
+        s.moved
+    );
     if stop == Some(Stop::Terminate) {
         streams_drained_by_a_stopping_engine(&s, &engines[1]).await;
         wait_healthy(&s, &engines[1].name, false).await;
