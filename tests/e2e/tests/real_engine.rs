@@ -73,9 +73,10 @@ struct Stack {
     client: reqwest::Client,
     /// Engine names by the address Envoy reaches them at.
     names: HashMap<String, String>,
-    /// Follow-up turns sent, and those served where their conversation's previous turn was.
-    follow_ups: (u32, u32),
-    /// The follow-ups served elsewhere: where from, where to, what was cached there.
+    /// Follow-up turns sent.
+    follow_ups: u32,
+    /// Those not served where their conversation's previous turn was: where from, where to,
+    /// what was cached there.
     moved: Vec<String>,
     checked: u64,
 }
@@ -106,7 +107,7 @@ impl Stack {
         let envoy = EnvoyProcess::start_patched(&scorer.config_path, &path.envoy_flags(&[]), name_the_upstream).await;
         let names = pods.iter().map(|(e, _)| (format!("127.0.0.1:{}", e.port), e.name.clone())).collect();
         let client = reqwest::Client::builder().timeout(Duration::from_secs(60)).build().unwrap();
-        Stack { path, scorer, envoy, collector, client, names, follow_ups: (0, 0), moved: Vec::new(), checked: 0 }
+        Stack { path, scorer, envoy, collector, client, names, follow_ups: 0, moved: Vec::new(), checked: 0 }
     }
 
     /// Every request judged `exact` so far has its trace: kvgate's decision under the
@@ -185,8 +186,7 @@ impl Stack {
     async fn turn(&mut self, what: &str, api: &str, body: &Value, last: Option<&str>) -> (Measured, String) {
         let (answer, engine) = self.exact(what, api, body).await;
         if let Some(last) = last {
-            self.follow_ups.0 += 1;
-            self.follow_ups.1 += u32::from(last == engine);
+            self.follow_ups += 1;
             if last != engine {
                 self.moved.push(format!(
                     "{what}: {last} -> {engine}, {} of {} prompt tokens cached there",
@@ -515,7 +515,8 @@ async fn leg(path: Path, engines: &mut [Engine], stop: Option<Stop>) {
     assert_eq!(reports("first_token").await, first_tokens, "{path:?}: a refusal is no first token");
     s.scorer.wait_idle(Duration::from_secs(10)).await;
 
-    let (follow_ups, home) = s.follow_ups;
+    let follow_ups = s.follow_ups;
+    let home = follow_ups - s.moved.len() as u32;
     println!(
         "{path:?}: {} requests exact one by one, {sent} under load; {home} of {follow_ups} follow-ups on their \
          conversation's engine; {:.0?}",

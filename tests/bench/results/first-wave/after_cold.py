@@ -7,9 +7,7 @@ import statistics
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "live-11-30b"))
-from paired import p90, read_runs  # noqa: E402
-
-COLD_START_S = 1.0
+from paired import COLD_START_S, p90, read_runs  # noqa: E402
 
 after = {
     key: [float(r["ttft_ms"]) for r in rows if float(r["sent_s"]) >= COLD_START_S]

@@ -17,6 +17,8 @@ import statistics
 import sys
 
 SLOW_MS = 30.0
+# The cold start: requests sent in the first second (2 s simulated at the default time scale).
+COLD_START_S = 1.0
 # A request whose pod computed more of its prompt than this made a copy; less, it found the
 # prompt cached.
 COMPUTED_TOKENS = 500
@@ -30,7 +32,7 @@ def p90(ttfts):
 def phase(index, sent_s):
     if index < 24:
         return "first wave"
-    if sent_s < 1.0:
+    if sent_s < COLD_START_S:
         return "cold start"
     return "1-2 s" if sent_s < 2.0 else "after 2 s"
 

@@ -27,8 +27,7 @@ def main(paths):
     print("| router | runs | p90 against slow requests in the cold start | after 2 s |")
     print("|---|---|---|---|")
     for router, runs in sorted(per_router.items()):
-        p = [r[0] for r in runs]
-        cold, late = ([r[1] for r in runs], [r[2] for r in runs])
+        p, cold, late = zip(*runs)
         print(f"| {router} | {len(runs)} | {statistics.correlation(p, cold):.2f} | {statistics.correlation(p, late):.2f} |")
 
 
