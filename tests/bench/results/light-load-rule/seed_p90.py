@@ -4,13 +4,23 @@ bootstrap 90 % interval of the paired difference against the first file.
 
 usage: seed_p90.py BASE.csv OTHER.csv...
 """
-import csv, collections, random, statistics as st, sys
+import collections
+import csv
+import pathlib
+import random
+import statistics as st
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "live-11-30b"))
+from paired import p90  # noqa: E402  (the live benchmark's p90)
+
 
 def p90s(path):
     runs = collections.defaultdict(list)
     for r in csv.reader(open(path)):
         runs[int(r[0])].append((float(r[2]) - float(r[1])) * 1000)
-    return {s: sorted(v)[int(0.9 * len(v))] for s, v in runs.items()}
+    return {s: p90(v) for s, v in runs.items()}
+
 
 base = p90s(sys.argv[1])
 seeds = sorted(base)
