@@ -42,6 +42,9 @@
 //! All of them compare a pod with the home, not the fleet's busiest with its idlest: on 64 pods
 //! that gap is always wide, and waiving every miss then cost the capacity workload its
 //! partition (p90 7.8 s against 0.55 s at 1.5× its rate).
+//! On a light fleet no pod is charged the miss while the prompt's group crowds its home
+//! (`light_fleet_requests`): the group's requests that come back together (a system
+//! prompt's turns) then spread over pods with room.
 //! A prompt no pod holds `new_prompt_share` of starts a new prefix group: its miss is
 //! charged at each pod's cache fill (indexed blocks over KV capacity), so the group's home
 //! is the pod holding the fewest other groups rather than whichever was least busy at that
@@ -226,6 +229,16 @@ pub struct KvPolicyConfig {
     /// pod is computing (a cold start's first wave), and those are when the turns pay.
     #[default(0.5)]
     pub copy_busy_pods: f64,
+    /// No miss is charged on any pod while the fleet is light and the prompt's group is
+    /// crowding its home: its pods average at most this many
+    /// requests in flight, none recomputes what it evicted, is computing the prompt's prefix,
+    /// offloads or runs a hybrid model, every pod states its KV capacity, and the home has
+    /// two of the group's requests in flight already. There a copy of the prefix is spare
+    /// room, and the group's requests that come back together (a system prompt's turns)
+    /// answer sooner spread (live at 24 in flight, 25 paired runs: p90 after the cold start
+    /// 27.5 → 24.5 ms, vllm-router's 25.1). `None` = off.
+    #[default(Some(8.0))]
+    pub light_fleet_requests: Option<f64>,
     /// Drop pods reporting at least this many waiting requests.
     pub max_waiting: Option<f64>,
     /// Drop pods reporting at least this KV-cache usage (0–1).
@@ -278,6 +291,9 @@ impl KvPolicyConfig {
         }
         let busy = self.copy_busy_pods;
         check((0.0..=1.0).contains(&busy), "copy_busy_pods", &format!("{busy} must be a fraction (0-1)"))?;
+        if let Some(requests) = self.light_fleet_requests {
+            check(non_negative(requests), "light_fleet_requests", &format!("{requests} must be >= 0, or null"))?;
+        }
         if let Some(usage) = self.max_kv_usage {
             check((0.0..=1.0).contains(&usage), "max_kv_usage", &format!("{usage} must be a fraction (0-1)"))?;
         }
@@ -296,6 +312,16 @@ pub struct KvPolicy {
 /// How many routing decisions [`KvPolicy::busy_pods`] averages over (as an exponential
 /// moving average).
 const BUSY_DECISIONS: f64 = 100.0;
+
+/// The recompute share ([`Candidate::recompute_share`]) from which a pod's cache counts as
+/// short of room for [`KvPolicy::light_fleet`]: any steady recomputing. (The live benchmark's
+/// pods stay under it after their cold start; the capacity workload's cross it.)
+const LIGHT_RECOMPUTE: f64 = 0.005;
+
+/// Requests of the prompt's group in flight at its home from which a light fleet relieves
+/// it ([`KvPolicy::light_relief`]). With one, the capacity workload's copies, made while its
+/// caches had room, held room twice once they filled (8 pods: 177 → 174 req/s).
+const LIGHT_CROWD: u32 = 2;
 
 impl KvPolicy {
     pub fn new(config: KvPolicyConfig, rng: StdRng) -> Self {
@@ -351,6 +377,41 @@ impl KvPolicy {
         let best = candidates.iter().map(Candidate::credited_tokens).max().unwrap_or(0);
         self.config.new_prompt_share.is_some_and(|share| f64::from(best) < share * f64::from(input.prompt_tokens))
             && candidates.iter().all(|c| !c.offloads && c.reported.is_some_and(|r| r.num_gpu_blocks > 0.0))
+    }
+
+    /// Whether a light fleet relieves the prompt's crowded home (`light_fleet_requests`): no
+    /// miss is charged on any pod. What the charge protects is room a fleet short of it
+    /// would recompute; a light fleet has room, and its moments of crowding are a group's
+    /// requests that come back together. The home must hold [`LIGHT_CROWD`] of the group's
+    /// requests in flight already, and every pod must say the fleet is light:
+    /// - its requests in flight, averaged over the fleet, are at most `light_fleet_requests`
+    ///   (the live benchmark's 24 in flight on 4 pods, 6 a pod; the burst passes it within
+    ///   its first decisions);
+    /// - it recomputes nothing it evicted lately ([`LIGHT_RECOMPUTE`]): the capacity
+    ///   workload's caches, short of room, do;
+    /// - it states its KV capacity and keeps its cache on its GPU alone: a pod that
+    ///   [`offloads`](Candidate::offloads) loads back what its GPU evicts, and its fleet's
+    ///   groups were kept together by the charge (the cluster simulator's `tiered`);
+    /// - it runs a full-attention model: a [`hybrid`](Candidate::hybrid) model's home holds
+    ///   its group's sliding-window blocks at the points its requests ended, which a copy
+    ///   lacks (the cluster simulator's `hybrid` at 8 pods: 138 → 119 req/s without this);
+    /// - it is not computing the prompt's prefix in flight: a second copy of a prefix still
+    ///   being computed is the burst's loss (1,552 → 1,319 requests at once at 8 pods).
+    ///
+    /// Measured in tests/bench/results/light-fleet.
+    fn light_relief(&self, candidates: &[Candidate], home: Option<&Candidate>) -> bool {
+        home.is_some_and(|h| h.group_inflight >= LIGHT_CROWD)
+            && self.config.light_fleet_requests.is_some_and(|requests| {
+                let in_flight: u32 = candidates.iter().map(|c| c.load.inflight_requests).sum();
+                f64::from(in_flight) <= requests * candidates.len() as f64
+                    && candidates.iter().all(|c| {
+                        c.recompute_share < LIGHT_RECOMPUTE
+                            && c.reported.is_some_and(|r| r.num_gpu_blocks > 0.0)
+                            && !c.offloads
+                            && !c.hybrid
+                            && !c.computing_prefix
+                    })
+            })
     }
 
     /// Whether `c` takes the overflow of the prompt's `home` at the price of its prefill
@@ -482,6 +543,7 @@ impl Policy for KvPolicy {
         let home = home(shown).map(|h| &shown[h]);
         let second_slot = second_slot_seconds(input, shown);
         let at_fill = self.charges_at_fill(input, shown);
+        let light = self.light_relief(candidates, home);
         let mut costs: Vec<Option<f64>> = shown
             .iter()
             .map(|c| {
@@ -499,6 +561,7 @@ impl Policy for KvPolicy {
                     Some(r) if at_fill => {
                         self.config.miss_weight * (c.pod_blocks as f64 / r.num_gpu_blocks / FULL_CACHE).min(1.0)
                     }
+                    _ if light => 0.0,
                     _ => self.config.miss_weight,
                 };
                 (all_busy || !self.busy(c)).then(|| self.cost_with(input, c, miss_weight, second_slot))
@@ -954,6 +1017,42 @@ mod tests {
         }
         let mut off = policy(KvPolicyConfig { thrashing_share: None, ..Default::default() });
         assert_eq!(off.select(&INPUT, &[home, calm]).chosen, 0, "off: the miss keeps the prompt home");
+    }
+
+    #[test]
+    fn a_light_fleet_relieves_a_crowded_home_unless_a_pod_is_short_of_room_or_computing_the_prefix() {
+        let capacity = Some(ReportedLoad { num_gpu_blocks: 1000.0, ..Default::default() });
+        let reporting = |c: Candidate| Candidate { reported: capacity, ..c };
+        // Copies taking turns (`copy_share`) off: the cost alone decides.
+        let light = KvPolicyConfig { copy_share: None, ..Default::default() };
+        let mut p = policy(light.clone());
+        // The home holds the prompt, with two of its group's requests in flight and prefill
+        // queued; pod 1, quieter, holds none of it.
+        let home = Candidate { group_inflight: 2, ..reporting(candidate(0, 992, 6, 3000)) };
+        let idle = reporting(candidate(1, 0, 2, 0));
+        let d = p.select(&INPUT, &[home, idle]);
+        assert_eq!(d.costs[1], Some(p.cost_with(&INPUT, &idle, 0.0, 0.0)), "no miss charged");
+        assert_eq!(d.chosen, 1, "its prefill alone beats the home's queue");
+        // Not relieved: one of the group's requests at home, the home still computing the
+        // prefix or recomputing what it evicted, a pod that offloads, runs a hybrid model
+        // or has not stated its capacity, or more than 8 requests in flight a pod.
+        let crowded = |c: Candidate| Candidate { group_inflight: 2, ..c };
+        let not_light = [
+            (Candidate { group_inflight: 1, ..home }, idle),
+            (Candidate { computing_prefix: true, ..home }, idle),
+            (Candidate { recompute_share: 0.01, ..home }, idle),
+            (home, Candidate { offloads: true, ..idle }),
+            (home, Candidate { hybrid: true, ..idle }),
+            (home, Candidate { reported: None, ..idle }),
+            (crowded(reporting(candidate(0, 992, 14, 3000))), reporting(candidate(1, 0, 3, 0))),
+        ];
+        for (home, other) in not_light {
+            let d = p.select(&INPUT, &[home, other]);
+            assert_eq!((d.chosen, d.costs[1]), (0, Some(p.cost(&INPUT, &other))), "{home:?} {other:?}");
+        }
+        let mut off = policy(KvPolicyConfig { light_fleet_requests: None, ..light });
+        assert_eq!(off.select(&INPUT, &[home, idle]).chosen, 0, "off: the miss keeps the prompt home");
+        assert!(KvPolicyConfig { light_fleet_requests: Some(-1.0), ..Default::default() }.validate().is_err());
     }
 
     #[test]

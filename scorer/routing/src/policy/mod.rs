@@ -78,6 +78,13 @@ pub struct Candidate {
     /// The pod's KV connector offloads blocks to another tier (host memory, storage): what
     /// its GPU cache evicts is loaded back from there, not computed again.
     pub offloads: bool,
+    /// The pod runs a hybrid model (KV-cache groups beside full attention: a sliding
+    /// window, mamba): a prefix it caches serves a prompt only as far as every group holds
+    /// what it needs there.
+    pub hybrid: bool,
+    /// Part of the prompt's prefix is credited to the pod only because a request in flight
+    /// there is computing it: no KV event has announced it and no finished request held it.
+    pub computing_prefix: bool,
     /// How the pod stands for the request's LoRA adapter.
     pub adapter: AdapterFit,
     /// The pod's adapter slots and the requests waiting there for one (none without an
@@ -241,6 +248,8 @@ pub(crate) mod test_support {
             recompute_share: 0.0,
             recent_blocks: 0,
             offloads: false,
+            hybrid: false,
+            computing_prefix: false,
             adapter: AdapterFit::Unlimited,
             slot_queue: SlotQueue::default(),
         }

@@ -64,8 +64,8 @@ impl Router {
                     }
                     None => (AdapterFit::Unlimited, SlotQueue::default()),
                 };
-                let (cached, offloaded_tokens, offload_work_tokens) = match cached_override {
-                    Some(cached) => (cached, 0, 0),
+                let (cached, offloaded_tokens, offload_work_tokens, computing_prefix) = match cached_override {
+                    Some(cached) => (cached, 0, 0, false),
                     None => {
                         let overlap = |o: &[u32]| o.get(p.index()).copied().unwrap_or(0);
                         let mut indexed = overlap(&self.overlap).max(overlap(&self.approx_overlap));
@@ -73,13 +73,12 @@ impl Router {
                             indexed =
                                 self.index.hybrid_prefix(request.chain, p, indexed as usize, max_hit as usize) as u32;
                         }
-                        let mut routed = self.load.inflight_prefix(p, request.chain);
                         // A hybrid model's window evicts an ended prompt unannounced as a
                         // block evicted: there only what the events say is credited.
-                        if !self.index.is_hybrid(p) {
-                            routed = routed.max(self.load.finished_prefix(p, request.chain));
-                        }
-                        let blocks = indexed.max(routed as u32).min(max_hit);
+                        let finished =
+                            if self.index.is_hybrid(p) { 0 } else { self.load.finished_prefix(p, request.chain) };
+                        let settled = indexed.max(finished as u32).min(max_hit);
+                        let blocks = settled.max((self.load.inflight_prefix(p, request.chain) as u32).min(max_hit));
                         let cached = tokens(blocks);
                         // Blocks past the GPU prefix the pod holds offloaded: loaded, not computed.
                         let run = if offloaded {
@@ -91,7 +90,7 @@ impl Router {
                         let storage = loaded.min(run.storage_blocks * self.block_size);
                         let work = f64::from(loaded - storage) * offload.cpu_load_cost
                             + f64::from(storage) * offload.storage_load_cost;
-                        (cached, loaded, (work.ceil() as u32).min(loaded))
+                        (cached, loaded, (work.ceil() as u32).min(loaded), blocks > settled)
                     }
                 };
                 Candidate {
@@ -108,6 +107,8 @@ impl Router {
                     recompute_share: self.index.recompute_share(p),
                     recent_blocks: self.recent.blocks(p),
                     offloads: self.index.pod_offloaded_blocks(p) > 0,
+                    hybrid: self.index.is_hybrid(p),
+                    computing_prefix,
                     adapter,
                     slot_queue,
                 }

@@ -421,6 +421,23 @@ fn a_booking_follows_the_pod_that_served() {
 }
 
 #[test]
+fn a_prefix_is_being_computed_where_a_request_in_flight_computes_it_until_that_request_ends() {
+    let mut r = router(1024);
+    let pods = [r.add_pod(Role::Both, true), r.add_pod(Role::Both, true)];
+    let c = chain(7, 320);
+    let next = RouteRequest::new("b", &c, 320, Some(4));
+    let computing = |r: &mut Router, now| {
+        let candidates = r.candidates(&pods, &next, now, None);
+        candidates.iter().filter(|c| c.computing_prefix).map(|c| c.pod).collect::<Vec<_>>()
+    };
+    assert_eq!(computing(&mut r, 0.0), vec![], "nothing in flight");
+    let first = r.route(&RouteRequest::new("a", &c, 320, Some(4)), 0.0).unwrap().decode.pod;
+    assert_eq!(computing(&mut r, 0.1), vec![first]);
+    r.report("a", Lifecycle::Done, false, 0.2).unwrap();
+    assert_eq!(computing(&mut r, 0.3), vec![], "the finished request held it");
+}
+
+#[test]
 fn saturated_pods_are_skipped_and_a_saturated_fleet_makes_the_request_wait() {
     let mut r = Router::new(&RouterConfig {
         admission: Some(Admission { max_queued_prefill_tokens: Some(1000), ..Admission::default() }),
