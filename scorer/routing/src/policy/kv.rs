@@ -230,10 +230,10 @@ pub struct KvPolicyConfig {
     #[default(0.5)]
     pub copy_busy_pods: f64,
     /// No miss is charged on any pod while the fleet is light and the prompt's group is
-    /// crowding its home: its pods average at most this many
-    /// requests in flight, none recomputes what it evicted, is computing the prompt's prefix,
-    /// offloads or runs a hybrid model, every pod states its KV capacity, and the home has
-    /// two of the group's requests in flight already. There a copy of the prefix is spare
+    /// crowding its home: its pods average at most this many requests in flight, none
+    /// recomputes what it evicted, is computing the prompt's prefix, offloads or runs a
+    /// hybrid model, every pod states its KV capacity, and the home has two of the group's
+    /// requests in flight already. There a copy of the prefix is spare
     /// room, and the group's requests that come back together (a system prompt's turns)
     /// answer sooner spread (live at 24 in flight, 25 paired runs: p90 after the cold start
     /// 27.5 → 24.5 ms, vllm-router's 25.1). `None` = off.
@@ -314,8 +314,8 @@ pub struct KvPolicy {
 const BUSY_DECISIONS: f64 = 100.0;
 
 /// The recompute share ([`Candidate::recompute_share`]) from which a pod's cache counts as
-/// short of room for [`KvPolicy::light_fleet`]: any steady recomputing. (The live benchmark's
-/// pods stay under it after their cold start; the capacity workload's cross it.)
+/// short of room for [`KvPolicy::light_relief`]: any steady recomputing (the light-load
+/// record's gate; tests/bench/results/light-load-rule).
 const LIGHT_RECOMPUTE: f64 = 0.005;
 
 /// Requests of the prompt's group in flight at its home from which a light fleet relieves
@@ -390,8 +390,8 @@ impl KvPolicy {
     /// - it recomputes nothing it evicted lately ([`LIGHT_RECOMPUTE`]): the capacity
     ///   workload's caches, short of room, do;
     /// - it states its KV capacity and keeps its cache on its GPU alone: a pod that
-    ///   [`offloads`](Candidate::offloads) loads back what its GPU evicts, and its fleet's
-    ///   groups were kept together by the charge (the cluster simulator's `tiered`);
+    ///   [`offloads`](Candidate::offloads) loads back what its GPU evicts, so its GPU's fill
+    ///   says nothing of its room (the waiver was not measured on such fleets);
     /// - it runs a full-attention model: a [`hybrid`](Candidate::hybrid) model's home holds
     ///   its group's sliding-window blocks at the points its requests ended, which a copy
     ///   lacks (the cluster simulator's `hybrid` at 8 pods: 138 → 119 req/s without this);
