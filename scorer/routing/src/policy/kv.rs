@@ -233,10 +233,10 @@ pub struct KvPolicyConfig {
     /// crowding its home: its pods average at most this many requests in flight, none
     /// recomputes what it evicted, is computing the prompt's prefix, offloads or runs a
     /// hybrid model, every pod states its KV capacity, and the home has two of the group's
-    /// requests in flight already. There a copy of the prefix is spare
-    /// room, and the group's requests that come back together (a system prompt's turns)
-    /// answer sooner spread (live at 24 in flight, 25 paired runs: p90 after the cold start
-    /// 27.5 → 24.5 ms, vllm-router's 25.1). `None` = off.
+    /// requests in flight already. There a copy of the prefix is spare room, and the
+    /// group's requests that come back together (a system prompt's turns) answer sooner
+    /// spread (live at 24 in flight, 50 paired runs: p90 after the cold start 26.3 → 24.9
+    /// ms, vllm-router's 24.4). `None` = off.
     #[default(Some(8.0))]
     pub light_fleet_requests: Option<f64>,
     /// Drop pods reporting at least this many waiting requests.
@@ -376,7 +376,7 @@ impl KvPolicy {
     fn charges_at_fill(&self, input: &RouteInput, candidates: &[Candidate]) -> bool {
         let best = candidates.iter().map(Candidate::credited_tokens).max().unwrap_or(0);
         self.config.new_prompt_share.is_some_and(|share| f64::from(best) < share * f64::from(input.prompt_tokens))
-            && candidates.iter().all(|c| !c.offloads && c.reported.is_some_and(|r| r.num_gpu_blocks > 0.0))
+            && candidates.iter().all(Candidate::states_room)
     }
 
     /// Whether a light fleet relieves the prompt's crowded home (`light_fleet_requests`): no
@@ -405,11 +405,7 @@ impl KvPolicy {
                 let in_flight: u32 = candidates.iter().map(|c| c.load.inflight_requests).sum();
                 f64::from(in_flight) <= requests * candidates.len() as f64
                     && candidates.iter().all(|c| {
-                        c.recompute_share < LIGHT_RECOMPUTE
-                            && c.reported.is_some_and(|r| r.num_gpu_blocks > 0.0)
-                            && !c.offloads
-                            && !c.hybrid
-                            && !c.computing_prefix
+                        c.recompute_share < LIGHT_RECOMPUTE && c.states_room() && !c.hybrid && !c.computing_prefix
                     })
             })
     }

@@ -210,6 +210,13 @@ impl Candidate {
         self.cached_tokens + self.offloaded_tokens - self.offload_work_tokens
     }
 
+    /// Whether the pod's GPU fill says how much room it has: it states its KV capacity
+    /// (`num_gpu_blocks`) and does not [`offload`](Self::offloads) to another tier, whose
+    /// size no engine reports.
+    pub fn states_room(&self) -> bool {
+        !self.offloads && self.reported.is_some_and(|r| r.num_gpu_blocks > 0.0)
+    }
+
     /// The pod as priced holding `tokens` of the prompt on its GPU and nothing offloaded.
     pub(crate) fn holding(&self, tokens: u32) -> Candidate {
         Candidate { cached_tokens: tokens, offloaded_tokens: 0, offload_work_tokens: 0, ..*self }

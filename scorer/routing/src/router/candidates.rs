@@ -56,6 +56,7 @@ impl Router {
         let mut candidates = pods
             .iter()
             .map(|&p| {
+                let hybrid = self.index.is_hybrid(p);
                 let (adapter, slot_queue) = match request.adapter {
                     Some(adapter) => {
                         self.load.adapters_in_flight(p, now, &mut in_flight);
@@ -69,14 +70,13 @@ impl Router {
                     None => {
                         let overlap = |o: &[u32]| o.get(p.index()).copied().unwrap_or(0);
                         let mut indexed = overlap(&self.overlap).max(overlap(&self.approx_overlap));
-                        if self.index.is_hybrid(p) {
+                        if hybrid {
                             indexed =
                                 self.index.hybrid_prefix(request.chain, p, indexed as usize, max_hit as usize) as u32;
                         }
                         // A hybrid model's window evicts an ended prompt unannounced as a
                         // block evicted: there only what the events say is credited.
-                        let finished =
-                            if self.index.is_hybrid(p) { 0 } else { self.load.finished_prefix(p, request.chain) };
+                        let finished = if hybrid { 0 } else { self.load.finished_prefix(p, request.chain) };
                         let settled = indexed.max(finished as u32).min(max_hit);
                         let blocks = settled.max((self.load.inflight_prefix(p, request.chain) as u32).min(max_hit));
                         let cached = tokens(blocks);
@@ -107,7 +107,7 @@ impl Router {
                     recompute_share: self.index.recompute_share(p),
                     recent_blocks: self.recent.blocks(p),
                     offloads: self.index.pod_offloaded_blocks(p) > 0,
-                    hybrid: self.index.is_hybrid(p),
+                    hybrid,
                     computing_prefix,
                     adapter,
                     slot_queue,
