@@ -42,9 +42,9 @@
 //! All of them compare a pod with the home, not the fleet's busiest with its idlest: on 64 pods
 //! that gap is always wide, and waiving every miss then cost the capacity workload its
 //! partition (p90 7.8 s against 0.55 s at 1.5× its rate).
-//! On a light fleet no pod is charged the miss while the prompt's group crowds its home
-//! (`light_fleet_requests`): the group's requests that come back together (a system
-//! prompt's turns) then spread over pods with room.
+//! On a light fleet no idle pod (no prefill queued) is charged the miss
+//! (`light_fleet_requests`): a prefix group's requests that come back together (a system
+//! prompt's turns) then spread over pods with compute to spare.
 //! A prompt no pod holds `new_prompt_share` of starts a new prefix group: its miss is
 //! charged at each pod's cache fill (indexed blocks over KV capacity), so the group's home
 //! is the pod holding the fewest other groups rather than whichever was least busy at that
@@ -229,14 +229,14 @@ pub struct KvPolicyConfig {
     /// pod is computing (a cold start's first wave), and those are when the turns pay.
     #[default(0.5)]
     pub copy_busy_pods: f64,
-    /// No miss is charged on any pod while the fleet is light and the prompt's group is
-    /// crowding its home: its pods average at most this many requests in flight, none
-    /// recomputes what it evicted, is computing the prompt's prefix, offloads or runs a
-    /// hybrid model, every pod states its KV capacity, and the home has two of the group's
-    /// requests in flight already. There a copy of the prefix is spare room, and the
-    /// group's requests that come back together (a system prompt's turns) answer sooner
-    /// spread (live at 24 in flight, 50 paired runs: p90 after the cold start 26.3 → 24.9
-    /// ms, vllm-router's 24.4). `None` = off.
+    /// No miss is charged on a pod with no prefill queued while the fleet is light: its
+    /// pods average at most this many requests in flight, none recomputes what it evicted,
+    /// is computing the prompt's prefix, offloads or runs a hybrid model, and every pod
+    /// states its KV capacity. There a copy of the prefix costs no request a wait, and the
+    /// prompt's group's requests that come back together (a system prompt's turns) answer
+    /// sooner spread (live at 24 in flight, 50 paired runs: p90 after the cold start 22.9
+    /// ms against 26.1 with the miss waived only while the group crowds its home, and
+    /// vllm-router's 26.1). `None` = off.
     #[default(Some(8.0))]
     pub light_fleet_requests: Option<f64>,
     /// Drop pods reporting at least this many waiting requests.
@@ -314,14 +314,9 @@ pub struct KvPolicy {
 const BUSY_DECISIONS: f64 = 100.0;
 
 /// The recompute share ([`Candidate::recompute_share`]) from which a pod's cache counts as
-/// short of room for [`KvPolicy::light_relief`]: any steady recomputing (the light-load
+/// short of room for [`KvPolicy::light_fleet`]: any steady recomputing (the light-load
 /// record's gate; tests/bench/results/light-load-rule).
 const LIGHT_RECOMPUTE: f64 = 0.005;
-
-/// Requests of the prompt's group in flight at its home from which a light fleet relieves
-/// it ([`KvPolicy::light_relief`]). With one, the capacity workload's copies, made while its
-/// caches had room, held room twice once they filled (8 pods: 177 → 174 req/s).
-const LIGHT_CROWD: u32 = 2;
 
 impl KvPolicy {
     pub fn new(config: KvPolicyConfig, rng: StdRng) -> Self {
@@ -379,11 +374,15 @@ impl KvPolicy {
             && candidates.iter().all(Candidate::states_room)
     }
 
-    /// Whether a light fleet relieves the prompt's crowded home (`light_fleet_requests`): no
-    /// miss is charged on any pod. What the charge protects is room a fleet short of it
-    /// would recompute; a light fleet has room, and its moments of crowding are a group's
-    /// requests that come back together. The home must hold [`LIGHT_CROWD`] of the group's
-    /// requests in flight already, and every pod must say the fleet is light:
+    /// Whether the fleet is light for the prompt (`light_fleet_requests`): no miss is
+    /// charged on its pods with no prefill queued. What the charge protects is room a fleet
+    /// short of it would recompute; a light fleet has room, and an idle pod's compute is
+    /// spare, so a copy there costs no request a wait while the prompt's group's requests
+    /// that come back together answer sooner spread. A pod with prefill queued is charged
+    /// as before: the capacity workload's cold start has every pod computing 12,000–24,000
+    /// tokens of new prefixes, and the few copies the waiver made there were its whole loss
+    /// (64 pods: 1,408 → 1,355 req/s with the waiver on every pod). Some pod must hold part
+    /// of the prompt, and every pod must say the fleet is light:
     /// - its requests in flight, averaged over the fleet, are at most `light_fleet_requests`
     ///   (the live benchmark's 24 in flight on 4 pods, 6 a pod; the burst passes it within
     ///   its first decisions);
@@ -398,9 +397,9 @@ impl KvPolicy {
     /// - it is not computing the prompt's prefix in flight: a second copy of a prefix still
     ///   being computed is the burst's loss (1,552 → 1,319 requests at once at 8 pods).
     ///
-    /// Measured in tests/bench/results/light-fleet.
-    fn light_relief(&self, candidates: &[Candidate], home: Option<&Candidate>) -> bool {
-        home.is_some_and(|h| h.group_inflight >= LIGHT_CROWD)
+    /// Measured in tests/bench/results/light-fleet and tests/bench/results/idle-pods.
+    fn light_fleet(&self, candidates: &[Candidate], home: Option<&Candidate>) -> bool {
+        home.is_some()
             && self.config.light_fleet_requests.is_some_and(|requests| {
                 let in_flight: u32 = candidates.iter().map(|c| c.load.inflight_requests).sum();
                 f64::from(in_flight) <= requests * candidates.len() as f64
@@ -539,7 +538,7 @@ impl Policy for KvPolicy {
         let home = home(shown).map(|h| &shown[h]);
         let second_slot = second_slot_seconds(input, shown);
         let at_fill = self.charges_at_fill(input, shown);
-        let light = self.light_relief(candidates, home);
+        let light = self.light_fleet(candidates, home);
         let mut costs: Vec<Option<f64>> = shown
             .iter()
             .map(|c| {
@@ -557,7 +556,7 @@ impl Policy for KvPolicy {
                     Some(r) if at_fill => {
                         self.config.miss_weight * (c.pod_blocks as f64 / r.num_gpu_blocks / FULL_CACHE).min(1.0)
                     }
-                    _ if light => 0.0,
+                    _ if light && c.load.queued_prefill_tokens == 0 => 0.0,
                     _ => self.config.miss_weight,
                 };
                 (all_busy || !self.busy(c)).then(|| self.cost_with(input, c, miss_weight, second_slot))
@@ -1016,33 +1015,32 @@ mod tests {
     }
 
     #[test]
-    fn a_light_fleet_relieves_a_crowded_home_unless_a_pod_is_short_of_room_or_computing_the_prefix() {
+    fn a_light_fleet_charges_no_miss_on_an_idle_pod_unless_a_pod_is_short_of_room_or_computing_the_prefix() {
         let capacity = Some(ReportedLoad { num_gpu_blocks: 1000.0, ..Default::default() });
         let reporting = |c: Candidate| Candidate { reported: capacity, ..c };
         // Copies taking turns (`copy_share`) off: the cost alone decides.
         let light = KvPolicyConfig { copy_share: None, ..Default::default() };
         let mut p = policy(light.clone());
-        // The home holds the prompt, with two of its group's requests in flight and prefill
-        // queued; pod 1, quieter, holds none of it.
-        let home = Candidate { group_inflight: 2, ..reporting(candidate(0, 992, 6, 3000)) };
+        // The home holds the prompt, with prefill queued; pod 1, quieter and with no prefill
+        // queued, holds none of it.
+        let home = reporting(candidate(0, 992, 6, 3000));
         let idle = reporting(candidate(1, 0, 2, 0));
         let d = p.select(&INPUT, &[home, idle]);
         assert_eq!(d.costs[1], Some(p.cost_with(&INPUT, &idle, 0.0, 0.0)), "no miss charged");
         assert_eq!(d.chosen, 1, "its prefill alone beats the home's queue");
-        // Not relieved: one of the group's requests at home, the home still computing the
-        // prefix or recomputing what it evicted, a pod that offloads, runs a hybrid model
-        // or has not stated its capacity, or more than 8 requests in flight a pod.
-        let crowded = |c: Candidate| Candidate { group_inflight: 2, ..c };
-        let not_light = [
-            (Candidate { group_inflight: 1, ..home }, idle),
+        // Charged: a pod with prefill queued, the home still computing the prefix or
+        // recomputing what it evicted, a pod that offloads, runs a hybrid model or has not
+        // stated its capacity, or more than 8 requests in flight a pod.
+        let charged = [
+            (home, reporting(candidate(1, 0, 2, 100))),
             (Candidate { computing_prefix: true, ..home }, idle),
             (Candidate { recompute_share: 0.01, ..home }, idle),
             (home, Candidate { offloads: true, ..idle }),
             (home, Candidate { hybrid: true, ..idle }),
             (home, Candidate { reported: None, ..idle }),
-            (crowded(reporting(candidate(0, 992, 14, 3000))), reporting(candidate(1, 0, 3, 0))),
+            (reporting(candidate(0, 992, 14, 3000)), reporting(candidate(1, 0, 3, 0))),
         ];
-        for (home, other) in not_light {
+        for (home, other) in charged {
             let d = p.select(&INPUT, &[home, other]);
             assert_eq!((d.chosen, d.costs[1]), (0, Some(p.cost(&INPUT, &other))), "{home:?} {other:?}");
         }
@@ -1055,7 +1053,10 @@ mod tests {
     fn an_overcommitted_home_hands_its_requests_to_a_pod_with_room() {
         let capacity = Some(ReportedLoad { num_gpu_blocks: 1000.0, ..Default::default() });
         let with = |recent_blocks, c: Candidate| Candidate { recent_blocks, reported: capacity, ..c };
-        let mut p = policy(KvPolicyConfig::default());
+        // Its fleet of 14 requests in flight on 2 pods is light: the light fleet's waiver
+        // (`light_fleet_requests`) off, so that this rule alone decides.
+        let alone = KvPolicyConfig { light_fleet_requests: None, ..Default::default() };
+        let mut p = policy(alone.clone());
         // The prompts routed to the home lately need 1,200 blocks of its 1,000: what its
         // conversations come back for is evicted first. Pod 1, quieter, has room for the
         // prompt's 62 new blocks beside its own recent 800.
@@ -1076,7 +1077,7 @@ mod tests {
             let d = p.select(&INPUT, &[home, other]);
             assert_eq!((d.chosen, d.costs[1]), (0, Some(p.cost(&INPUT, &other))));
         }
-        let mut off = policy(KvPolicyConfig { overcommit_share: None, ..Default::default() });
+        let mut off = policy(KvPolicyConfig { overcommit_share: None, ..alone });
         assert_eq!(off.select(&INPUT, &[home, roomy]).chosen, 0, "off: the miss keeps the prompt home");
     }
 
