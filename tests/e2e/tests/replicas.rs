@@ -121,14 +121,16 @@ async fn replicas_decide_on_the_fleets_requests_and_survive_the_bus_going_away()
     let view = f.wait_agree("one request in flight, seen by all", 1).await;
     let home = view.iter().find(|(_, n)| *n == 1).unwrap().0.clone();
     // Replicas 1 and 2 weigh the next request of that prefix exactly as one another (and
-    // as replica 0, whose booking they apply as their own).
+    // as replica 0, whose booking they apply as their own). Each probe is cancelled, not
+    // done: a probe done would leave its prompt taken as cached on its pod, and the light
+    // fleet's waiver (`light_fleet_requests`) would weigh the second probe differently.
     let mut explained = Vec::new();
     for r in [1, 2] {
         let id = format!("probe-{r}");
         let body = completion(&format!("{document} Question 1?"), 8);
         let (status, answer) = f.scorers[r].route("/v1/completions", &id, &body, true).await;
         assert_eq!(status, 200, "{answer}");
-        f.scorers[r].report_done(&id).await;
+        f.scorers[r].report_cancelled(&id).await;
         f.wait_agree("the probe released everywhere", 1).await;
         let on_home = answer["explain"].as_array().unwrap().iter().find(|c| c["pod"] == home.as_str()).unwrap().clone();
         assert!(

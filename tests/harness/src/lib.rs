@@ -718,13 +718,14 @@ impl ScorerProcess {
         (status, r.json().await.expect("JSON answer"))
     }
 
-    /// Reports `request_id` done (`POST /v1/lifecycle`, as the filter would): releases the
-    /// bookings of a decision made through [`ScorerProcess::route`] and never served.
-    pub async fn report_done(&self, request_id: &str) {
-        let done = serde_json::json!({"reports": [{"request_id": request_id, "event": "done"}]});
+    /// Reports `request_id` cancelled (`POST /v1/lifecycle`, as the filter would): releases
+    /// the bookings of a decision made through [`ScorerProcess::route`] and never served.
+    /// Not `done`: a request done leaves its prompt taken as cached on its pod.
+    pub async fn report_cancelled(&self, request_id: &str) {
+        let cancelled = serde_json::json!({"reports": [{"request_id": request_id, "event": "cancelled"}]});
         let r = reqwest::Client::new()
             .post(format!("{}/v1/lifecycle", self.url))
-            .json(&done)
+            .json(&cancelled)
             .send()
             .await
             .expect("lifecycle");
