@@ -18,10 +18,10 @@ setup:
 	@bash tests/tools/setup.sh
 
 # cargo-deny: licenses, bans, sources (advisories where a database exists); license list.
-audit:
+audit: setup
 	@bash tests/tools/audit.sh
 
-licenses:
+licenses: setup
 	@bash tests/tools/audit.sh --write
 
 build:

