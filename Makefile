@@ -28,12 +28,13 @@ build:
 	$(CARGO) build --workspace --release
 
 # Formatting, clippy (the wasm target too), and the fuzz targets (their own crate, fuzzed by
-# `make fuzz` on nightly) still compiling.
+# `make fuzz` on nightly) still compiling, checked in this workspace's target directory so
+# that the dependencies clippy just checked are not checked again.
 lint:
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p kvgate-filter --target wasm32-wasip1 -- -D warnings
-	$(CARGO) check --quiet --manifest-path tests/fuzz/Cargo.toml --bins
+	CARGO_TARGET_DIR="$(TARGET_DIR)" $(CARGO) check --quiet --manifest-path tests/fuzz/Cargo.toml --bins
 
 # The generated reference pages (docs/configuration.md, docs/metrics.md), from the code.
 docs:
@@ -51,9 +52,10 @@ fmt:
 	$(CARGO) fmt --all
 
 # Integration and end-to-end tests start the workspace's binaries (pods, scorer, Envoy with
-# the filter module), so build them first.
+# the filter module), so build them first; with the tests, in one build that keeps both
+# cores busy.
 test: setup lint audit wasm native
-	$(CARGO) build --workspace --release --bins
+	$(CARGO) build --workspace --release --bins --tests
 	$(CARGO) test --workspace --release
 
 # The main job: 4 simulated pods + scorer + Envoy with the kvgate filter on loopback, a
