@@ -104,11 +104,14 @@ impl Default for EngineOptions {
 }
 
 /// A running `vllm serve`; its whole process group (the API server, the engine core, its
-/// worker) is killed on drop.
+/// worker) is killed on drop, and its socket directory removed.
 pub struct Engine {
     child: Child,
     args: Vec<String>,
     env: Vec<(String, String)>,
+    /// Where its processes make their IPC sockets (`VLLM_RPC_BASE_PATH`; vLLM's default is
+    /// the temporary directory itself, where a killed engine leaves them).
+    sockets: PathBuf,
     pub name: String,
     pub url: String,
     pub port: u16,
@@ -163,7 +166,12 @@ impl Engine {
                 args.push(format!("{name}={}", dir.join("adapter").display()));
             }
         }
-        let mut env = vec![("VLLM_CPU_OMP_THREADS_BIND".to_string(), options.cpu.to_string())];
+        let sockets = std::env::temp_dir().join(format!("kvgate-engine-{name}-{port}.sockets"));
+        std::fs::create_dir_all(&sockets).expect("engine socket directory");
+        let mut env = vec![
+            ("VLLM_CPU_OMP_THREADS_BIND".to_string(), options.cpu.to_string()),
+            ("VLLM_RPC_BASE_PATH".to_string(), sockets.display().to_string()),
+        ];
         if options.kv_transfer {
             let connector =
                 serde_json::json!({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"});
@@ -178,6 +186,7 @@ impl Engine {
             child,
             args,
             env,
+            sockets,
             name: name.into(),
             url: format!("http://127.0.0.1:{port}"),
             port,
@@ -265,5 +274,6 @@ fn signal_group(pid: u32, which: &str) {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.kill();
+        let _ = std::fs::remove_dir_all(&self.sockets);
     }
 }

@@ -823,6 +823,11 @@ impl Drop for ScorerProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        // Killed, it leaves its route socket (a scorer stopped by a signal removes it).
+        let config = std::fs::read_to_string(&self.config_path).unwrap_or_default();
+        if let Some(socket) = config.lines().find_map(|line| line.strip_prefix("route_socket_path:")) {
+            let _ = std::fs::remove_file(socket.trim());
+        }
         let _ = std::fs::remove_file(&self.config_path);
     }
 }
