@@ -6,11 +6,15 @@
 # Not counted, as a fresh machine with rustup has them or they are system packages: the Rust
 # toolchain, rustup's wasm32-wasip1 target and Debian's nats-server when already installed.
 #
-# Usage: tests/tools/fresh_machine.sh [WORKDIR]   (make measure-fresh; WORKDIR is removed first)
+# Usage: tests/tools/fresh_machine.sh [WORKDIR [TARGET...]]   (make measure-fresh; WORKDIR is
+# removed first; TARGETs default to `demo test`, `test` alone is what CI runs)
 set -euo pipefail
 
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 work="${1:-${TMPDIR:-/tmp}/kvgate-fresh}"
+shift $(( $# > 0 ? 1 : 0 ))
+targets=(demo test)
+[ $# -eq 0 ] || targets=("$@")
 step() { printf '\033[1m[fresh]\033[0m %s\n' "$*"; }
 
 received() { awk 'NR > 2 && $1 != "lo:" { sum += $2 } END { printf "%.0f\n", sum }' /proc/net/dev; }
@@ -27,11 +31,13 @@ unset CARGO_TARGET_DIR
 mkdir -p "$CARGO_HOME"
 
 rows=()
-for cmd in demo test; do
-  step "make $cmd (output in $work/make-$cmd.log)"
+for cmd in "${targets[@]}"; do
+  step "make $cmd (output in $work/make-$cmd.log, each line after the seconds since its start)"
   before=$(received)
   start=$(date +%s)
-  if ! make -C "$work/kvgate" "$cmd" >"$work/make-$cmd.log" 2>&1; then
+  if ! make -C "$work/kvgate" "$cmd" 2>&1 | while IFS= read -r line; do
+    printf '%5d %s\n' $((EPOCHSECONDS - start)) "$line"
+  done >"$work/make-$cmd.log"; then
     tail -30 "$work/make-$cmd.log"
     echo "make $cmd failed: $work/make-$cmd.log" >&2
     exit 1
