@@ -379,8 +379,8 @@ async fn leg(path: Path, engines: &mut [Engine], stop: Option<Stop>) {
         }
     }
     // Block-aligned prompts (held whole, served one block short), each retried as a client
-    // would; a chat answer regenerated (the same request again). A retry may go elsewhere: on
-    // this light fleet an idle engine the speed learner finds faster is charged no miss, and
+    // would; a chat answer regenerated (the same request again). A retry may go elsewhere:
+    // this fleet is light, where an idle engine is charged no miss (`light_fleet_requests`);
     // the follow-ups that moved are bounded below.
     let mut held = 0;
     for (k, tokens) in [128, 256, 100].into_iter().enumerate() {
