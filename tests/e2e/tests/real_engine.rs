@@ -188,8 +188,21 @@ impl Stack {
         if let Some(last) = last {
             self.follow_ups += 1;
             if last != engine {
+                // What the scorer knows of the pods now, to tell a move by design from a loss.
+                let pods: Vec<String> = (self.scorer.pods().await.iter())
+                    .map(|p| {
+                        format!(
+                            "{} healthy {} blocks {} slowness {:.2} in flight {}",
+                            p["name"],
+                            p["healthy"],
+                            p["cached_blocks"],
+                            p["slowness"].as_f64().unwrap_or(f64::NAN),
+                            p["inflight_requests"]
+                        )
+                    })
+                    .collect();
                 self.moved.push(format!(
-                    "{what}: {last} -> {engine}, {} of {} prompt tokens cached there",
+                    "{what}: {last} -> {engine}, {} of {} prompt tokens cached there; pods: {pods:?}",
                     answer.cached_tokens, answer.prompt_tokens
                 ));
             }
@@ -422,11 +435,29 @@ async fn leg(path: Path, engines: &mut [Engine], stop: Option<Stop>) {
     let removed = samples(&s, "kvgate_kv_events_total", "type=\"block_removed\"").await;
     assert!(removed > 0.0, "{path:?}: the documents evicted blocks");
 
-    // The scorer restarts: it rebuilds both indexes from the engines' replay buffers, and the
-    // conversations go on where they were.
+    // The scorer restarts: it rebuilds both indexes from the engines' replay buffers, the
+    // same blocks as before, and the conversations go on where they were.
+    let indexed = |pods: Vec<Value>| -> Vec<(String, u64)> {
+        pods.iter()
+            .map(|p| (p["name"].as_str().unwrap_or("").to_owned(), p["cached_blocks"].as_u64().unwrap_or(0)))
+            .collect()
+    };
+    let before_restart = indexed(s.scorer.pods().await);
     s.scorer.kill();
     s.scorer.restart().await;
     s.scorer.wait_ready(Duration::from_secs(30)).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let rebuilt = indexed(s.scorer.pods().await);
+        if rebuilt == before_restart {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{path:?}: the restarted scorer's index {rebuilt:?}, before the restart {before_restart:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     if path != Path::Epp {
         // The proxy's route stream or socket is back (until then requests fail open).
         let deadline = Instant::now() + Duration::from_secs(10);
