@@ -530,6 +530,12 @@ mod tests {
         calls: Arc<Mutex<Vec<RouteCall>>>,
     }
 
+    impl Drop for FakeScorer {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+
     impl FakeScorer {
         fn start(name: &str, mode: Mode) -> FakeScorer {
             let path = std::env::temp_dir().join(format!("kvgate-link-{}-{name}.sock", std::process::id()));
