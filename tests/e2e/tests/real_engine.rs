@@ -188,26 +188,31 @@ impl Stack {
         if let Some(last) = last {
             self.follow_ups += 1;
             if last != engine {
-                // What the scorer knows of the pods now, to tell a move by design from a loss.
-                let pods: Vec<String> = (self.scorer.pods().await.iter())
-                    .map(|p| {
-                        format!(
-                            "{} healthy {} blocks {} slowness {:.2} in flight {}",
-                            p["name"],
-                            p["healthy"],
-                            p["cached_blocks"],
-                            p["slowness"].as_f64().unwrap_or(f64::NAN),
-                            p["inflight_requests"]
-                        )
-                    })
-                    .collect();
+                let pods = self.pods_known().await;
                 self.moved.push(format!(
-                    "{what}: {last} -> {engine}, {} of {} prompt tokens cached there; pods: {pods:?}",
+                    "{what}: {last} -> {engine}, {} of {} prompt tokens cached there; {pods}",
                     answer.cached_tokens, answer.prompt_tokens
                 ));
             }
         }
         (answer, engine)
+    }
+
+    /// What the scorer knows of the pods now, to tell a move by design from a loss.
+    async fn pods_known(&self) -> String {
+        let pods: Vec<String> = (self.scorer.pods().await.iter())
+            .map(|p| {
+                format!(
+                    "{} healthy {} blocks {} slowness {:.2} in flight {}",
+                    p["name"],
+                    p["healthy"],
+                    p["cached_blocks"],
+                    p["slowness"].as_f64().unwrap_or(f64::NAN),
+                    p["inflight_requests"]
+                )
+            })
+            .collect();
+        format!("the scorer's pods: {pods:?}")
     }
 
     async fn scorer_counter(&self, name: &str) -> u64 {
@@ -407,12 +412,10 @@ async fn leg(path: Path, engines: &mut [Engine], stop: Option<Stop>) {
         }
         held += 1;
         if again.cached_tokens != u64::from(expected) {
-            let pods = s.scorer.pods().await;
+            let pods = s.pods_known().await;
             panic!(
-                "{path:?}: {tokens} token ids again on {engine}, {} cached (expected {expected}); the scorer's \
-                 pods: {}",
-                again.cached_tokens,
-                serde_json::to_string(&pods).unwrap_or_default()
+                "{path:?}: {tokens} token ids again on {engine}, {} cached (expected {expected}); {pods}",
+                again.cached_tokens
             );
         }
     }
@@ -437,26 +440,13 @@ async fn leg(path: Path, engines: &mut [Engine], stop: Option<Stop>) {
 
     // The scorer restarts: it rebuilds both indexes from the engines' replay buffers, the
     // same blocks as before, and the conversations go on where they were.
-    let indexed = |pods: Vec<Value>| -> Vec<(String, u64)> {
-        pods.iter()
-            .map(|p| (p["name"].as_str().unwrap_or("").to_owned(), p["cached_blocks"].as_u64().unwrap_or(0)))
-            .collect()
-    };
-    let before_restart = indexed(s.scorer.pods().await);
+    let before_restart = s.scorer.pods().await;
     s.scorer.kill();
     s.scorer.restart().await;
     s.scorer.wait_ready(Duration::from_secs(30)).await;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let rebuilt = indexed(s.scorer.pods().await);
-        if rebuilt == before_restart {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{path:?}: the restarted scorer's index {rebuilt:?}, before the restart {before_restart:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
+    for pod in &before_restart {
+        let name = pod["name"].as_str().expect("pod name");
+        s.scorer.wait_pod(name, Duration::from_secs(10), |p| p["cached_blocks"] == pod["cached_blocks"]).await;
     }
     if path != Path::Epp {
         // The proxy's route stream or socket is back (until then requests fail open).
