@@ -13,16 +13,20 @@ it was sent.
 
 import collections
 import csv
+import importlib.util
+import pathlib
 import sys
+
+# The phases of the idle-pods record's tails.py, so that the two records' counts compare.
+_tails = pathlib.Path(__file__).resolve().parent.parent / "idle-pods" / "tails.py"
+_spec = importlib.util.spec_from_file_location("tails", _tails)
+tails = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tails)
+PHASES, phase = tails.PHASES, tails.phase
 
 SLOW_MS = 30.0
 # A request whose pod computed more of its prompt than this computed its prefix.
 COMPUTED_TOKENS = 500
-PHASES = [("first wave", 0.02), ("cold start", 1.0), ("1-2 s", 2.0), ("after 2 s", float("inf"))]
-
-
-def phase(sent_s):
-    return next(name for name, end in PHASES if sent_s < end)
 
 
 def main(paths):
